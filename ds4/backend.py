@@ -1,0 +1,71 @@
+"""Array-module choice (NumPy or CuPy), device detection and kernel-source loading."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+KERNEL_DIR = Path(__file__).parent / "kernels"
+
+
+def cuda_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy  # noqa: F401
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # ImportError, CUDARuntimeError: no usable GPU here
+        return False
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The array module a model runs on, plus its name."""
+
+    name: str  # "numpy" | "cupy"
+    xp: ModuleType
+
+    @property
+    def is_gpu(self) -> bool:
+        """True on the CuPy backend."""
+        return self.name == "cupy"
+
+    def asarray(self, a, dtype=None):
+        """Move a host array onto this backend."""
+        return self.xp.asarray(a, dtype=dtype)
+
+    def to_numpy(self, a) -> np.ndarray:
+        """Bring an array of this backend back to host NumPy."""
+        if self.is_gpu:
+            return self.xp.asnumpy(a)
+        return np.asarray(a)
+
+
+def get_backend(name: str = "auto") -> Backend:
+    """Resolve "auto" | "numpy" | "cupy" to a Backend; "cupy" without a GPU is an error."""
+    if name not in ("auto", "numpy", "cupy"):
+        raise ValueError(f"backend must be auto, numpy or cupy, not {name!r}")
+    if name == "auto":
+        name = "cupy" if cuda_available() else "numpy"
+    if name == "cupy":
+        if not cuda_available():
+            raise RuntimeError("backend 'cupy' needs CuPy and a CUDA device; none found")
+        import cupy
+
+        return Backend("cupy", cupy)
+    return Backend("numpy", np)
+
+
+def kernel_source(name: str) -> str:
+    """Text of ds4/kernels/<name>.cu."""
+    return (KERNEL_DIR / f"{name}.cu").read_text()
+
+
+def load_module(name: str, options: tuple[str, ...] = ("--std=c++17",)):
+    """Compile ds4/kernels/<name>.cu as a cupy.RawModule (GPU only)."""
+    import cupy
+
+    return cupy.RawModule(code=kernel_source(name), options=options)

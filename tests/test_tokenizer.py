@@ -1,0 +1,19 @@
+"""The packaged V4 tokenizer gives the ids spec/encoding.md §1 lists."""
+
+from ds4.tokenizer import Tokenizer
+
+
+def test_special_tokens_and_context_dependent_merges():
+    tok = Tokenizer.for_model()
+    assert tok.encode("<｜begin▁of▁sentence｜><｜end▁of▁sentence｜><｜User｜><｜Assistant｜>") == [0, 1, 128803, 128804]
+    assert tok.encode("<think></think>") == [128821, 128822]
+    assert tok.encode("\n\n<｜DSML｜tool_calls>\n") == [271, 30, 128825, 72461, 4941, 12548, 1018]
+    assert tok.encode("</｜DSML｜tool_calls>") == [1718, 128825, 72461, 4941, 12548, 32]
+
+
+def test_bytes_round_trip_through_split_utf8():
+    tok = Tokenizer.for_model()
+    text = "naïve 你好 — ok\n"
+    ids = tok.encode(text)
+    assert tok.decode_bytes(ids) == text.encode("utf-8")
+    assert tok.vocab_size == 129280
