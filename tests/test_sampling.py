@@ -1,0 +1,103 @@
+"""Sampling draws what the options allow, in known proportions, reproducibly for a seed."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from ds4.jobs.events import SamplingOptions
+from ds4.sampling import TOP_K_CAP, make_rng, sample
+
+
+def logits_of(probs) -> np.ndarray:
+    """Logits whose softmax is `probs`."""
+    return np.log(np.asarray(probs, dtype=np.float64)).astype(np.float32)
+
+
+def draws(logits, n: int = 4000, seed: int = 7, **opts) -> Counter:
+    """Token counts of n draws with one seeded generator."""
+    options = SamplingOptions(**{"min_p": 0.0, **opts})
+    rng = make_rng(seed)
+    return Counter(sample(logits, options, rng) for _ in range(n))
+
+
+def test_greedy_picks_the_largest_logit_and_the_lowest_id_on_ties() -> None:
+    logits = np.array([0.5, 2.0, -1.0, 2.0], dtype=np.float32)
+    rng = make_rng(0)
+    assert sample(logits, SamplingOptions(temperature=0.0), rng) == 1
+    assert sample(logits, SamplingOptions(temperature=-1.0), rng) == 1
+
+
+def test_top_k_one_is_greedy_even_when_hot() -> None:
+    logits = np.random.default_rng(3).normal(size=1000).astype(np.float32)
+    assert set(draws(logits, n=200, temperature=5.0, top_k=1)) == {int(np.argmax(logits))}
+
+
+def test_frequencies_follow_the_softmax() -> None:
+    counts = draws(logits_of([0.6, 0.3, 0.1]), n=20000, temperature=1.0)
+    for token, p in enumerate([0.6, 0.3, 0.1]):
+        assert abs(counts[token] / 20000 - p) < 0.02
+
+
+def test_temperature_flattens_the_distribution() -> None:
+    # T = 2 turns p into p**0.5 / sum
+    want = np.sqrt([0.6, 0.3, 0.1])
+    want /= want.sum()
+    counts = draws(logits_of([0.6, 0.3, 0.1]), n=20000, temperature=2.0)
+    for token, p in enumerate(want):
+        assert abs(counts[token] / 20000 - p) < 0.02
+
+
+def test_top_k_keeps_only_the_k_best() -> None:
+    logits = logits_of([0.1, 0.4, 0.05, 0.3, 0.15])
+    assert set(draws(logits, top_k=2)) == {1, 3}
+
+
+def test_top_k_is_capped() -> None:
+    # a flat distribution over 3000 tokens: an uncapped top_k=3000 would reach every token
+    logits = np.zeros(3000, dtype=np.float32)
+    logits[:TOP_K_CAP] = 1e-3  # the capped set is the first TOP_K_CAP tokens
+    seen = draws(logits, n=6000, top_k=3000)
+    assert max(seen) < TOP_K_CAP
+    assert len(seen) > TOP_K_CAP // 2
+
+
+def test_top_p_keeps_the_smallest_prefix_with_that_mass() -> None:
+    logits = logits_of([0.05, 0.5, 0.15, 0.3])
+    assert set(draws(logits, top_p=0.7)) == {1, 3}
+    assert set(draws(logits, top_p=0.85)) == {1, 3, 2}
+    assert set(draws(logits, top_p=0.4)) == {1}
+
+
+def test_top_p_reaches_beyond_the_first_thousand_candidates() -> None:
+    logits = np.zeros(5000, dtype=np.float32)  # flat: 90% of the mass is 4500 tokens
+    seen = draws(logits, n=8000, top_p=0.9)
+    assert max(seen) >= 4000
+    assert max(seen) < 4500
+
+
+def test_min_p_excludes_unlikely_tokens() -> None:
+    logits = logits_of([0.5, 0.3, 0.12, 0.08])
+    assert set(draws(logits, min_p=0.2)) == {0, 1, 2}  # 0.08 < 0.2 * 0.5
+    assert set(draws(logits, min_p=0.5)) == {0, 1}
+
+
+def test_a_seed_reproduces_the_same_tokens() -> None:
+    logits = np.random.default_rng(5).normal(size=4096).astype(np.float32)
+    options = SamplingOptions(temperature=1.0, top_p=0.95, min_p=0.01)
+
+    def run(seed):
+        rng = make_rng(seed)
+        return [sample(logits, options, rng) for _ in range(50)]
+
+    assert run(11) == run(11)
+    assert run(11) != run(12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_returns_a_python_int_in_range(dtype) -> None:
+    logits = np.random.default_rng(1).normal(size=129280).astype(dtype)
+    token = sample(logits, SamplingOptions(), make_rng(0))
+    assert type(token) is int and 0 <= token < 129280
