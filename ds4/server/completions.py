@@ -1,0 +1,112 @@
+"""POST /v1/completions: raw text completion, non-streamed and SSE (spec server §3, §4.2)."""
+
+from __future__ import annotations
+
+import codecs
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ds4.jobs.events import Failed, Finished, TokenEvents
+from ds4.server import request_fields as rf
+from ds4.server.errors import OPENAI, ApiError, error_body
+from ds4.server.generation import failure_error, generate
+from ds4.server.openai_chat import FINISH, openai_usage
+from ds4.server.runtime import Running, Runtime
+from ds4.server.sse import COMMENT_PING, DONE, Holdback, data_frame
+from ds4.server.turn import Turn
+from ds4.server.wire import new_id, now
+
+ENDPOINT = "/v1/completions"
+
+
+def prompt_text(body: dict) -> str:
+    """`prompt` as a string (an array gives its first string element)."""
+    prompt = rf.required(body, "prompt", rf.STRING, rf.ARRAY)
+    if isinstance(prompt, list):
+        prompt = next((p for p in prompt if isinstance(p, str)), None)
+        if prompt is None:
+            raise ApiError(400, "invalid JSON request: 'prompt' must be a string or an array "
+                           "holding a string", param="prompt")
+    return prompt
+
+
+def parse(body: dict, raw: str, runtime: Runtime) -> Turn:
+    """A completions request body as a Turn."""
+    from ds4.chat import render_completion
+
+    cfg = runtime.config
+    model, alias = rf.resolve_model(body)
+    prompt = prompt_text(body)
+    thinking = rf.thinking_mode(body, alias, cfg.ctx)
+    stream, include_usage = rf.stream_flags(body)
+    return Turn(
+        endpoint=ENDPOINT, protocol=OPENAI, model=model,
+        render=lambda: render_completion(prompt, thinking=thinking),
+        thinking=thinking, sampling=rf.sampling(body, thinking),
+        max_tokens=rf.max_tokens(body, ("max_tokens",), cfg.tokens),
+        stop=rf.stop_sequences(body), stream=stream, include_usage=include_usage,
+        raw_body=raw, prompt_field="prompt")
+
+
+class CompletionShape:
+    """text_completion bodies and chunks: the raw generated text, reasoning included."""
+
+    def __init__(self, running: Running):
+        self.turn = running.turn
+        self.tokenizer = running.runtime.engine.tokenizer
+        self.id = new_id("cmpl-")
+        self.created = now()
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = Holdback(self.turn.stop)
+
+    def envelope(self, choices: list, **extra: object) -> dict:
+        """Fields every completion object shares."""
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.turn.model, "choices": choices, **extra}
+
+    def body(self, finished: Finished) -> dict:
+        """The non-streamed text_completion."""
+        reason = FINISH.get(finished.finish_reason, finished.finish_reason)
+        choice = {"text": finished.text, "index": 0, "logprobs": None, "finish_reason": reason}
+        return self.envelope([choice], usage=openai_usage(finished.usage))
+
+    def chunk(self, text: str, finish: str | None = None) -> bytes:
+        """One streamed choice."""
+        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+        return data_frame(self.envelope([choice]))
+
+    def opening(self) -> list[bytes]:
+        """Completions streams have no role chunk."""
+        return []
+
+    def tokens(self, event: TokenEvents) -> list[bytes]:
+        """The token's own bytes, held back while a stop sequence may be forming."""
+        piece = self.utf8.decode(self.tokenizer.token_bytes(event.token_id))
+        text = self.text.push(piece)
+        return [self.chunk(text)] if text else []
+
+    def closing(self, finished: Finished) -> list[bytes]:
+        """Held-back text, the finish chunk, the usage chunk on request, [DONE]."""
+        frames = []
+        if rest := self.text.finish(finished.text):
+            frames.append(self.chunk(rest))
+        frames.append(self.chunk("", FINISH.get(finished.finish_reason, finished.finish_reason)))
+        if self.turn.include_usage:
+            frames.append(data_frame(self.envelope([], usage=openai_usage(finished.usage))))
+        return frames + [DONE]
+
+    def failure(self, failed: Failed) -> list[bytes]:
+        """An in-stream error object, then [DONE]."""
+        return [data_frame(error_body(failure_error(failed), OPENAI)), DONE]
+
+    def ping(self) -> bytes:
+        """SSE comment keep-alive."""
+        return COMMENT_PING
+
+
+async def handle(request: Request, runtime: Runtime) -> Response:
+    """Serve one text completion."""
+    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
+    runtime.require_serving()
+    return await generate(request, runtime, parse(body, raw, runtime), CompletionShape)

@@ -1,0 +1,32 @@
+"""Every server knob, read once at start-up into one dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODEL_ID = "deepseek-v4-flash"
+# Aliases choose thinking only when the request carries no explicit thinking control.
+MODEL_ALIASES = {MODEL_ID: None, "deepseek-chat": "none", "deepseek-reasoner": "high"}
+THINK_MAX_MIN_CTX = 393216
+DEFAULT_MAX_TOKENS = 393216
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Command-line choices of `ds4-server` (plus limits tests may lower)."""
+
+    model_dir: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    parallel: int = 1
+    ctx: int = 32768
+    prefill_chunk: int = 2048
+    backend: str = "auto"
+    cors: bool = False
+    api_key: str | None = None
+    trace: str | None = None
+    ssd_streaming: bool = False
+    tokens: int = DEFAULT_MAX_TOKENS
+    max_body_bytes: int = MAX_BODY_BYTES
+    ping_interval_s: float = 5.0

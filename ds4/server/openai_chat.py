@@ -1,0 +1,158 @@
+"""POST /v1/chat/completions: OpenAI chat, non-streamed and SSE (spec server §3, §4.2)."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ds4.chat import events as ev
+from ds4.jobs.events import Failed, Finished, TokenEvents, Usage
+from ds4.server import request_fields as rf
+from ds4.server.errors import OPENAI, error_body
+from ds4.server.generation import failure_error, generate
+from ds4.server.runtime import Running, Runtime
+from ds4.server.sse import COMMENT_PING, DONE, Holdback, data_frame
+from ds4.server.tools import chat_tool_choice, forced_prefix, tool_result_ids
+from ds4.server.turn import Turn
+from ds4.server.wire import new_id, now
+
+ENDPOINT = "/v1/chat/completions"
+FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "cancelled": "stop"}
+
+
+def openai_usage(usage: Usage) -> dict:
+    """OpenAI `usage` with the cache split in prompt_tokens_details."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens,
+                                  "cache_write_tokens": usage.prompt_tokens - usage.cached_tokens},
+    }
+
+
+def parse(body: dict, raw: str, runtime: Runtime) -> Turn:
+    """A chat request body as a Turn (400 on missing or wrong-typed fields)."""
+    from ds4.chat import render_chat
+
+    cfg = runtime.config
+    model, alias = rf.resolve_model(body)
+    messages = rf.required(body, "messages", rf.ARRAY)
+    tools = rf.field(body, "tools", rf.ARRAY, default=[])
+    choice = chat_tool_choice(rf.field(body, "tool_choice", rf.STRING, rf.OBJECT, default="auto"))
+    thinking = rf.thinking_mode(body, alias, cfg.ctx)
+    stream, include_usage = rf.stream_flags(body)
+    active, forced = forced_prefix(tools, choice)
+    memory = runtime.tool_memory
+    return Turn(
+        endpoint=ENDPOINT, protocol=OPENAI, model=model,
+        render=lambda: render_chat(messages, tools=tools or None, thinking=thinking,
+                                   tool_choice=choice, tool_memory=memory),
+        thinking=thinking, sampling=rf.sampling(body, thinking),
+        max_tokens=rf.max_tokens(body, ("max_completion_tokens", "max_tokens"), cfg.tokens),
+        stop=rf.stop_sequences(body), tools_active=active, forced_text=forced,
+        call_ids=tool_result_ids(messages), stream=stream, include_usage=include_usage,
+        raw_body=raw)
+
+
+def message(output) -> dict:
+    """The assistant message of a finished turn."""
+    msg = {"role": "assistant", "content": output.content}
+    if output.reasoning:
+        msg["reasoning_content"] = output.reasoning
+    if output.tool_calls:
+        msg["tool_calls"] = [tool_call(c) for c in output.tool_calls]
+    return msg
+
+
+def tool_call(call: ev.ToolCall, index: int | None = None) -> dict:
+    """One OpenAI tool call object (with `index` inside stream deltas)."""
+    out = {"id": call.id, "type": "function",
+           "function": {"name": call.name, "arguments": call.arguments}}
+    return out if index is None else {"index": index, **out}
+
+
+class ChatShape:
+    """chat.completion bodies and chat.completion.chunk frames of one job."""
+
+    def __init__(self, running: Running):
+        self.turn = running.turn
+        self.id = new_id("chatcmpl-")
+        self.created = now()
+        self.reasoning = Holdback(self.turn.stop)
+        self.content = Holdback(self.turn.stop)
+        self.streamed_calls: set[int] = set()
+
+    def body(self, finished: Finished) -> dict:
+        """The non-streamed chat.completion."""
+        choice = {"index": 0, "message": message(finished.output),
+                  "finish_reason": FINISH.get(finished.finish_reason, finished.finish_reason)}
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.turn.model, "choices": [choice],
+                "usage": openai_usage(finished.usage)}
+
+    def chunk(self, delta: dict, finish: str | None = None) -> bytes:
+        """One chat.completion.chunk frame."""
+        return data_frame({"id": self.id, "object": "chat.completion.chunk",
+                           "created": self.created, "model": self.turn.model,
+                           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+    def opening(self) -> list[bytes]:
+        """The role chunk."""
+        return [self.chunk({"role": "assistant"})]
+
+    def tokens(self, event: TokenEvents) -> list[bytes]:
+        """Deltas for one sampled token's parser events."""
+        return [f for e in event.events if (f := self.delta(e)) is not None]
+
+    def delta(self, e: object) -> bytes | None:
+        """The chunk of one parser event (None when nothing is sent yet)."""
+        if isinstance(e, ev.ReasoningDelta):
+            text = self.reasoning.push(e.text)
+            return self.chunk({"reasoning_content": text}) if text else None
+        if isinstance(e, ev.TextDelta):
+            text = self.content.push(e.text)
+            return self.chunk({"content": text}) if text else None
+        if isinstance(e, ev.ToolCallStart):
+            self.streamed_calls.add(e.index)
+            call = ev.ToolCall(e.id, e.name, "")
+            return self.chunk({"tool_calls": [tool_call(call, e.index)]})
+        if isinstance(e, ev.ToolArgsDelta) and e.text:
+            return self.chunk({"tool_calls": [{"index": e.index,
+                                               "function": {"arguments": e.text}}]})
+        return None
+
+    def closing(self, finished: Finished) -> list[bytes]:
+        """Held-back text, calls not streamed live, the finish chunk, usage and [DONE]."""
+        out = finished.output
+        frames = []
+        if text := self.reasoning.finish(out.reasoning):
+            frames.append(self.chunk({"reasoning_content": text}))
+        if text := self.content.finish(out.content):
+            frames.append(self.chunk({"content": text}))
+        late = [tool_call(c, i) for i, c in enumerate(out.tool_calls)
+                if i not in self.streamed_calls]
+        if late:
+            frames.append(self.chunk({"tool_calls": late}))
+        reason = FINISH.get(finished.finish_reason, finished.finish_reason)
+        frames.append(self.chunk({}, reason))
+        if self.turn.include_usage:
+            frames.append(data_frame({"id": self.id, "object": "chat.completion.chunk",
+                                      "created": self.created, "model": self.turn.model,
+                                      "choices": [], "usage": openai_usage(finished.usage)}))
+        return frames + [DONE]
+
+    def failure(self, failed: Failed) -> list[bytes]:
+        """An in-stream error object, then [DONE]."""
+        return [data_frame(error_body(failure_error(failed), OPENAI)), DONE]
+
+    def ping(self) -> bytes:
+        """SSE comment keep-alive."""
+        return COMMENT_PING
+
+
+async def handle(request: Request, runtime: Runtime) -> Response:
+    """Serve one chat completion."""
+    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
+    runtime.require_serving()
+    return await generate(request, runtime, parse(body, raw, runtime), ChatShape)

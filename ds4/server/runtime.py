@@ -1,0 +1,194 @@
+"""The model, scheduler and tool memory behind the HTTP app, and jobs as the app sees them."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from starlette.concurrency import run_in_threadpool
+
+from ds4.jobs.events import Failed, Finished, JobRequest, Started, TokenEvents
+from ds4.server.config import ServerConfig
+from ds4.server.errors import ApiError
+from ds4.server.metrics import Metrics
+from ds4.server.sse import JobEvents
+from ds4.server.turn import Prompt, Turn
+
+LOADING, SERVING, BROKEN = "loading", "serving", "broken"
+
+
+class Running:
+    """A submitted job: its scheduler handle, its event queue and its timings."""
+
+    def __init__(self, runtime: "Runtime", turn: Turn, prompt: Prompt):
+        self.runtime = runtime
+        self.turn = turn
+        self.prompt = prompt
+        self.events = JobEvents(asyncio.get_running_loop())
+        self.job = None
+        self.submitted = time.monotonic()
+        self.last_token: float | None = None
+        self.started = False
+        self.ended = False
+
+    async def next(self, timeout: float) -> object | None:
+        """The next job event (None on timeout), with metrics and tool memory kept up to date."""
+        event = await self.events.next(timeout)
+        if isinstance(event, Started):
+            self._leave_queue()
+        elif isinstance(event, TokenEvents):
+            self._observe_token()
+        elif isinstance(event, (Finished, Failed)):
+            self._end(event)
+        return event
+
+    def cancel(self) -> None:
+        """Stop the job (client gone); safe to call more than once."""
+        if not self.ended:
+            self._leave_queue()
+            self.ended = True
+            self.runtime.metrics.requests.labels(self.turn.endpoint, "cancelled").inc()
+            self.runtime.scheduler.cancel(self.job)
+
+    def _leave_queue(self) -> None:
+        if not self.started:
+            self.started = True
+            self.runtime.queued -= 1
+
+    def _observe_token(self) -> None:
+        now = time.monotonic()
+        metrics = self.runtime.metrics
+        if self.last_token is None:
+            metrics.ttft.observe(now - self.submitted)
+        else:
+            metrics.inter_token.observe(now - self.last_token)
+        self.last_token = now
+
+    def _end(self, event: object) -> None:
+        self._leave_queue()
+        self.ended = True
+        metrics = self.runtime.metrics
+        if isinstance(event, Failed):
+            metrics.requests.labels(self.turn.endpoint, "failed").inc()
+            return
+        metrics.requests.labels(self.turn.endpoint, event.finish_reason).inc()
+        metrics.prompt_tokens.inc(event.usage.prompt_tokens)
+        metrics.cached_tokens.inc(event.usage.cached_tokens)
+        metrics.generated_tokens.inc(event.usage.completion_tokens)
+        calls = event.output.tool_calls
+        if calls and event.output.raw_block:
+            self.runtime.tool_memory.remember([c.id for c in calls], event.output.raw_block)
+
+
+class Runtime:
+    """Loads the model in the background and runs jobs through the scheduler."""
+
+    def __init__(self, config: ServerConfig):
+        from ds4.chat import ToolMemory
+
+        self.config = config
+        self.state = LOADING
+        self.error: str | None = None
+        self.engine = None
+        self.scheduler = None
+        self.tool_memory = ToolMemory()
+        self.queued = 0
+        self.metrics = Metrics(lambda: self.queued, self.busy_slots)
+
+    def load(self) -> None:
+        """Open the engine and start the scheduler (blocking; run it on a thread)."""
+        try:
+            from ds4.engine import Engine
+            from ds4.jobs import Scheduler, SchedulerConfig
+
+            cfg = self.config
+            self.engine = Engine.open(self.model_dir(), backend=cfg.backend,
+                                      prefill_chunk=cfg.prefill_chunk)
+            sched_cfg = SchedulerConfig.from_env(parallel=cfg.parallel, ctx_size=cfg.ctx,
+                                                 trace_path=cfg.trace,
+                                                 ssd_streaming=cfg.ssd_streaming)
+            self.scheduler = Scheduler(self.engine, sched_cfg, time.monotonic)
+            self.scheduler.start()
+            self.state = SERVING
+        except Exception as exc:  # the server stays up and /health says why
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.state = BROKEN
+            raise
+
+    def load_in_background(self) -> threading.Thread:
+        """Start loading; /health answers 503 until it is done."""
+        thread = threading.Thread(target=self._load_quietly, name="ds4-load", daemon=True)
+        thread.start()
+        return thread
+
+    def _load_quietly(self) -> None:
+        try:
+            self.load()
+        except Exception:
+            pass
+
+    def model_dir(self) -> str:
+        """The model directory: --model, else the built-in tiny model."""
+        if self.config.model_dir:
+            return self.config.model_dir
+        from ds4.model.tiny import default_model_dir
+
+        return str(default_model_dir())
+
+    def stop(self) -> None:
+        """Stop the scheduler thread."""
+        if self.scheduler is not None:
+            self.scheduler.stop()
+
+    def busy_slots(self) -> int:
+        """Slots that run a job now."""
+        if self.scheduler is None:
+            return 0
+        return sum(1 for s in self.scheduler.slots_info() if s.get("busy"))
+
+    def require_serving(self) -> None:
+        """A 503 while the model loads (or failed to load)."""
+        if self.state != SERVING:
+            raise ApiError(503, "model is loading" if self.state == LOADING
+                           else f"model failed to load: {self.error}")
+
+    async def tokenize(self, turn: Turn) -> Prompt:
+        """Render and tokenize off the event loop; bad chat input becomes a 400."""
+        from ds4.chat import ChatError
+
+        self.require_serving()
+
+        def work() -> Prompt:
+            text = turn.render()
+            return Prompt(text, self.engine.tokenizer.encode(text))
+
+        try:
+            return await run_in_threadpool(work)
+        except ChatError as exc:
+            raise ApiError(400, str(exc)) from exc
+
+    async def start(self, turn: Turn) -> Running:
+        """Render, check the context, and queue the job."""
+        prompt = await self.tokenize(turn)
+        self.check_context(turn, len(prompt.tokens))
+        running = Running(self, turn, prompt)
+        request = JobRequest(
+            prompt_tokens=prompt.tokens, sampling=turn.sampling,
+            max_tokens=min(turn.max_tokens, self.config.ctx - len(prompt.tokens)),
+            stop=turn.stop, thinking=turn.thinking != "none", tools_active=turn.tools_active,
+            forced_text=turn.forced_text, id_prefix=turn.id_prefix, call_ids=turn.call_ids,
+            endpoint=turn.endpoint, raw_body=turn.raw_body)
+        self.queued += 1
+        running.job = self.scheduler.submit(request, running.events.sink)
+        return running
+
+    def check_context(self, turn: Turn, n_prompt: int) -> None:
+        """Prompts that leave no room in a slot's context are refused before queueing."""
+        ctx = self.config.ctx
+        if n_prompt < ctx:
+            return
+        raise ApiError(400, f"Prompt has {n_prompt} tokens, but the configured context size "
+                       f"is {ctx} tokens", param=turn.prompt_field,
+                       code="context_length_exceeded",
+                       extra={"n_prompt_tokens": n_prompt, "n_ctx": ctx})

@@ -1,0 +1,38 @@
+"""One parsed generation request, independent of its protocol's wire shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ds4.jobs.events import SamplingOptions
+
+
+@dataclass
+class Turn:
+    """What a protocol module extracted from a request body, ready to render and queue."""
+
+    endpoint: str
+    protocol: str  # errors.OPENAI | errors.ANTHROPIC
+    model: str
+    render: Callable[[], str]  # the prompt text; runs off the event loop
+    thinking: str  # "none" | "high" | "max"
+    sampling: SamplingOptions
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    tools_active: bool = False
+    forced_text: str = ""
+    id_prefix: str = "call_"
+    call_ids: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    raw_body: str = ""
+    prompt_field: str = "messages"  # named by context-overflow errors
+
+
+@dataclass
+class Prompt:
+    """A rendered and tokenized turn."""
+
+    text: str
+    tokens: list[int]
