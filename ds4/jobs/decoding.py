@@ -1,0 +1,148 @@
+"""One decode attempt of a job: per-token work that stays out of the job machine (§7.3)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import replace
+from typing import Any, Callable
+
+from ds4.chat import OutputParser
+from ds4.chat.events import ParsedOutput, ParserEvent
+from ds4.jobs.events import JobRequest, SamplingOptions, TokenEvents
+from ds4.jobs.stop import StopText
+from ds4.sampling import sample
+from ds4.tokenizer import EOS_ID
+
+GREEDY = SamplingOptions(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
+
+
+class DecodeAttempt:
+    """Sample, evaluate and parse tokens until EOS, a stop string, the cap or a tool-call end.
+
+    `finish_reason` stays None while decoding goes on; then it is stop | length | tool_calls,
+    or "malformed" when the parser rejected the DSML block (recovery decides what follows).
+    """
+
+    def __init__(self, request: JobRequest, tokenizer: Any, rng: Any, cap: int,
+                 greedy: bool = False):
+        self.request = request
+        self.tokenizer = tokenizer
+        self.rng = rng
+        self.cap = cap
+        self.greedy = greedy  # a redecode samples the rest of the block greedily
+        self.parser = OutputParser(thinking=request.thinking, tools_active=request.tools_active,
+                                   id_prefix=request.id_prefix)
+        self.stop = StopText(request.stop)
+        self.tokens: list[int] = []
+        self.ends: list[int] = []  # byte offset after each token, for recovery truncation
+        self.raw = bytearray()
+        self.forced: deque[int] = deque()
+        self.forced_at: int | None = None  # token index where forced text began
+        self.finish_reason: str | None = None
+        self.eos = False
+        self._forced_ids = tokenizer.encode(request.forced_text) if request.forced_text else []
+
+    @property
+    def over(self) -> bool:
+        """True once this attempt decodes no more."""
+        return self.finish_reason is not None
+
+    def replay(self, tokens: list[int]) -> None:
+        """Take `tokens` as already generated (redecode): parser state only, nothing emitted."""
+        self._force_if_due()
+        for tok in tokens:
+            self._take(tok)
+            self._force_if_due()
+        if self.forced_at is not None:
+            self.forced = deque(self._forced_ids[len(tokens) - self.forced_at:])
+
+    def start(self) -> list[TokenEvents]:
+        """Check the cap before any token; a 0-token budget ends at once with `length`."""
+        self._force_if_due()
+        if len(self.tokens) >= self.cap:
+            return self._end("length", [])
+        return []
+
+    def step(self, session: Any) -> list[TokenEvents]:
+        """One token: choose, evaluate, parse; returns what the sink should get."""
+        tok = self.forced.popleft() if self.forced else self._sample(session.logits)
+        if tok == EOS_ID:
+            self.eos = True
+            return self._end("stop", [], carrier=EOS_ID)
+        session.decode(tok)
+        events = self.stop.filter(self._take(tok))
+        self._force_if_due()
+        reason = self._reason_after_token()
+        if reason is not None:
+            return self._end(reason, events, carrier=tok)
+        return [TokenEvents(tok, tuple(events))]
+
+    def recovery_tokens(self) -> int:
+        """Tokens to keep for a redecode: the last token boundary at or before valid_offset."""
+        limit = self.parser.valid_offset
+        kept = 0
+        for n, end in enumerate(self.ends, start=1):
+            if end > limit:
+                break
+            kept = n
+        return kept
+
+    def recoverable(self) -> bool:
+        """True when a redecode may repair the tool-call block (encoding.md §5.5)."""
+        if not self.request.tools_active or self.finish_reason == "length":
+            return False
+        return self.finish_reason == "malformed" or self.result().unterminated
+
+    def result(self) -> ParsedOutput:
+        """The parsed turn, with the answer cut before a stop string."""
+        out = self.parser.result()
+        if self.stop.hit is not None:
+            out = replace(out, content=self.stop.emitted)
+        return out
+
+    def text(self) -> str:
+        """The whole generated text (raw, cut before a stop string)."""
+        text = self.raw.decode("utf-8", errors="replace")
+        if self.stop.hit is not None:
+            at = text.rfind(self.stop.hit)
+            text = text[:at] if at >= 0 else text
+        return text
+
+    def _sample(self, logits: Any) -> int:
+        greedy = self.greedy or self.parser.in_dsml_structure
+        return int(sample(logits, GREEDY if greedy else self.request.sampling, self.rng))
+
+    def _take(self, tok: int) -> list[ParserEvent]:
+        piece = self.tokenizer.token_bytes(tok)
+        self.tokens.append(tok)
+        self.raw += piece
+        self.ends.append(len(self.raw))
+        return self.parser.feed(piece)
+
+    def _force_if_due(self) -> None:
+        """Queue the forced DSML prefix once reasoning is over (encoding.md §4.5)."""
+        if self._forced_ids and self.forced_at is None and self.parser.reasoning_done:
+            self.forced_at = len(self.tokens)
+            self.forced = deque(self._forced_ids)
+
+    def _reason_after_token(self) -> str | None:
+        if self.stop.hit is not None:
+            return "stop"
+        if self.parser.done:
+            return "tool_calls"
+        if self.parser.error is not None:
+            return "malformed"
+        if len(self.tokens) >= self.cap:
+            return "length"
+        return None
+
+    def _end(self, reason: str, events: list[ParserEvent],
+             carrier: int | None = None) -> list[TokenEvents]:
+        """Close the attempt; the parser's and stop filter's held text rides on the last token."""
+        self.finish_reason = reason
+        tail = self.parser.finish()
+        if self.stop.hit is None:
+            events = events + self.stop.filter(tail) + self.stop.flush()
+        if carrier is None or (carrier == EOS_ID and not events):
+            return []
+        return [TokenEvents(carrier, tuple(events))]

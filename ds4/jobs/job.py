@@ -1,0 +1,242 @@
+"""One request's generation: its state, its machine's phase work, and what it reports."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ds4.chat.events import ParsedOutput
+from ds4.jobs.decoding import DecodeAttempt
+from ds4.jobs.events import (Failed, Finished, JobEvent, JobRequest, JobSink, Progress, Started,
+                             TokenEvents, Usage)
+from ds4.jobs.machine import TERMINAL, attach_machine, turn_triggers
+from ds4.jobs.stats import SchedulerStats
+from ds4.sampling import make_rng
+from ds4.tokenizer import EOS_ID
+
+MAX_REDECODES = 2
+
+
+@dataclass
+class Timeslice:
+    """What a job needs from the scheduler while it runs on a slot (server.md §9.2)."""
+
+    prefill_s: float
+    decode_tokens: int
+    others_waiting: Callable[[], bool]
+
+
+class Job:
+    """One request's generation state, advanced one machine transition per scheduler turn."""
+
+    state: str  # set by the machine
+
+    def __init__(self, request: JobRequest, sink: JobSink, seq: int = 0,
+                 clock: Callable[[], float] = time.monotonic,
+                 stats: SchedulerStats | None = None):
+        attach_machine(self)
+        self.request = request
+        self.sink = sink
+        self.seq = seq
+        self.clock = clock
+        self.stats = stats or SchedulerStats()
+        self.cancel_requested = threading.Event()
+        self.arrived = clock()
+        self.arrived_wall = time.time()
+        seed = request.sampling.seed
+        self.seed = seed if seed is not None else secrets.randbits(63)  # recorded for replay
+        self.slot: Any = None
+        self.tokenizer: Any = None
+        self.timeslice: Timeslice | None = None
+        self.cached = 0
+        self.reached = 0  # prompt tokens the session holds after the last slice
+        self.prompt_complete = False
+        self.attempt: DecodeAttempt | None = None
+        self.redecodes = 0
+        self.finish_reason: str | None = None
+        self.error: Failed | None = None
+        self.token_times: list[float] = []
+
+    # -- driving -------------------------------------------------------------------------
+
+    @property
+    def is_terminal(self) -> bool:
+        """True once the job is done, failed or cancelled."""
+        return self.state in TERMINAL
+
+    def bind(self, slot: Any, tokenizer: Any, timeslice: Timeslice) -> None:
+        """Give the job its slot; its next turn fires `begin`."""
+        self.slot = slot
+        self.tokenizer = tokenizer
+        self.timeslice = timeslice
+
+    def step(self) -> str:
+        """Fire the one transition this turn owes; returns the trigger fired."""
+        for trigger in turn_triggers(self.state):
+            if getattr(self, trigger)():
+                return trigger
+        raise RuntimeError(f"job {self.seq}: no transition from {self.state}")
+
+    def fail_with(self, exc: BaseException) -> None:
+        """End the job failed: a context overflow is the client's 400, anything else a 500."""
+        if type(exc).__name__ == "ContextOverflow":
+            self.error = Failed(str(exc) or "context overflow", 400, "context_overflow")
+        else:
+            self.error = Failed(f"{type(exc).__name__}: {exc}", 500, "server_error")
+        self.fail()
+
+    def fail_with_message(self, message: str, status: int = 500) -> None:
+        """End the job failed with a given message (shutdown, refused admission)."""
+        self.error = Failed(message, status, "server_error")
+        self.fail()
+
+    # -- phase work (named in ds4.jobs.machine) ------------------------------------------
+
+    def begin_work(self, _event: Any = None) -> None:
+        """Decide what the slot's session can reuse; the timeline's old bindings go away."""
+        prompt = self.request.prompt_tokens
+        self.cached = self.slot.session.reusable_prefix(prompt)
+        self.reached = self.cached
+        self.slot.clear_bindings()
+        self.stats.prompt_tokens_reused += self.cached
+        self._emit(Started(self.slot.index, len(prompt), self.cached))
+
+    def prefill_slice(self, _event: Any = None) -> None:
+        """Evaluate prompt chunks until done, or until the slice is over and others wait."""
+        prompt = self.request.prompt_tokens
+        session = self.slot.session
+        deadline = self.clock() + self.timeslice.prefill_s
+        waiting = self.timeslice.others_waiting
+
+        def should_stop() -> bool:
+            if self.cancel_requested.is_set():
+                return True
+            return self.clock() >= deadline and waiting()
+
+        logits = session.sync(prompt, should_stop=should_stop)
+        self.prompt_complete = logits is not None
+        reached = len(prompt) if self.prompt_complete else min(len(session.tokens), len(prompt))
+        self.stats.prompt_tokens_computed += max(0, reached - self.reached)
+        self.reached = max(self.reached, reached)
+        self._emit(Progress(reached, len(prompt)))
+
+    def prompt_done(self, _event: Any = None) -> bool:
+        """True once the whole prompt is evaluated."""
+        return self.prompt_complete
+
+    def start_decode_work(self, _event: Any = None) -> None:
+        """Open the first decode attempt: rng from the seed, cap from max_tokens and ctx room."""
+        self.attempt = self._new_attempt(make_rng(self.seed), greedy=False)
+        self._emit_all(self.attempt.start())
+
+    def decode_burst(self, _event: Any = None) -> None:
+        """Up to decode_tokens tokens; a cancel request ends the burst at a token boundary."""
+        session = self.slot.session
+        for _ in range(self.timeslice.decode_tokens):
+            if self.attempt.over or self.cancel_requested.is_set():
+                break
+            self._emit_all(self.attempt.step(session))
+
+    def decode_over(self, _event: Any = None) -> bool:
+        """True once the attempt stopped decoding."""
+        return self.attempt.over
+
+    def needs_redecode(self, _event: Any = None) -> bool:
+        """True when the DSML block failed and recovery attempts remain."""
+        return self.redecodes < MAX_REDECODES and self.attempt.recoverable()
+
+    def redecode_work(self, _event: Any = None) -> None:
+        """Roll the session back to the last valid DSML token and decode greedily from there."""
+        self.redecodes += 1
+        old = self.attempt
+        kept = old.tokens[: old.recovery_tokens()]
+        self.slot.session.sync(self.request.prompt_tokens + kept)
+        self.attempt = self._new_attempt(old.rng, greedy=True)
+        self.attempt.replay(kept)
+        self._emit_all(self.attempt.start())
+
+    def finish_work(self, _event: Any = None) -> None:
+        """Settle the finish reason; a closed tool-call turn binds its ids to the slot."""
+        out = self.attempt.result()
+        reason = self.attempt.finish_reason
+        self.finish_reason = "stop" if reason == "malformed" else reason
+        if out.tool_calls and self.finish_reason != "length":
+            self.finish_reason = "tool_calls"
+            self.slot.bind_call_ids([c.id for c in out.tool_calls])
+
+    def unterminated(self, _event: Any = None) -> bool:
+        """True when a tool-call block opened and never closed (encoding.md §5.5)."""
+        if self.request.tools_active and self.attempt.result().unterminated:
+            self.error = Failed("unterminated tool call", 500, "server_error")
+            return True
+        return False
+
+    # -- reports (state entry callbacks) -------------------------------------------------
+
+    def report_finished(self, _event: Any = None) -> None:
+        """Done: the parsed turn, the raw text and usage go to the sink."""
+        self._emit(Finished(self.finish_reason, self.output(), self.text(), self.usage()))
+
+    def report_failed(self, _event: Any = None) -> None:
+        """Failed: the slot's bindings can no longer be trusted; the sink gets the error."""
+        self.finish_reason = "error"
+        if self.slot is not None:
+            self.slot.clear_bindings()
+        self._emit(self.error or Failed("job failed"))
+
+    def report_cancelled(self, _event: Any = None) -> None:
+        """Cancelled: the session keeps only evaluated tokens; the sink hears it ended."""
+        self.finish_reason = "cancelled"
+        if self.slot is not None:
+            self.slot.clear_bindings()
+        self._emit(Finished("cancelled", self.output(), self.text(), self.usage()))
+
+    # -- results -------------------------------------------------------------------------
+
+    def output(self) -> ParsedOutput:
+        """The parsed turn so far (empty before decoding)."""
+        return self.attempt.result() if self.attempt else ParsedOutput()
+
+    def text(self) -> str:
+        """The generated text so far."""
+        return self.attempt.text() if self.attempt else ""
+
+    def generated(self) -> list[int]:
+        """Generated token ids (EOS excluded)."""
+        return list(self.attempt.tokens) if self.attempt else []
+
+    def usage(self) -> Usage:
+        """Token counts for the response."""
+        return Usage(len(self.request.prompt_tokens), self.cached, len(self.generated()))
+
+    def first_token_at(self) -> float | None:
+        """Scheduler-clock time of the first emitted token."""
+        return self.token_times[0] if self.token_times else None
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _new_attempt(self, rng: Any, greedy: bool) -> DecodeAttempt:
+        room = self.slot.session.ctx_size - len(self.request.prompt_tokens)
+        cap = max(0, min(self.request.max_tokens, room))
+        return DecodeAttempt(self.request, self.tokenizer, rng, cap, greedy=greedy)
+
+    def _emit_all(self, events: list[TokenEvents]) -> None:
+        for event in events:
+            self._emit(event)
+
+    def _emit(self, event: JobEvent) -> None:
+        if isinstance(event, TokenEvents) and event.token_id != EOS_ID:
+            self._time_token()
+        self.sink(event)
+
+    def _time_token(self) -> None:
+        now = self.clock()
+        if self.token_times:
+            self.stats.observe_gap(now - self.token_times[-1])
+        else:
+            self.stats.observe_ttft(now - self.arrived)
+        self.token_times.append(now)
+        self.stats.generated_tokens += 1

@@ -1,0 +1,304 @@
+"""The scheduler: one thread owns the engine and interleaves N slots' jobs (server.md §9).
+
+A turn reads like its description: admit queued jobs to idle slots, pick the next busy slot
+round-robin, fire one transition of its job, release the slot if the job ended.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ds4.jobs.events import JobRequest, JobSink, Queued
+from ds4.jobs.job import Job, Timeslice
+from ds4.jobs.slot import Slot
+from ds4.jobs.stats import SchedulerStats
+from ds4.jobs.trace import TraceWriter, job_record
+
+IDLE_WAIT_S = 0.5  # the thread re-checks for stop this often when nothing arrives
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Slots, context and the two timeslices; read once at start-up."""
+
+    parallel: int = 1
+    ctx_size: int = 4096
+    prefill_ms: float = 1500.0
+    decode_tokens: int = 6
+    trace_path: str | None = None
+    ssd_streaming: bool = False
+
+    def __post_init__(self) -> None:
+        if self.parallel < 1:
+            raise ValueError(f"--parallel must be at least 1, got {self.parallel}")
+        if self.decode_tokens < 1:
+            raise ValueError(f"decode burst must be at least 1 token, got {self.decode_tokens}")
+        if self.ssd_streaming and self.parallel > 1:
+            raise ValueError("--parallel > 1 cannot be used with --ssd-streaming: interleaved "
+                             "sessions would thrash the streamed experts; use --parallel 1")
+
+    @classmethod
+    def from_env(cls, env: dict | None = None, **overrides: Any) -> "SchedulerConfig":
+        """Defaults, then DS4_SERVER_SCHED_PREFILL_MS / _DECODE_TOKENS, then overrides."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        if env.get("DS4_SERVER_SCHED_PREFILL_MS"):
+            values["prefill_ms"] = float(env["DS4_SERVER_SCHED_PREFILL_MS"])
+        if env.get("DS4_SERVER_SCHED_DECODE_TOKENS"):
+            values["decode_tokens"] = int(env["DS4_SERVER_SCHED_DECODE_TOKENS"])
+        values.update(overrides)
+        return cls(**values)
+
+
+def refuse_ssd_streaming_on_gpu(engine: Any, config: SchedulerConfig) -> None:
+    """The CuPy backend cannot stream experts from disk yet: say so instead of pretending."""
+    backend = getattr(engine, "backend", None)
+    name = getattr(backend, "name", backend)
+    if config.ssd_streaming and name == "cupy":
+        raise ValueError("--ssd-streaming is not supported on the CuPy backend yet; "
+                         "use --backend numpy or drop --ssd-streaming")
+
+
+class PendingQueue:
+    """Jobs waiting for a slot, oldest first; shared with submitting threads."""
+
+    def __init__(self) -> None:
+        self._jobs: deque[Job] = deque()
+        self._lock = threading.Lock()
+
+    def push(self, job: Job) -> int:
+        """Append a job; returns how many jobs are ahead of it."""
+        with self._lock:
+            self._jobs.append(job)
+            return len(self._jobs) - 1
+
+    def jobs(self) -> list[Job]:
+        """The waiting jobs, oldest first (a copy)."""
+        with self._lock:
+            return list(self._jobs)
+
+    def remove(self, job: Job) -> None:
+        """Take a job out (it got a slot, or was cancelled)."""
+        with self._lock:
+            self._jobs.remove(job)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+
+class SlotPicker:
+    """Where a queued job runs: its call-id slot, else the best reusable prefix, else LRU."""
+
+    def bound_slot(self, job: Job, slots: list[Slot]) -> Slot | None:
+        """The slot holding one of the job's continued call ids, busy or not."""
+        ids = job.request.call_ids
+        if not ids:
+            return None
+        return next((s for s in slots if s.holds_any(ids)), None)
+
+    def pick(self, job: Job, slots: list[Slot]) -> Slot | None:
+        """An idle slot for the job, or None when it must wait (its bound slot is busy)."""
+        bound = self.bound_slot(job, slots)
+        if bound is not None:
+            return None if bound.busy else bound
+        idle = [s for s in slots if not s.busy]
+        if not idle:
+            return None
+        prompt = job.request.prompt_tokens
+        reuse = {s.index: s.session.reusable_prefix(prompt) for s in idle}
+        best = max(idle, key=lambda s: (reuse[s.index], -s.last_used))
+        if reuse[best.index] > 0:
+            return best
+        return min(idle, key=lambda s: s.last_used)
+
+    def could_start(self, job: Job, slots: list[Slot]) -> bool:
+        """Cheap test: would the job get a slot now? (No prefix scoring.)"""
+        bound = self.bound_slot(job, slots)
+        if bound is not None:
+            return not bound.busy
+        return any(not s.busy for s in slots)
+
+
+class TurnRotation:
+    """Round-robin over busy slots: each turn goes to the next busy slot after the last one."""
+
+    def __init__(self) -> None:
+        self._last = -1
+
+    def next(self, slots: list[Slot]) -> Slot | None:
+        """The busy slot whose turn it is, or None when all are idle."""
+        n = len(slots)
+        for k in range(1, n + 1):
+            slot = slots[(self._last + k) % n]
+            if slot.busy:
+                self._last = slot.index
+                return slot
+        return None
+
+
+class Scheduler:
+    """Owns the engine; runs jobs on N slots, one transition per turn."""
+
+    def __init__(self, engine: Any, config: SchedulerConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.engine = engine
+        self.config = config or SchedulerConfig()
+        refuse_ssd_streaming_on_gpu(engine, self.config)
+        self.clock = clock
+        self.stats = SchedulerStats()
+        self.slots = [Slot(i, engine.new_session(ctx_size=self.config.ctx_size))
+                      for i in range(self.config.parallel)]
+        self.pending = PendingQueue()
+        self.picker = SlotPicker()
+        self.rotation = TurnRotation()
+        self.trace = TraceWriter(self.config.trace_path) if self.config.trace_path else None
+        self.turns = 0
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- API for the server (thread-safe) -----------------------------------------------
+
+    def submit(self, request: JobRequest, sink: JobSink) -> Job:
+        """Queue a job; its sink gets Queued now and every later event from the scheduler."""
+        with self._lock:
+            self._seq += 1
+            job = Job(request, sink, self._seq, self.clock, self.stats)
+        if self._stopping.is_set():
+            job.fail_with_message("server shutting down", 503)
+            return job
+        ahead = self.pending.push(job)
+        self.stats.queue_depth = len(self.pending)
+        sink(Queued(ahead))
+        self._wakeup.set()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Ask a job to stop; it does at the next chunk or token boundary."""
+        job.cancel_requested.set()
+        self._wakeup.set()
+
+    def slots_info(self) -> list[dict]:
+        """Per slot: id, busy, tokens held, last used (for GET /slots)."""
+        return [s.info() for s in self.slots]
+
+    def live_call_ids(self) -> set[str]:
+        """Tool-call ids a continuation can still append to, over all slots."""
+        return set().union(*(s.live_call_ids() for s in self.slots))
+
+    def start(self) -> None:
+        """Run turns on a background thread until stop()."""
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._loop, name="ds4-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread; jobs still queued or running end failed ("shutdown requested")."""
+        self._stopping.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._end_all("shutdown requested")
+        if self.trace is not None:
+            self.trace.close()
+
+    # -- one turn ------------------------------------------------------------------------
+
+    def run_turn(self) -> bool:
+        """Admit queued jobs, then advance one busy slot by one transition; False when idle."""
+        acted = self._admit()
+        slot = self.rotation.next(self.slots)
+        if slot is not None:
+            self._advance(slot)
+            self.turns += 1
+            acted = True
+        self.stats.busy_slots = sum(s.busy for s in self.slots)
+        return acted
+
+    def others_waiting(self, job: Job) -> bool:
+        """True when someone other than `job` could run now (server.md §9.4 item 3)."""
+        if any(s.busy and s.job is not job for s in self.slots):
+            return True
+        return any(self.picker.could_start(j, self.slots) for j in self.pending.jobs()
+                   if not j.cancel_requested.is_set())
+
+    def _admit(self) -> bool:
+        """Cancel queued jobs that asked to; give idle slots to the oldest jobs that fit."""
+        acted = False
+        for job in self.pending.jobs():
+            if job.cancel_requested.is_set():
+                self.pending.remove(job)
+                job.cancel()
+                self._record_end(job)
+                acted = True
+                continue
+            slot = self.picker.pick(job, self.slots)
+            if slot is not None:
+                self.pending.remove(job)
+                self._assign(job, slot)
+        self.stats.queue_depth = len(self.pending)
+        return acted
+
+    def _assign(self, job: Job, slot: Slot) -> None:
+        slot.job = job
+        timeslice = Timeslice(self.config.prefill_ms / 1000.0, self.config.decode_tokens,
+                              lambda: self.others_waiting(job))
+        job.bind(slot, self.engine.tokenizer, timeslice)
+
+    def _advance(self, slot: Slot) -> None:
+        job = slot.job
+        try:
+            if job.cancel_requested.is_set():
+                job.cancel()
+            else:
+                job.step()
+        except Exception as exc:  # any failure ends this job only; the slot stays usable
+            self._fail(job, exc)
+        if job.is_terminal:
+            self._release(slot, job)
+
+    def _fail(self, job: Job, exc: Exception) -> None:
+        if job.is_terminal:
+            return  # it ended, then its sink raised: nothing left to tell it
+        try:
+            job.fail_with(exc)
+        except Exception:  # the sink raised again on Failed; the job is failed all the same
+            pass
+
+    def _release(self, slot: Slot, job: Job) -> None:
+        slot.job = None
+        slot.last_used = self.clock()
+        self._record_end(job)
+
+    def _record_end(self, job: Job) -> None:
+        self.stats.count_end(job.state)
+        if self.trace is not None:
+            self.trace.write(job_record(job))
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._wakeup.clear()
+            if not self.run_turn():
+                self._wakeup.wait(IDLE_WAIT_S)
+
+    def _end_all(self, message: str) -> None:
+        """Fail every job still queued or on a slot (after the thread stopped)."""
+        for job in self.pending.jobs():
+            self.pending.remove(job)
+            job.fail_with_message("server shutting down", 503)
+            self._record_end(job)
+        for slot in self.slots:
+            if slot.job is not None:
+                job = slot.job
+                job.fail_with_message(message, 503)
+                self._release(slot, job)
+        self.stats.queue_depth = 0
+        self.stats.busy_slots = 0

@@ -1,0 +1,63 @@
+"""One slot: an engine session plus the protocol state bound to its timeline (server.md §9.1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Slot:
+    """A session the scheduler lends to one job at a time.
+
+    `call_ids` are the tool-call ids of the last turn this slot finished; they stay valid only
+    while the session still holds exactly `bound_tokens` tokens (Responses/Anthropic
+    continuations append tool results to that frontier, encoding.md §6.4).
+    """
+
+    index: int
+    session: Any  # ds4.engine.Session; only the scheduler thread touches it
+    last_used: float = 0.0
+    job: Any = None  # the Job running here, None when idle
+    call_ids: frozenset[str] = field(default_factory=frozenset)
+    bound_tokens: int = -1
+
+    @property
+    def busy(self) -> bool:
+        """True while a job runs on this slot."""
+        return self.job is not None
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens the session holds now."""
+        return len(self.session.tokens)
+
+    def bind_call_ids(self, ids: list[str]) -> None:
+        """Remember the ids of the turn just finished, at the session's current frontier."""
+        self.call_ids = frozenset(ids)
+        self.bound_tokens = self.held_tokens if ids else -1
+
+    def clear_bindings(self) -> None:
+        """Forget protocol state: the timeline moved on or can no longer be trusted."""
+        self.call_ids = frozenset()
+        self.bound_tokens = -1
+
+    def live_call_ids(self) -> frozenset[str]:
+        """Ids a continuation may still append to (empty once the frontier moved)."""
+        if self.call_ids and self.bound_tokens == self.held_tokens:
+            return self.call_ids
+        return frozenset()
+
+    def holds_any(self, ids: list[str]) -> bool:
+        """True when one of `ids` is a live call id of this slot."""
+        live = self.live_call_ids()
+        return any(i in live for i in ids)
+
+    def info(self) -> dict:
+        """What GET /slots shows for this slot."""
+        return {
+            "id": self.index,
+            "busy": self.busy,
+            "tokens": self.held_tokens,
+            "last_used": self.last_used,
+        }
