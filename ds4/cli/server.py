@@ -1,0 +1,97 @@
+"""`ds4-server`: serve the model over the OpenAI, Responses and Anthropic HTTP APIs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+
+from ds4.server.config import DEFAULT_MAX_TOKENS, ServerConfig
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ds4-server."""
+    p = argparse.ArgumentParser(prog="ds4-server", description=__doc__)
+    p.add_argument("--model", help="model directory (default: the built-in tiny model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=positive_int, default=8000)
+    p.add_argument("--parallel", type=positive_int, default=1,
+                   help="client sessions that run interleaved (one slot each)")
+    p.add_argument("--ctx", type=positive_int, default=32768, help="context tokens per slot")
+    p.add_argument("--prefill-chunk", type=positive_int, default=2048,
+                   help="prompt tokens per prefill step")
+    p.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="auto")
+    p.add_argument("--cors", action="store_true", help="allow browser clients of any origin")
+    p.add_argument("--api-key", help="require this key (Bearer or x-api-key) on /v1 routes")
+    p.add_argument("--trace", metavar="FILE", help="write one JSON line per finished job")
+    p.add_argument("--ssd-streaming", action="store_true",
+                   help="stream experts from disk (needs --parallel 1)")
+    p.add_argument("--tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
+                   help="default max output tokens of a request")
+    return p
+
+
+def config_from(argv: list[str] | None) -> ServerConfig:
+    """Parse flags into the config; bad combinations exit with status 2."""
+    p = parser()
+    a = p.parse_args(argv)
+    if a.parallel > 1 and a.ssd_streaming:
+        p.error("--parallel > 1 cannot be combined with --ssd-streaming: interleaved sessions "
+                "would thrash the streamed expert cache; use --parallel 1")
+    return ServerConfig(model_dir=a.model, host=a.host, port=a.port, parallel=a.parallel,
+                        ctx=a.ctx, prefill_chunk=a.prefill_chunk, backend=a.backend,
+                        cors=a.cors, api_key=a.api_key, trace=a.trace,
+                        ssd_streaming=a.ssd_streaming, tokens=a.tokens)
+
+
+def report_memory(engine: object) -> None:
+    """Print the engine's memory figures."""
+    report = engine.memory_report()
+    lines = [f"  {k}: {v}" for k, v in report.items()] if isinstance(report, dict) else [
+        f"  {report}"]
+    print("ds4-server: model memory\n" + "\n".join(lines), flush=True)
+
+
+def load_and_report(runtime) -> None:
+    """Load the model (the server already answers /health with 503), then print figures."""
+    try:
+        runtime.load()
+    except Exception as exc:
+        print(f"ds4-server: model failed to load: {exc}", file=sys.stderr, flush=True)
+        return
+    cfg = runtime.config
+    print(f"ds4-server: model loaded from {runtime.model_dir()} "
+          f"({cfg.parallel} slot(s) of {cfg.ctx} tokens)", flush=True)
+    report_memory(runtime.engine)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ds4-server."""
+    import uvicorn
+
+    from ds4.server.app import build_app
+    from ds4.server.runtime import Runtime
+
+    config = config_from(argv)
+    runtime = Runtime(config)
+    app = build_app(config, runtime, load=False)
+    threading.Thread(target=load_and_report, args=(runtime,), daemon=True).start()
+    print(f"ds4-server: listening on http://{config.host}:{config.port} "
+          "(GET /health is 503 until the model is loaded)", flush=True)
+    uvicorn.run(app, host=config.host, port=config.port, workers=1, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
