@@ -1,0 +1,128 @@
+"""Items → DeepSeek-V4 prompt text, byte-exact with the official encoder (spec encoding §3)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ds4.chat.anthropic import anthropic_functions, anthropic_items
+from ds4.chat.forcing import forced_text, tools_active
+from ds4.chat.items import Assistant, ChatError, Item, System, User, ToolResult
+from ds4.chat.normalize import openai_functions, openai_items
+from ds4.chat.replay import ToolMemory
+from ds4.chat.responses import responses_functions, responses_items
+from ds4.chat.tools_block import dsml_calls, response_format_block, tools_block
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK = "<think>"
+THINK_END = "</think>"
+MAX_PREFIX = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+    "You MUST be very thorough in your thinking and comprehensively decompose the problem to"
+    " resolve the root cause, rigorously stress-testing your logic against all potential paths,"
+    " edge cases, and adversarial scenarios.\n"
+    "Explicitly write out your entire deliberation process, documenting every intermediate step,"
+    " considered alternative, and rejected hypothesis to ensure absolutely no assumption is left"
+    " unchecked.\n\n"
+)
+COMPLETION_SYSTEM = "You are a helpful assistant"
+THINKING_LEVELS = ("none", "high", "max")
+
+
+def check_thinking(thinking: str) -> bool:
+    """True for thinking mode; refuses levels other than none/high/max."""
+    if thinking not in THINKING_LEVELS:
+        raise ChatError(f"thinking must be one of {THINKING_LEVELS}, not {thinking!r}")
+    return thinking != "none"
+
+
+def attach_system(items: list[Item], functions: list[dict], response_format: Any) -> list[Item]:
+    """Put tools/response format on the first system item, inserting an empty one if needed."""
+    if not functions and response_format is None:
+        return items
+    if not items or not isinstance(items[0], System):
+        items = [System("")] + items
+    items[0].tools = functions or None
+    items[0].response_format = response_format
+    return items
+
+
+def part_text(part: Any) -> str:
+    """One user part as prompt text."""
+    if isinstance(part, ToolResult):
+        return f"<tool_result>{part.text}</tool_result>"
+    return part.text
+
+
+def assistant_body(item: Assistant, memory: ToolMemory | None) -> str:
+    """Content + DSML (exact replay when every call id maps to one stored block)."""
+    block = memory.block_for([c.id for c in item.calls]) if memory and item.calls else None
+    calls = block if block is not None else dsml_calls(item.calls)
+    return item.content + calls + ("" if item.open_end else EOS)
+
+
+def render_items(items: list[Item], thinking: str = "high",
+                 tool_memory: ToolMemory | None = None) -> str:
+    """The prompt text of normalised items (the §3.1 procedure)."""
+    think = check_thinking(thinking)
+    out = [BOS, MAX_PREFIX if thinking == "max" else ""]
+    keep_reasoning = any(isinstance(i, System) and i.tools for i in items)
+    users = [n for n, i in enumerate(items) if isinstance(i, User)]
+    last_user = users[-1] if users else -1
+    for n, item in enumerate(items):
+        if isinstance(item, System):
+            out.append(item.content)
+            if item.tools:
+                out.append("\n\n" + tools_block(item.tools))
+            if item.response_format is not None:
+                out.append("\n\n" + response_format_block(item.response_format))
+        elif isinstance(item, User):
+            out.append(USER + "\n\n".join(part_text(p) for p in item.parts))
+            following = items[n + 1] if n + 1 < len(items) else None
+            if following is None or isinstance(following, Assistant):
+                opens = think and (keep_reasoning or n >= last_user)
+                out.append(ASSISTANT + (THINK if opens else THINK_END))
+        else:
+            if think and (keep_reasoning or n > last_user):
+                out.append(item.reasoning + THINK_END)
+            out.append(assistant_body(item, tool_memory))
+    return "".join(out)
+
+
+def render_chat(messages: list[dict], tools: list[dict] | None = None, thinking: str = "high",
+                tool_choice: Any = "auto", tool_memory: ToolMemory | None = None,
+                response_format: Any = None) -> str:
+    """Prompt text of an OpenAI chat request; ChatError for input the server rejects (400)."""
+    forced_text(tools, tool_choice)  # validates a named choice against the tools
+    functions = openai_functions(tools) if tools_active(tools, tool_choice) else []
+    items = attach_system(openai_items(messages), functions, response_format)
+    return render_items(items, thinking, tool_memory)
+
+
+def render_anthropic(messages: list[dict], system: Any = None, tools: list[dict] | None = None,
+                     thinking: str = "high", tool_choice: Any = None,
+                     tool_memory: ToolMemory | None = None) -> str:
+    """Prompt text of an Anthropic Messages request (a final assistant message is continued)."""
+    forced_text(tools, tool_choice)
+    functions = anthropic_functions(tools) if tools_active(tools, tool_choice) else []
+    items = attach_system(anthropic_items(messages, system), functions, None)
+    return render_items(items, thinking, tool_memory)
+
+
+def render_responses(input: Any, instructions: str | None = None,
+                     tools: list[dict] | None = None, thinking: str = "high",
+                     tool_choice: Any = "auto", tool_memory: ToolMemory | None = None) -> str:
+    """Prompt text of an OpenAI Responses request (`instructions` lead as system text)."""
+    forced_text(responses_functions(tools), tool_choice)
+    functions = responses_functions(tools) if tools_active(tools, tool_choice) else []
+    items = attach_system(responses_items(input, instructions), functions, None)
+    return render_items(items, thinking, tool_memory)
+
+
+def render_completion(prompt: str, thinking: str = "high") -> str:
+    """Prompt text of /v1/completions: the fixed ds4 system line around the raw prompt."""
+    think = check_thinking(thinking)
+    head = BOS + (MAX_PREFIX if thinking == "max" else "") + COMPLETION_SYSTEM
+    return head + USER + prompt + ASSISTANT + (THINK if think else THINK_END)
