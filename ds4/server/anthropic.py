@@ -14,8 +14,7 @@ from ds4.server.errors import ANTHROPIC, error_body
 from ds4.server.generation import failure_error, generate
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sse import Holdback, event_frame
-from ds4.server.tools import (anthropic_choice, anthropic_result_ids, anthropic_tools_as_openai,
-                              forced_prefix)
+from ds4.server.tools import anthropic_result_ids, forced_prefix
 from ds4.server.turn import Turn
 from ds4.server.wire import json_response, new_id
 
@@ -50,7 +49,7 @@ def parse(body: dict, raw: str, runtime: Runtime) -> Turn:
     model, alias = rf.resolve_model(body)
     thinking = rf.thinking_mode(body, alias, cfg.ctx)
     render, tools, choice = render_for(body, runtime, thinking)
-    active, forced = forced_prefix(anthropic_tools_as_openai(tools), anthropic_choice(choice))
+    active, forced = forced_prefix(tools, choice)
     return Turn(
         endpoint=ENDPOINT, protocol=ANTHROPIC, model=model, render=render, thinking=thinking,
         sampling=rf.sampling(body, thinking, with_min_p=False, with_seed=False),

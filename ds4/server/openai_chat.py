@@ -12,7 +12,7 @@ from ds4.server.errors import OPENAI, error_body
 from ds4.server.generation import failure_error, generate
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sse import COMMENT_PING, DONE, Holdback, data_frame
-from ds4.server.tools import chat_tool_choice, forced_prefix, tool_result_ids
+from ds4.server.tools import forced_prefix, tool_result_ids
 from ds4.server.turn import Turn
 from ds4.server.wire import new_id, now
 
@@ -39,7 +39,8 @@ def parse(body: dict, raw: str, runtime: Runtime) -> Turn:
     model, alias = rf.resolve_model(body)
     messages = rf.required(body, "messages", rf.ARRAY)
     tools = rf.field(body, "tools", rf.ARRAY, default=[])
-    choice = chat_tool_choice(rf.field(body, "tool_choice", rf.STRING, rf.OBJECT, default="auto"))
+    choice = rf.field(body, "tool_choice", rf.STRING, rf.OBJECT, default="auto")
+    response_format = rf.field(body, "response_format", rf.OBJECT)
     thinking = rf.thinking_mode(body, alias, cfg.ctx)
     stream, include_usage = rf.stream_flags(body)
     active, forced = forced_prefix(tools, choice)
@@ -47,7 +48,8 @@ def parse(body: dict, raw: str, runtime: Runtime) -> Turn:
     return Turn(
         endpoint=ENDPOINT, protocol=OPENAI, model=model,
         render=lambda: render_chat(messages, tools=tools or None, thinking=thinking,
-                                   tool_choice=choice, tool_memory=memory),
+                                   tool_choice=choice, tool_memory=memory,
+                                   response_format=response_format),
         thinking=thinking, sampling=rf.sampling(body, thinking),
         max_tokens=rf.max_tokens(body, ("max_completion_tokens", "max_tokens"), cfg.tokens),
         stop=rf.stop_sequences(body), tools_active=active, forced_text=forced,

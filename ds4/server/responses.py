@@ -12,8 +12,7 @@ from ds4.server.generation import generate
 from ds4.server.responses_items import OutputItems
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sse import COMMENT_PING, data_frame
-from ds4.server.tools import (forced_prefix, responses_choice, responses_result_ids,
-                              responses_tools_as_openai)
+from ds4.server.tools import forced_prefix, responses_result_ids
 from ds4.server.turn import Turn
 from ds4.server.wire import new_id, now
 
@@ -51,7 +50,7 @@ def parse(body: dict, raw: str, runtime: Runtime) -> tuple[Turn, bool]:
     choice = rf.field(body, "tool_choice", rf.STRING, rf.OBJECT, default="auto")
     reasoning = rf.field(body, "reasoning", rf.OBJECT, default={})
     thinking = rf.thinking_mode(body, alias, cfg.ctx)
-    active, forced = forced_prefix(responses_tools_as_openai(tools), responses_choice(choice))
+    active, forced = forced_prefix(tools, choice)
     memory = runtime.tool_memory
     turn = Turn(
         endpoint=ENDPOINT, protocol=OPENAI, model=model,

@@ -8,7 +8,7 @@ import time
 
 from starlette.concurrency import run_in_threadpool
 
-from ds4.jobs.events import Failed, Finished, JobRequest, Started, TokenEvents
+from ds4.jobs.events import Failed, Finished, JobRequest
 from ds4.server.config import ServerConfig
 from ds4.server.errors import ApiError
 from ds4.server.metrics import Metrics
@@ -27,46 +27,23 @@ class Running:
         self.prompt = prompt
         self.events = JobEvents(asyncio.get_running_loop())
         self.job = None
-        self.submitted = time.monotonic()
-        self.last_token: float | None = None
-        self.started = False
         self.ended = False
 
     async def next(self, timeout: float) -> object | None:
-        """The next job event (None on timeout), with metrics and tool memory kept up to date."""
+        """The next job event (None on timeout), with counters and tool memory kept up to date."""
         event = await self.events.next(timeout)
-        if isinstance(event, Started):
-            self._leave_queue()
-        elif isinstance(event, TokenEvents):
-            self._observe_token()
-        elif isinstance(event, (Finished, Failed)):
+        if isinstance(event, (Finished, Failed)):
             self._end(event)
         return event
 
     def cancel(self) -> None:
         """Stop the job (client gone); safe to call more than once."""
         if not self.ended:
-            self._leave_queue()
             self.ended = True
             self.runtime.metrics.requests.labels(self.turn.endpoint, "cancelled").inc()
             self.runtime.scheduler.cancel(self.job)
 
-    def _leave_queue(self) -> None:
-        if not self.started:
-            self.started = True
-            self.runtime.queued -= 1
-
-    def _observe_token(self) -> None:
-        now = time.monotonic()
-        metrics = self.runtime.metrics
-        if self.last_token is None:
-            metrics.ttft.observe(now - self.submitted)
-        else:
-            metrics.inter_token.observe(now - self.last_token)
-        self.last_token = now
-
     def _end(self, event: object) -> None:
-        self._leave_queue()
         self.ended = True
         metrics = self.runtime.metrics
         if isinstance(event, Failed):
@@ -93,8 +70,7 @@ class Runtime:
         self.engine = None
         self.scheduler = None
         self.tool_memory = ToolMemory()
-        self.queued = 0
-        self.metrics = Metrics(lambda: self.queued, self.busy_slots)
+        self.metrics = Metrics(self.queue_depth, self.busy_slots)
 
     def load(self) -> None:
         """Open the engine and start the scheduler (blocking; run it on a thread)."""
@@ -109,6 +85,8 @@ class Runtime:
                                                  trace_path=cfg.trace,
                                                  ssd_streaming=cfg.ssd_streaming)
             self.scheduler = Scheduler(self.engine, sched_cfg, time.monotonic)
+            self.scheduler.stats.ttft_observers.append(self.metrics.ttft.observe)
+            self.scheduler.stats.inter_token_observers.append(self.metrics.inter_token.observe)
             self.scheduler.start()
             self.state = SERVING
         except Exception as exc:  # the server stays up and /health says why
@@ -140,6 +118,10 @@ class Runtime:
         """Stop the scheduler thread."""
         if self.scheduler is not None:
             self.scheduler.stop()
+
+    def queue_depth(self) -> int:
+        """Jobs waiting for a slot."""
+        return self.scheduler.stats.queue_depth if self.scheduler is not None else 0
 
     def busy_slots(self) -> int:
         """Slots that run a job now."""
@@ -179,7 +161,6 @@ class Runtime:
             stop=turn.stop, thinking=turn.thinking != "none", tools_active=turn.tools_active,
             forced_text=turn.forced_text, id_prefix=turn.id_prefix, call_ids=turn.call_ids,
             endpoint=turn.endpoint, raw_body=turn.raw_body)
-        self.queued += 1
         running.job = self.scheduler.submit(request, running.events.sink)
         return running
 

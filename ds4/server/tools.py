@@ -1,13 +1,8 @@
-"""Tool lists, tool_choice and tool-result ids of the three protocols, in OpenAI chat terms."""
+"""tool_choice forcing and the tool-result ids of the three protocols (for slot routing)."""
 
 from __future__ import annotations
 
 from ds4.server.errors import ApiError
-
-
-def chat_tool_choice(choice: object) -> object:
-    """OpenAI chat tool_choice as given ("auto" | "none" | "required" | {function})."""
-    return choice
 
 
 def forced_prefix(tools: list, choice: object) -> tuple[bool, str]:
@@ -28,27 +23,6 @@ def tool_result_ids(messages: list) -> list[str]:
             and isinstance(m.get("tool_call_id"), str)]
 
 
-def anthropic_tools_as_openai(tools: list) -> list:
-    """Anthropic {name, description, input_schema} tools as OpenAI function tools."""
-    out = []
-    for tool in tools:
-        if isinstance(tool, dict) and "name" in tool:
-            out.append({"type": "function", "function": {
-                "name": tool["name"], "description": tool.get("description", ""),
-                "parameters": tool.get("input_schema", {"type": "object"})}})
-    return out
-
-
-def anthropic_choice(choice: object) -> object:
-    """Anthropic tool_choice ({type: auto|any|tool|none}) as OpenAI's."""
-    if not isinstance(choice, dict):
-        return "auto"
-    kind = choice.get("type")
-    if kind == "tool":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    return {"any": "required", "none": "none"}.get(kind, "auto")
-
-
 def anthropic_result_ids(messages: list) -> list[str]:
     """tool_use_ids of tool_result blocks."""
     ids = []
@@ -59,25 +33,6 @@ def anthropic_result_ids(messages: list) -> list[str]:
                 if isinstance(block.get("tool_use_id"), str):
                     ids.append(block["tool_use_id"])
     return ids
-
-
-def responses_tools_as_openai(tools: list) -> list:
-    """Responses function tools ({type, name, parameters}) as OpenAI chat function tools."""
-    out = []
-    for tool in tools:
-        if isinstance(tool, dict) and tool.get("type") == "function" and "name" in tool:
-            fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-            out.append({"type": "function", "function": fn})
-    return out
-
-
-def responses_choice(choice: object) -> object:
-    """Responses tool_choice ("auto" | "none" | "required" | {type: function, name})."""
-    if isinstance(choice, dict):
-        if choice.get("type") == "function":
-            return {"type": "function", "function": {"name": choice.get("name")}}
-        return "auto"
-    return choice
 
 
 def responses_result_ids(items: object) -> list[str]:
