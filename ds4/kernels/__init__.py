@@ -1,0 +1,62 @@
+"""RawKernel CUDA sources for the hot decode ops, their launchers and NumPy twins.
+
+Each family module (gemv, norm, rope, hyper_connection, attention, compressor, indexer, moe,
+sampling) exposes `op(...)`, which launches the CUDA kernel on CuPy arrays, and `op_numpy(...)`
+with the same signature, the NumPy twin the GPU tests compare against. Launchers allocate
+nothing: outputs are passed in, so a decode step made of them can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ds4.backend import load_module
+
+NULL = np.uint64(0)  # a null device pointer as a kernel argument
+
+
+@functools.cache
+def _module(family: str):
+    return load_module(family, options=("--std=c++17",))
+
+
+def kernel(family: str, name: str):
+    """The compiled cupy.RawKernel `name` from ds4/kernels/<family>.cu (compiled once)."""
+    return _module(family).get_function(name)
+
+
+def ptr(a) -> np.uint64:
+    """Device pointer of a CuPy array (or NULL for None), as a kernel argument."""
+    return NULL if a is None else np.uint64(a.data.ptr)
+
+
+def i32(v: int) -> np.int32:
+    """A kernel's int argument."""
+    return np.int32(v)
+
+
+def f32(v: float) -> np.float32:
+    """A kernel's float argument."""
+    return np.float32(v)
+
+
+def launch(family: str, name: str, grid, block, args, shared: int = 0) -> None:
+    """Launch one kernel on the current stream; shared is dynamic shared memory in bytes."""
+    k = kernel(family, name)
+    if shared > 48 * 1024 and k.max_dynamic_shared_size_bytes < shared:
+        k.max_dynamic_shared_size_bytes = shared
+    k(tuple(grid), tuple(block), tuple(args), shared_mem=shared)
+
+
+def widen_bf16(words: np.ndarray) -> np.ndarray:
+    """bf16 words (uint16) to float32, as the kernels widen them."""
+    return (np.asarray(words).astype(np.uint32) << 16).view(np.float32)
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 to bf16 words (round to nearest even), the weight format kernels read."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = u + 0x7FFF + ((u >> 16) & 1)
+    return (rounded >> 16).astype(np.uint16)

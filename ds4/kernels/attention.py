@@ -1,0 +1,62 @@
+"""Decode attention launchers (ds4/kernels/attention.cu) and their NumPy twins."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds4.kernels import f32, i32, launch, ptr
+from ds4.kernels.norm import rms_norm_numpy
+from ds4.kernels.rope import rope_angles_numpy, rotate_numpy
+
+
+def attention_store_kv(kv_in, w, freqs, pos, raw, rope_dim: int, eps: float = 1e-6):
+    """raw[pos % cap] = rope(RMSNorm_w(kv_in)) at pos (raw: the [cap, width] window ring)."""
+    cap, width = raw.shape
+    block = (width + 31) // 32 * 32
+    args = (ptr(kv_in), ptr(w), ptr(freqs), ptr(pos), ptr(raw), i32(width), i32(rope_dim),
+            i32(cap), f32(eps))
+    launch("attention", "attention_store_kv", (1,), (block,), args, shared=4 * width)
+    return raw
+
+
+def attention_store_kv_numpy(kv_in, w, freqs, pos, raw, rope_dim: int, eps: float = 1e-6):
+    """NumPy twin of attention_store_kv."""
+    t = int(np.asarray(pos)[0])
+    row = rms_norm_numpy(np.asarray(kv_in)[None, :], w, np.empty((1, raw.shape[1]), np.float32), eps)
+    cos, sin = rope_angles_numpy([t], freqs)
+    raw[t % raw.shape[0]] = rotate_numpy(row, cos, sin, rope_dim)[0]
+    return raw
+
+
+def attention_decode(q, raw, pos, comp, sel, sel_count, ratio: int, sinks, out, max_keys: int):
+    """out[h] = softmax-with-sink attention of q[h] over the raw ring and compressed rows."""
+    heads, width = q.shape
+    cap = raw.shape[0]
+    args = (ptr(q), ptr(raw), ptr(pos), i32(cap), ptr(comp), ptr(sel), ptr(sel_count),
+            i32(ratio), ptr(sinks), ptr(out), i32(width), f32(width ** -0.5), i32(max_keys))
+    launch("attention", "attention_decode", (heads,), (256,), args, shared=4 * max_keys)
+    return out
+
+
+def decode_keys_numpy(raw, pos, comp, sel, sel_count, ratio: int):
+    """The key rows attention_decode reads, in its order: raw ring rows, then compressed."""
+    t = int(np.asarray(pos)[0])
+    keys = [raw[:min(t + 1, raw.shape[0])]]
+    if ratio:
+        if sel is not None:
+            keys.append(comp[np.asarray(sel)[:int(np.asarray(sel_count)[0])]])
+        else:
+            keys.append(comp[:(t + 1) // ratio])
+    return np.concatenate(keys, axis=0)
+
+
+def attention_decode_numpy(q, raw, pos, comp, sel, sel_count, ratio: int, sinks, out,
+                           max_keys: int):
+    """NumPy twin of attention_decode."""
+    keys = decode_keys_numpy(raw, pos, comp, sel, sel_count, ratio)[:max_keys]
+    logits = (q @ keys.T) * np.float32(q.shape[1] ** -0.5)
+    m = np.maximum(logits.max(axis=1), sinks)
+    e = np.exp(logits - m[:, None])
+    denom = e.sum(axis=1) + np.exp(sinks - m)
+    out[...] = (e @ keys) / denom[:, None]
+    return out

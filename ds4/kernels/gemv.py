@@ -1,0 +1,57 @@
+"""bf16-weight GEMV launchers (ds4/kernels/gemv.cu) and their NumPy twins."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds4.kernels import f32, i32, launch, ptr, widen_bf16  # noqa: F401
+
+WARPS_PER_BLOCK = 8
+TARGET_WARPS = 16384  # enough rows x splits in flight to keep HBM busy on an H200
+
+
+def pick_splits(rows: int, cols: int) -> int:
+    """Column splits so short matrices still fill the GPU (each span a multiple of 256)."""
+    splits = 1
+    while rows * splits < TARGET_WARPS and cols % (512 * splits) == 0 and splits < 16:
+        splits *= 2
+    return splits
+
+
+def gemv_bf16(w, x, out, rows_per_group: int | None = None, splits: int | None = None):
+    """out = W x (W [rows, cols] bf16 words); row r reads x[(r // rows_per_group) * cols:]."""
+    rows, cols = w.shape
+    assert cols % 8 == 0 and w.flags.c_contiguous
+    group = rows if rows_per_group is None else rows_per_group
+    splits = pick_splits(rows, cols) if splits is None else splits
+    if splits > 1:
+        out.fill(0)
+    grid = ((rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, splits)
+    args = (ptr(w), ptr(x), ptr(out), i32(rows), i32(cols), i32(group), i32(splits))
+    launch("gemv", "gemv_bf16", grid, (32 * WARPS_PER_BLOCK,), args)
+    return out
+
+
+def gemv_bf16_numpy(w, x, out, rows_per_group: int | None = None, splits: int | None = None):
+    """NumPy twin of gemv_bf16."""
+    rows, cols = w.shape
+    group = rows if rows_per_group is None else rows_per_group
+    wf = widen_bf16(w).reshape(rows // group, group, cols)
+    xs = np.asarray(x, dtype=np.float32).reshape(rows // group, cols)
+    out[...] = np.einsum("grc,gc->gr", wf, xs).reshape(rows)
+    return out
+
+
+def gemv_f32(w, x, out):
+    """out = W x for fp32 W [rows, cols]."""
+    rows, cols = w.shape
+    grid = ((rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
+    launch("gemv", "gemv_f32", grid, (32 * WARPS_PER_BLOCK,),
+           (ptr(w), ptr(x), ptr(out), i32(rows), i32(cols)))
+    return out
+
+
+def gemv_f32_numpy(w, x, out):
+    """NumPy twin of gemv_f32."""
+    out[...] = np.asarray(w) @ np.asarray(x)
+    return out

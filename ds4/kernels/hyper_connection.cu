@@ -1,0 +1,132 @@
+// Manifold-constrained hyper-connections (spec 3.2, 3.9), all fp32. X is the residual state
+// [streams, D]; mix = (fn @ flatten(X)) * rsqrt(mean(X^2) + eps); pre/post/comb come from mix.
+
+#ifndef INFINITY  // NVRTC has no math.h
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+#define MAX_STREAMS 8
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ float block_sum(float v, float* shared) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    float t = (threadIdx.x < (blockDim.x + 31) / 32) ? shared[threadIdx.x] : 0.f;
+    if (warp == 0) t = warp_sum(t);
+    if (threadIdx.x == 0) shared[0] = t;
+    __syncthreads();
+    return shared[0];
+}
+
+__device__ __forceinline__ float sigmoidf(float v) { return 1.f / (1.f + expf(-v)); }
+
+// X[i, :] = widen(embed[token]) for every stream i: the residual starts as the token embedding.
+extern "C" __global__ void embed_streams(const unsigned short* __restrict__ embed,
+                                         const int* __restrict__ token, float* X, int D,
+                                         int streams) {
+    int d = blockIdx.x * blockDim.x + threadIdx.x;
+    if (d >= D) return;
+    float v = __uint_as_float((unsigned int)embed[(size_t)token[0] * D + d] << 16);
+    for (int i = 0; i < streams; i++) X[(size_t)i * D + d] = v;
+}
+
+// mix[row] = fn[row, :] . x * rsqrt(mean(x^2) + eps); one block per mix row, x = flatten(X).
+extern "C" __global__ void hc_mix(const float* __restrict__ fn, const float* __restrict__ X,
+                                  float* mix, int width, float eps) {
+    __shared__ float shared[32];
+    const float4* f = (const float4*)(fn + (size_t)blockIdx.x * width);
+    const float4* x = (const float4*)X;
+    float dot = 0.f, ss = 0.f;
+    for (int i = threadIdx.x; i < width / 4; i += blockDim.x) {
+        float4 a = f[i], b = x[i];
+        dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+        ss += b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
+    }
+    dot = block_sum(dot, shared);
+    ss = block_sum(ss, shared);
+    if (threadIdx.x == 0) mix[blockIdx.x] = dot * rsqrtf(ss / width + eps);
+}
+
+// pre, post and the Sinkhorn-normalised comb matrix from mix (n = streams). comb[i*n + j].
+__device__ void hc_weights(const float* mix, const float* scale, const float* base, int n,
+                           int iters, float eps, float* pre, float* post, float* comb) {
+    for (int i = 0; i < n; i++) {
+        pre[i] = sigmoidf(mix[i] * scale[0] + base[i]) + eps;
+        post[i] = 2.f * sigmoidf(mix[n + i] * scale[1] + base[n + i]);
+    }
+    for (int i = 0; i < n; i++) {
+        float m = -INFINITY, s = 0.f;
+        for (int j = 0; j < n; j++) {
+            comb[i * n + j] = mix[2 * n + i * n + j] * scale[2] + base[2 * n + i * n + j];
+            m = fmaxf(m, comb[i * n + j]);
+        }
+        for (int j = 0; j < n; j++) s += (comb[i * n + j] = expf(comb[i * n + j] - m));
+        for (int j = 0; j < n; j++) comb[i * n + j] = comb[i * n + j] / s + eps;
+    }
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) {  // rows, then columns; the first pass normalises columns only
+            for (int i = 0; i < n; i++) {
+                float s = 0.f;
+                for (int j = 0; j < n; j++) s += comb[i * n + j];
+                for (int j = 0; j < n; j++) comb[i * n + j] /= (s + eps);
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            float s = 0.f;
+            for (int i = 0; i < n; i++) s += comb[i * n + j];
+            for (int i = 0; i < n; i++) comb[i * n + j] /= (s + eps);
+        }
+    }
+}
+
+// u = sum_i pre[i] X[i]. Every block derives the (tiny) weights itself; block 0 also stores
+// post (n values) then comb (n*n) into post_comb for hc_post. head != 0: the output head's
+// collapse, whose mix has only the n pre values (no post, no comb).
+extern "C" __global__ void hc_pre(const float* __restrict__ mix, const float* __restrict__ scale,
+                                  const float* __restrict__ base, const float* __restrict__ X,
+                                  float* u, float* post_comb, int D, int n, int iters, float eps,
+                                  int head) {
+    __shared__ float pre[MAX_STREAMS], post[MAX_STREAMS], comb[MAX_STREAMS * MAX_STREAMS];
+    if (threadIdx.x == 0) {
+        if (head) {
+            for (int i = 0; i < n; i++) pre[i] = sigmoidf(mix[i] * scale[0] + base[i]) + eps;
+        } else {
+            hc_weights(mix, scale, base, n, iters, eps, pre, post, comb);
+            if (blockIdx.x == 0) {
+                for (int i = 0; i < n; i++) post_comb[i] = post[i];
+                for (int i = 0; i < n * n; i++) post_comb[n + i] = comb[i];
+            }
+        }
+    }
+    __syncthreads();
+    int d = blockIdx.x * blockDim.x + threadIdx.x;
+    if (d >= D) return;
+    float acc = 0.f;
+    for (int i = 0; i < n; i++) acc += pre[i] * X[(size_t)i * D + d];
+    u[d] = acc;
+}
+
+// X_new[j] = post[j] * y + sum_i comb[i, j] X[i] (the C^T direction). Xout may alias X.
+extern "C" __global__ void hc_post(const float* X, const float* __restrict__ y,
+                                   const float* __restrict__ post_comb, float* Xout, int D, int n) {
+    int d = blockIdx.x * blockDim.x + threadIdx.x;
+    if (d >= D) return;
+    float xs[MAX_STREAMS];
+    // Constant trip counts keep xs in registers.
+#pragma unroll
+    for (int i = 0; i < MAX_STREAMS; i++) xs[i] = i < n ? X[(size_t)i * D + d] : 0.f;
+    float yd = y[d];
+    for (int j = 0; j < n; j++) {
+        float acc = post_comb[j] * yd;
+#pragma unroll
+        for (int i = 0; i < MAX_STREAMS; i++)
+            if (i < n) acc += post_comb[n + i * n + j] * xs[i];
+        Xout[(size_t)j * D + d] = acc;
+    }
+}

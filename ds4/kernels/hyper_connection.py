@@ -1,0 +1,91 @@
+"""Hyper-connection launchers (ds4/kernels/hyper_connection.cu) and their NumPy twins."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds4.kernels import f32, i32, launch, ptr, widen_bf16
+
+
+def embed_streams(embed, token, X):
+    """X[i] = widen(embed[token[0]]) for every stream i (embed: bf16 words [vocab, D])."""
+    streams, D = X.shape
+    launch("hyper_connection", "embed_streams", ((D + 255) // 256,), (256,),
+           (ptr(embed), ptr(token), ptr(X), i32(D), i32(streams)))
+    return X
+
+
+def embed_streams_numpy(embed, token, X):
+    """NumPy twin of embed_streams."""
+    X[...] = widen_bf16(embed[int(np.asarray(token)[0])])[None, :]
+    return X
+
+
+def hc_mix(fn, X, mix, eps: float = 1e-6):
+    """mix = (fn @ flatten(X)) * rsqrt(mean(X^2) + eps) for fp32 fn [n_mix, streams * D]."""
+    n_mix, width = fn.shape
+    launch("hyper_connection", "hc_mix", (n_mix,), (512,),
+           (ptr(fn), ptr(X), ptr(mix), i32(width), f32(eps)))
+    return mix
+
+
+def hc_mix_numpy(fn, X, mix, eps: float = 1e-6):
+    """NumPy twin of hc_mix."""
+    x = np.asarray(X, np.float32).reshape(-1)
+    mix[...] = (fn @ x) / np.sqrt((x * x).mean() + np.float32(eps))
+    return mix
+
+
+def hc_pre(mix, scale, base, X, u, post_comb, iters: int = 20, eps: float = 1e-6,
+           head: bool = False):
+    """u = sum_i pre_i X[i]; post_comb = [post (n), comb (n*n)] unless head (pre only)."""
+    streams, D = X.shape
+    args = (ptr(mix), ptr(scale), ptr(base), ptr(X), ptr(u), ptr(post_comb), i32(D),
+            i32(streams), i32(iters), f32(eps), i32(int(head)))
+    launch("hyper_connection", "hc_pre", ((D + 255) // 256,), (256,), args)
+    return u
+
+
+def hc_weights_numpy(mix, scale, base, n: int, iters: int, eps: float):
+    """pre [n], post [n] and the Sinkhorn comb [n, n] from one mix vector (spec 3.2)."""
+    sig = lambda v: 1.0 / (1.0 + np.exp(-v))  # noqa: E731
+    pre = sig(mix[:n] * scale[0] + base[:n]) + eps
+    post = 2.0 * sig(mix[n:2 * n] * scale[1] + base[n:2 * n])
+    c = (mix[2 * n:2 * n + n * n] * scale[2] + base[2 * n:2 * n + n * n]).reshape(n, n)
+    c = np.exp(c - c.max(axis=1, keepdims=True))
+    c = c / c.sum(axis=1, keepdims=True) + eps
+    c = c / (c.sum(axis=0, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(axis=1, keepdims=True) + eps)
+        c = c / (c.sum(axis=0, keepdims=True) + eps)
+    return pre.astype(np.float32), post.astype(np.float32), c.astype(np.float32)
+
+
+def hc_pre_numpy(mix, scale, base, X, u, post_comb, iters: int = 20, eps: float = 1e-6,
+                 head: bool = False):
+    """NumPy twin of hc_pre."""
+    n = X.shape[0]
+    if head:
+        pre = 1.0 / (1.0 + np.exp(-(mix[:n] * scale[0] + base[:n]))) + eps
+    else:
+        pre, post, comb = hc_weights_numpy(mix, scale, base, n, iters, eps)
+        post_comb[:n] = post
+        post_comb[n:n + n * n] = comb.reshape(-1)
+    u[...] = (pre[:, None] * X).sum(axis=0)
+    return u
+
+
+def hc_post(X, y, post_comb, out):
+    """out[j] = post[j] * y + sum_i comb[i, j] X[i]; out may be X."""
+    streams, D = X.shape
+    launch("hyper_connection", "hc_post", ((D + 255) // 256,), (256,),
+           (ptr(X), ptr(y), ptr(post_comb), ptr(out), i32(D), i32(streams)))
+    return out
+
+
+def hc_post_numpy(X, y, post_comb, out):
+    """NumPy twin of hc_post."""
+    n = X.shape[0]
+    comb = np.asarray(post_comb[n:n + n * n]).reshape(n, n)
+    out[...] = post_comb[:n, None] * y[None, :] + comb.T @ X
+    return out

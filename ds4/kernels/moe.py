@@ -1,0 +1,81 @@
+"""Mixture-of-experts launchers (ds4/kernels/moe.cu) and their NumPy twins."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds4.kernels import f32, i32, launch, ptr, widen_bf16
+
+WARPS_PER_BLOCK = 8
+
+
+def moe_route(logits, bias, tid2eid, token, top_k: int, route_scale: float, idx, wts):
+    """idx/wts of the top_k experts by sqrt(softplus(logits)) (+ bias), or tid2eid[token]."""
+    n = logits.shape[0]
+    block = max(32, (n + 31) // 32 * 32)
+    args = (ptr(logits), ptr(bias), ptr(tid2eid), ptr(token), i32(n), i32(top_k),
+            f32(route_scale), ptr(idx), ptr(wts))
+    launch("moe", "moe_route", (1,), (block,), args)
+    return idx
+
+
+def moe_route_numpy(logits, bias, tid2eid, token, top_k: int, route_scale: float, idx, wts):
+    """NumPy twin of moe_route."""
+    logits = np.asarray(logits, np.float32)
+    score = np.sqrt(np.where(logits > 20, logits, np.log1p(np.exp(np.minimum(logits, 20)))))
+    if tid2eid is not None:
+        picked = np.asarray(tid2eid)[int(np.asarray(token)[0])][:top_k]
+    else:
+        choice = score + (0 if bias is None else bias)
+        picked = np.lexsort((np.arange(len(choice)), -choice.astype(np.float64)))[:top_k]
+    idx[:top_k] = picked
+    wts[:top_k] = score[picked] / score[picked].sum() * np.float32(route_scale)
+    return idx
+
+
+def _expert_stride(w) -> int:
+    return w.strides[0] // w.itemsize if w.ndim == 3 else 0
+
+
+def moe_gate_up(gate, up, idx, wts, x, act, limit: float):
+    """act[k] = silu(min(gate_e x, limit)) * clamp(up_e x, +-limit) * wts[k], e = idx[k].
+    gate/up: bf16 words [experts, inter, cols] (views of one stacked tensor are fine) or
+    [inter, cols] with idx None (the shared expert)."""
+    n_sel, inter = act.shape
+    cols = gate.shape[-1]
+    grid = ((inter + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, n_sel)
+    args = (ptr(gate), ptr(up), np.int64(_expert_stride(gate)), ptr(idx), ptr(wts), ptr(x),
+            ptr(act), i32(inter), i32(cols), f32(limit))
+    launch("moe", "moe_gate_up", grid, (32 * WARPS_PER_BLOCK,), args)
+    return act
+
+
+def _expert(w, idx, k):
+    return w if idx is None else w[int(np.asarray(idx)[k])]
+
+
+def moe_gate_up_numpy(gate, up, idx, wts, x, act, limit: float):
+    """NumPy twin of moe_gate_up."""
+    for k in range(act.shape[0]):
+        g = np.minimum(widen_bf16(_expert(gate, idx, k)) @ x, limit)
+        u = np.clip(widen_bf16(_expert(up, idx, k)) @ x, -limit, limit)
+        act[k] = g / (1.0 + np.exp(-g)) * u * (1.0 if wts is None else wts[k])
+    return act
+
+
+def moe_down(down, idx, act, out, accumulate: bool = False):
+    """out (+)= sum_k down_e act[k], e = idx[k]; down: bf16 words [experts, rows, inter]."""
+    n_sel, inter = act.shape
+    rows = out.shape[0]
+    grid = ((rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
+    args = (ptr(down), np.int64(_expert_stride(down)), ptr(idx), ptr(act), ptr(out), i32(rows),
+            i32(inter), i32(n_sel), i32(int(accumulate)))
+    launch("moe", "moe_down", grid, (32 * WARPS_PER_BLOCK,), args)
+    return out
+
+
+def moe_down_numpy(down, idx, act, out, accumulate: bool = False):
+    """NumPy twin of moe_down."""
+    total = sum(widen_bf16(_expert(down, idx, k)) @ act[k] for k in range(act.shape[0]))
+    out[...] = (out if accumulate else 0) + total
+    return out

@@ -1,0 +1,43 @@
+"""RoPE launcher (ds4/kernels/rope.cu) and its NumPy twin."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds4.kernels import f32, i32, launch, ptr
+
+
+def rope_tail(x, pos, freqs, rope_dim: int, rows_per_pos: int = 1, pos_offset: int = 0,
+              sign: float = 1.0):
+    """Rotate interleaved pairs of the last rope_dim channels of x [rows, width] in place."""
+    rows, width = x.shape
+    total = rows * (rope_dim // 2)
+    args = (ptr(x), ptr(pos), ptr(freqs), i32(rows), i32(width), i32(rope_dim),
+            i32(rows_per_pos), i32(pos_offset), f32(sign))
+    launch("rope", "rope_tail", ((total + 255) // 256,), (256,), args)
+    return x
+
+
+def rope_angles_numpy(positions, freqs):
+    """cos and sin of the fp32 angles positions x freqs, as the kernels form them."""
+    angle = np.asarray(positions, dtype=np.float32)[:, None] * np.asarray(freqs, np.float32)
+    return np.cos(angle), np.sin(angle)
+
+
+def rotate_numpy(x, cos, sin, rope_dim: int, sign: float = 1.0):
+    """Rotate the trailing rope_dim channels of rows x by per-row cos/sin [rows, rope_dim/2]."""
+    first = x.shape[-1] - rope_dim
+    a, b = x[..., first::2].copy(), x[..., first + 1::2].copy()
+    s = sin * np.float32(sign)
+    x[..., first::2] = a * cos - b * s
+    x[..., first + 1::2] = a * s + b * cos
+    return x
+
+
+def rope_tail_numpy(x, pos, freqs, rope_dim: int, rows_per_pos: int = 1, pos_offset: int = 0,
+                    sign: float = 1.0):
+    """NumPy twin of rope_tail."""
+    rows = x.shape[0]
+    positions = np.asarray(pos)[np.arange(rows) // rows_per_pos] + pos_offset
+    cos, sin = rope_angles_numpy(positions, freqs)
+    return rotate_numpy(x, cos, sin, rope_dim, sign)

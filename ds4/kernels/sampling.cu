@@ -1,0 +1,114 @@
+// Selection on the device: greedy argmax over logits and the top-k entry set used by the indexer
+// (and by top-k sampling). Ties go to the lower index, as ds4 does (spec 7.3).
+
+#ifndef INFINITY  // NVRTC has no math.h
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+// Order-preserving map of a float to an unsigned key (larger float -> larger key).
+__device__ __forceinline__ unsigned int order_key(float f) {
+    unsigned int u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Argmax of x[0..n) into out[0]; one block of 1024 threads.
+extern "C" __global__ void argmax(const float* __restrict__ x, int n, int* out) {
+    __shared__ float bv[32];
+    __shared__ int bi[32];
+    float v = -INFINITY;
+    int idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        if (x[i] > v) { v = x[i]; idx = i; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { bv[warp] = v; bi[warp] = idx; }
+    __syncthreads();
+    if (warp == 0) {
+        int nw = blockDim.x >> 5;
+        v = lane < nw ? bv[lane] : -INFINITY;
+        idx = lane < nw ? bi[lane] : 0x7fffffff;
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, v, o);
+            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+            if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+        }
+        if (lane == 0) out[0] = idx;
+    }
+}
+
+// Exclusive prefix count of flag over the block (blockDim.x == 1024); returns this thread's
+// offset and stores the block total in *total.
+__device__ int block_scan(int flag, int* warp_counts, int* total) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned int ballot = __ballot_sync(0xffffffffu, flag);
+    int before = __popc(ballot & ((1u << lane) - 1u));
+    __syncthreads();
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int run = 0;
+        for (int w = 0; w < 32; w++) { int c = warp_counts[w]; warp_counts[w] = run; run += c; }
+        *total = run;
+    }
+    __syncthreads();
+    return warp_counts[warp] + before;
+}
+
+// The k largest of x[0..n) as indices in ascending index order, into sel[0..count), count into
+// sel_count[0]. n is (pos[0] + 1) / ratio when pos is given, else n_fixed. A 4-pass radix select
+// finds the k-th largest key; entries equal to it are taken lowest index first. One block of 1024.
+extern "C" __global__ void topk_select(const float* __restrict__ x, const int* __restrict__ pos,
+                                       int ratio, int n_fixed, int k, int* sel, int* sel_count) {
+    __shared__ int hist[256];
+    __shared__ int warp_counts[32];
+    __shared__ unsigned int prefix_s, mask_s;
+    __shared__ int remaining_s, total_s, taken_s, eq_taken_s;
+    int n = pos ? (pos[0] + 1) / ratio : n_fixed;
+    if (n <= k) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) sel[i] = i;
+        if (threadIdx.x == 0) sel_count[0] = n;
+        return;
+    }
+    if (threadIdx.x == 0) { prefix_s = 0; mask_s = 0; remaining_s = k; }
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        unsigned int prefix = prefix_s, mask = mask_s;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            unsigned int key = order_key(x[i]);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int need = remaining_s, d = 255;
+            while (hist[d] < need) { need -= hist[d]; d--; }
+            remaining_s = need;  // how many of the keys in bucket d we still take
+            prefix_s = prefix | ((unsigned int)d << shift);
+            mask_s = mask | (255u << shift);
+        }
+        __syncthreads();
+    }
+    unsigned int thresh = prefix_s;
+    int eq_need = remaining_s;
+    if (threadIdx.x == 0) { taken_s = 0; eq_taken_s = 0; }
+    __syncthreads();
+    for (int base = 0; base < n; base += blockDim.x) {
+        int i = base + threadIdx.x;
+        unsigned int key = i < n ? order_key(x[i]) : 0u;
+        int eq = (i < n && key == thresh);
+        int eq_rank = block_scan(eq, warp_counts, &total_s);
+        int eq_total = total_s;
+        int take = (i < n && key > thresh) || (eq && eq_taken_s + eq_rank < eq_need);
+        int off = block_scan(take, warp_counts, &total_s);
+        if (take) sel[taken_s + off] = i;
+        __syncthreads();
+        if (threadIdx.x == 0) { taken_s += total_s; eq_taken_s += eq_total; }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) sel_count[0] = k;
+}

@@ -1,0 +1,40 @@
+"""Device selection launchers (ds4/kernels/sampling.cu) and their NumPy twins."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds4.kernels import NULL, i32, launch, ptr
+
+
+def argmax(x, out):
+    """out[0] = the index of the largest x (lowest index on ties)."""
+    launch("sampling", "argmax", (1,), (1024,), (ptr(x), i32(x.shape[0]), ptr(out)))
+    return out
+
+
+def argmax_numpy(x, out):
+    """NumPy twin of argmax."""
+    out[0] = int(np.argmax(x))
+    return out
+
+
+def topk_select(x, k: int, sel, sel_count, pos=None, ratio: int = 1, n: int | None = None):
+    """sel[0:count] = indices (ascending) of the k largest of x[0:n], n = (pos[0]+1)//ratio
+    when pos is given; ties at the threshold keep the lower indices."""
+    n_fixed = x.shape[0] if n is None else n
+    args = (ptr(x), NULL if pos is None else ptr(pos), i32(ratio), i32(n_fixed), i32(k),
+            ptr(sel), ptr(sel_count))
+    launch("sampling", "topk_select", (1,), (1024,), args)
+    return sel
+
+
+def topk_select_numpy(x, k: int, sel, sel_count, pos=None, ratio: int = 1, n: int | None = None):
+    """NumPy twin of topk_select."""
+    count = (int(np.asarray(pos)[0]) + 1) // ratio if pos is not None else (
+        x.shape[0] if n is None else n)
+    order = np.lexsort((np.arange(count), -np.asarray(x[:count], dtype=np.float64)))
+    chosen = np.sort(order[:min(k, count)])
+    sel[:len(chosen)] = chosen
+    sel_count[0] = len(chosen)
+    return sel

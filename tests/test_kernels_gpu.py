@@ -1,0 +1,212 @@
+"""Each RawKernel against its NumPy twin on fresh random inputs (needs CuPy and a GPU).
+
+Tolerances: fp32 accumulation in a different order, so relative error ~1e-5 for reductions over
+thousands of terms; index outputs (top-k, routing, argmax) must match exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds4.backend import cuda_available
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
+
+RTOL = 2e-5
+
+
+@pytest.fixture
+def cp():
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def randn(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def both(cp, fn_gpu, fn_np, *args, out_index, **kw):
+    """Run a launcher on device copies and its twin on host copies; return (gpu, numpy) outs."""
+    dev = [cp.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+    host = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+    fn_gpu(*dev, **kw)
+    fn_np(*host, **kw)
+    return cp.asnumpy(dev[out_index]), host[out_index]
+
+
+@pytest.mark.parametrize("rows,cols,group", [(512, 4096, None), (8192, 1024, None),
+                                             (8192, 4096, 1024), (96, 64, None)])
+def test_gemv_bf16(cp, rng, rows, cols, group):
+    from ds4.kernels import gemv, to_bf16
+
+    w = to_bf16(randn(rng, rows, cols, scale=0.05))
+    x = randn(rng, (rows // group if group else 1) * cols)
+    out = np.full(rows, np.nan, np.float32)
+    g, n = both(cp, gemv.gemv_bf16, gemv.gemv_bf16_numpy, w, x, out, group, out_index=2)
+    assert np.isfinite(g).all() and rel_err(g, n) < RTOL
+
+
+def test_rms_norm_and_rope(cp, rng):
+    from ds4.kernels import norm, rope
+
+    x, w = randn(rng, 64, 512), randn(rng, 512)
+    out = np.full_like(x, np.nan)
+    g, n = both(cp, norm.rms_norm, norm.rms_norm_numpy, x, w, out, out_index=2)
+    assert rel_err(g, n) < RTOL
+    freqs = (10000.0 ** (-np.arange(32) * 2 / 64)).astype(np.float32)
+    pos = np.array([4093], np.int32)
+    g, n = both(cp, rope.rope_tail, rope.rope_tail_numpy, x, pos, freqs, 64, 64,
+                out_index=0, sign=-1.0)
+    assert rel_err(g, n) < 1e-5
+    assert np.array_equal(g[:, :448], x[:, :448])  # channels before the rope slice untouched
+
+
+def test_hyper_connection(cp, rng):
+    from ds4.kernels import hyper_connection as hc
+    from ds4.kernels import to_bf16
+
+    n, D = 4, 4096
+    X = randn(rng, n, D)
+    fn, mix = randn(rng, 24, n * D, scale=0.02), np.full(24, np.nan, np.float32)
+    g_mix, n_mix = both(cp, hc.hc_mix, hc.hc_mix_numpy, fn, X, mix, out_index=2)
+    assert rel_err(g_mix, n_mix) < RTOL
+    scale, base = randn(rng, 3), randn(rng, 24)
+    u, pc = np.full(D, np.nan, np.float32), np.full(n + n * n, np.nan, np.float32)
+    args = (n_mix, scale, base, X, u, pc)
+    g_u, n_u = both(cp, hc.hc_pre, hc.hc_pre_numpy, *args, out_index=4)
+    g_pc, n_pc = both(cp, hc.hc_pre, hc.hc_pre_numpy, *args, out_index=5)
+    assert rel_err(g_u, n_u) < 1e-5 and rel_err(g_pc, n_pc) < 1e-5
+    comb = n_pc[n:].reshape(n, n)
+    assert np.allclose(comb.sum(axis=0), 1, atol=1e-4)  # Sinkhorn: doubly stochastic
+    y, Xout = randn(rng, D), np.full_like(X, np.nan)
+    g, h = both(cp, hc.hc_post, hc.hc_post_numpy, X, y, n_pc, Xout, out_index=3)
+    assert rel_err(g, h) < 1e-5
+    g, h = both(cp, hc.hc_pre, hc.hc_pre_numpy, n_mix, scale, base, X, u, pc, out_index=4,
+                head=True)
+    assert rel_err(g, h) < 1e-5
+    embed, tok = to_bf16(randn(rng, 100, D)), np.array([37], np.int32)
+    g, h = both(cp, hc.embed_streams, hc.embed_streams_numpy, embed, tok, Xout, out_index=2)
+    assert np.array_equal(g, h)
+
+
+@pytest.mark.parametrize("t,ratio,use_sel", [(5, 0, False), (700, 0, False), (3000, 128, False),
+                                            (4000, 4, True)])
+def test_attention(cp, rng, t, ratio, use_sel):
+    from ds4.kernels import attention as at
+
+    heads, width, cap = 64, 512, 128
+    q, raw, sinks = randn(rng, heads, width, scale=0.1), randn(rng, cap, width), randn(rng, heads)
+    comp = randn(rng, 1024, width)
+    pos = np.array([t], np.int32)
+    sel = rng.choice(t // 4, 512, replace=False).astype(np.int32) if use_sel else None
+    count = np.array([512], np.int32) if use_sel else None
+    out = np.full((heads, width), np.nan, np.float32)
+    g, n = both(cp, at.attention_decode, at.attention_decode_numpy, q, raw, pos,
+                comp if ratio else None, sel, count, ratio, sinks, out, 1024, out_index=8)
+    assert rel_err(g, n) < RTOL
+    kv, w = randn(rng, width), randn(rng, width)
+    freqs = (160000.0 ** (-np.arange(32) * 2 / 64)).astype(np.float32)
+    g, n = both(cp, at.attention_store_kv, at.attention_store_kv_numpy, kv, w, freqs, pos,
+                raw, 64, out_index=4)
+    assert rel_err(g, n) < 1e-5
+
+
+@pytest.mark.parametrize("ratio,hd,overlap", [(4, 512, True), (4, 128, True), (128, 512, False)])
+def test_compressor_windows(cp, rng, ratio, hd, overlap):
+    """Push 3 windows of tokens through both twins and compare state and pooled rows."""
+    from ds4.kernels import compressor as c
+
+    cw = 2 * hd if overlap else hd
+    rows = 2 * ratio if overlap else ratio
+    bias, w = randn(rng, ratio, cw), randn(rng, hd)
+    freqs = (160000.0 ** (-np.arange(32) * 2 / 64)).astype(np.float32)
+    skv = {"h": np.zeros((rows, cw), np.float32)}
+    ssc = {"h": np.full((rows, cw), -np.inf, np.float32)}
+    comp = {"h": np.full((4, hd), np.nan, np.float32)}
+    dev = {k: cp.asarray(v["h"]) for k, v in (("kv", skv), ("sc", ssc), ("comp", comp))}
+    for t in range(3 * ratio):
+        kvp, g = randn(rng, cw), randn(rng, cw)
+        pos = np.array([t], np.int32)
+        c.compressor_push_numpy(kvp, g, bias, pos, skv["h"], ssc["h"], ratio, overlap)
+        c.compressor_pool_numpy(skv["h"], ssc["h"], w, freqs, pos, comp["h"], ratio, overlap, 64)
+        dpos = cp.asarray(pos)
+        c.compressor_push(cp.asarray(kvp), cp.asarray(g), cp.asarray(bias), dpos, dev["kv"],
+                          dev["sc"], ratio, overlap)
+        c.compressor_pool(dev["kv"], dev["sc"], cp.asarray(w), cp.asarray(freqs), dpos,
+                          dev["comp"], ratio, overlap, 64)
+    assert rel_err(cp.asnumpy(dev["comp"][:3]), comp["h"][:3]) < 1e-5
+    assert np.isnan(cp.asnumpy(dev["comp"][3])).all()  # no fourth window closed
+    assert rel_err(cp.asnumpy(dev["kv"]), skv["h"]) < 1e-6
+
+
+def test_indexer_scores_and_topk(cp, rng):
+    from ds4.kernels import indexer, sampling
+
+    heads, hd, cap = 64, 128, 4096
+    q, wts, keys = randn(rng, heads, hd), randn(rng, heads), randn(rng, cap, hd)
+    pos = np.array([4 * 3000 + 2], np.int32)
+    scores = np.full(cap, np.nan, np.float32)
+    g, n = both(cp, indexer.indexer_scores, indexer.indexer_scores_numpy, q, wts, keys, pos, 4,
+                scores, out_index=5)
+    assert rel_err(g[:3000], n[:3000]) < RTOL
+    sel, count = np.full(512, -1, np.int32), np.zeros(1, np.int32)
+    g_sel, n_sel = both(cp, sampling.topk_select, sampling.topk_select_numpy, n, 512, sel,
+                        count, pos, 4, out_index=2)
+    assert np.array_equal(g_sel, n_sel)
+    ties = np.repeat(randn(rng, 100), 20)  # 2000 values, each repeated: ties at the threshold
+    g_sel, n_sel = both(cp, sampling.topk_select, sampling.topk_select_numpy, ties, 333, sel,
+                        count, out_index=2)
+    assert np.array_equal(g_sel[:333], n_sel[:333])
+    few = np.full(512, -1, np.int32)
+    g_sel, n_sel = both(cp, sampling.topk_select, sampling.topk_select_numpy, ties, 512, few,
+                        count, np.array([4 * 100], np.int32), 4, out_index=2)
+    assert np.array_equal(g_sel[:100], np.arange(100))
+
+
+def test_argmax_ties(cp, rng):
+    from ds4.kernels import sampling
+
+    x = randn(rng, 129280)
+    x[[777, 90000]] = x.max() + 1  # lowest index wins a tie
+    out = np.zeros(1, np.int32)
+    g, n = both(cp, sampling.argmax, sampling.argmax_numpy, x, out, out_index=1)
+    assert g[0] == n[0] == 777
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_moe(cp, rng, hashed):
+    from ds4.kernels import moe, to_bf16
+
+    E, top_k, inter, D = 64, 6, 256, 1024
+    logits, bias = randn(rng, E), randn(rng, E, scale=0.1)
+    tid2eid = rng.integers(0, E, (50, top_k)).astype(np.int32) if hashed else None
+    token = np.array([17], np.int32)
+    idx, wts = np.zeros(top_k, np.int32), np.zeros(top_k, np.float32)
+    args = (logits, bias, tid2eid, token, top_k, 1.5, idx, wts)
+    g_idx, n_idx = both(cp, moe.moe_route, moe.moe_route_numpy, *args, out_index=6)
+    g_w, n_w = both(cp, moe.moe_route, moe.moe_route_numpy, *args, out_index=7)
+    assert np.array_equal(g_idx, n_idx) and rel_err(g_w, n_w) < 1e-6
+    gate_up = to_bf16(randn(rng, E, 2 * inter, D, scale=0.1))
+    down = to_bf16(randn(rng, E, D, inter, scale=0.05))
+    x, act = randn(rng, D), np.full((top_k, inter), np.nan, np.float32)
+    d_gu = cp.asarray(gate_up)
+    d_idx, d_w, d_x, d_act = (cp.asarray(a) for a in (n_idx, n_w, x, act))
+    moe.moe_gate_up(d_gu[:, :inter], d_gu[:, inter:], d_idx, d_w, d_x, d_act, 10.0)
+    moe.moe_gate_up_numpy(gate_up[:, :inter], gate_up[:, inter:], n_idx, n_w, x, act, 10.0)
+    assert rel_err(cp.asnumpy(d_act), act) < RTOL
+    y = randn(rng, D)
+    g, n = both(cp, moe.moe_down, moe.moe_down_numpy, down, n_idx, act, y, out_index=3,
+                accumulate=True)
+    assert rel_err(g, n) < RTOL
