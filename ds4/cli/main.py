@@ -1,0 +1,125 @@
+"""`ds4`: make the tiny model, generate text from a prompt, export the job statechart."""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from ds4.jobs.events import SamplingOptions
+from ds4.tokenizer import EOS_ID
+
+BOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
+
+
+def plain_chat(text: str) -> str:
+    """One user turn answered without thinking (the prompt `ds4 generate` sends)."""
+    return f"{BOS}{USER}{text}{ASSISTANT}</think>"
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of `ds4`."""
+    p = argparse.ArgumentParser(prog="ds4", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser("make-tiny", help="write the built-in tiny random model into DIR")
+    tiny.add_argument("dir", type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
+
+    gen = sub.add_parser("generate", help="stream a reply to one prompt, then print tokens/s")
+    gen.add_argument("-p", "--prompt", required=True, help="user message")
+    gen.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    gen.add_argument("--model", type=Path, help="model directory (default: the built-in tiny model)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.05)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="auto")
+    gen.add_argument("--ctx", type=int, default=4096, help="context size in tokens")
+    gen.add_argument("--raw", action="store_true", help="send the prompt text as is, no chat template")
+
+    chart = sub.add_parser("statechart", help="export the job state machine diagram")
+    chart.add_argument("--format", choices=["mermaid", "dot", "svg"], default="mermaid")
+    chart.add_argument("-o", "--output", type=Path, required=True)
+    return p
+
+
+def make_tiny_command(args: argparse.Namespace, out: TextIO) -> int:
+    """`ds4 make-tiny DIR`."""
+    from ds4.model.tiny import make_tiny
+
+    print(make_tiny(args.dir, seed=args.seed), file=out)
+    return 0
+
+
+def statechart_command(args: argparse.Namespace, out: TextIO) -> int:
+    """`ds4 statechart --format F -o FILE`."""
+    from ds4.jobs.statechart import export
+
+    print(export(args.format, args.output), file=out)
+    return 0
+
+
+def generate_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """`ds4 generate`: prefill the prompt, stream sampled tokens, report speeds on stderr."""
+    from ds4.engine import ContextOverflow, Engine
+    from ds4.model.tiny import default_model_dir
+    from ds4.sampling import make_rng, sample
+
+    model = args.model or default_model_dir()
+    engine = Engine.open(model, backend=args.backend)
+    options = SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              min_p=args.min_p, seed=args.seed)
+    prompt = engine.tokenizer.encode(args.prompt if args.raw else plain_chat(args.prompt))
+    session = engine.new_session(ctx_size=args.ctx)
+    start = time.perf_counter()
+    try:
+        logits = session.sync(prompt)
+    except ContextOverflow as e:
+        print(f"ds4: {e}", file=err)
+        return 1
+    prefill_s = time.perf_counter() - start
+    rng, text = make_rng(args.seed), codecs.getincrementaldecoder("utf-8")(errors="replace")
+    generated, start = 0, time.perf_counter()
+    while generated < args.max_tokens:
+        token = sample(logits, options, rng)
+        generated += 1
+        if token == EOS_ID:
+            break
+        out.write(text.decode(engine.tokenizer.token_bytes(token)))
+        out.flush()
+        try:
+            logits = session.decode(token)
+        except ContextOverflow:
+            print(f"\n[context of {args.ctx} tokens is full]", file=err)
+            break
+    decode_s = time.perf_counter() - start
+    out.write(text.decode(b"", final=True) + "\n")
+    report_speed(err, len(prompt), prefill_s, generated, decode_s)
+    return 0
+
+
+def report_speed(err: TextIO, prompt_tokens: int, prefill_s: float, generated: int, decode_s: float) -> None:
+    """The two tokens/s lines printed after generation."""
+    print(f"prefill: {prompt_tokens} tokens in {prefill_s:.3f} s, "
+          f"{prompt_tokens / max(prefill_s, 1e-9):.1f} tokens/s", file=err)
+    print(f"decode: {generated} tokens in {decode_s:.3f} s, "
+          f"{generated / max(decode_s, 1e-9):.1f} tokens/s", file=err)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `ds4` command."""
+    args = parser().parse_args(argv)
+    if args.command == "make-tiny":
+        return make_tiny_command(args, sys.stdout)
+    if args.command == "statechart":
+        return statechart_command(args, sys.stdout)
+    return generate_command(args, sys.stdout, sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
