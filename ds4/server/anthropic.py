@@ -13,7 +13,7 @@ from ds4.server import request_fields as rf
 from ds4.server.errors import ANTHROPIC, error_body
 from ds4.server.generation import failure_error, generate
 from ds4.server.runtime import Running, Runtime
-from ds4.server.sse import Holdback, event_frame
+from ds4.server.sse import Channel, event_frame
 from ds4.server.tools import anthropic_result_ids, forced_prefix
 from ds4.server.turn import Turn
 from ds4.server.wire import json_response, new_id
@@ -88,8 +88,8 @@ class MessageShape:
         self.turn = running.turn
         self.prompt_tokens = len(running.prompt.tokens)
         self.id = new_id("msg_")
-        self.thinking = Holdback(self.turn.stop)
-        self.text = Holdback(self.turn.stop)
+        self.thinking = Channel()
+        self.text = Channel()
         self.index = -1
         self.open: str | None = None  # type of the open content block
         self.saw = set()  # block types sent

@@ -7,13 +7,15 @@ import codecs
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ds4.chat.events import TextDelta
 from ds4.jobs.events import Failed, Finished, TokenEvents
+from ds4.jobs.stop import StopText
 from ds4.server import request_fields as rf
 from ds4.server.errors import OPENAI, ApiError, error_body
 from ds4.server.generation import failure_error, generate
 from ds4.server.openai_chat import FINISH, openai_usage
 from ds4.server.runtime import Running, Runtime
-from ds4.server.sse import COMMENT_PING, DONE, Holdback, data_frame
+from ds4.server.sse import COMMENT_PING, DONE, Channel, data_frame
 from ds4.server.turn import Turn
 from ds4.server.wire import new_id, now
 
@@ -58,7 +60,8 @@ class CompletionShape:
         self.id = new_id("cmpl-")
         self.created = now()
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text = Holdback(self.turn.stop)
+        self.stop = StopText(self.turn.stop)  # raw bytes bypass the job's own answer filter
+        self.text = Channel()
 
     def envelope(self, choices: list, **extra: object) -> dict:
         """Fields every completion object shares."""
@@ -81,10 +84,10 @@ class CompletionShape:
         return []
 
     def tokens(self, event: TokenEvents) -> list[bytes]:
-        """The token's own bytes, held back while a stop sequence may be forming."""
+        """The token's own text, held back while it may still become a stop sequence."""
         piece = self.utf8.decode(self.tokenizer.token_bytes(event.token_id))
-        text = self.text.push(piece)
-        return [self.chunk(text)] if text else []
+        text = "".join(e.text for e in self.stop.filter([TextDelta(piece)]))
+        return [self.chunk(self.text.push(text))] if text else []
 
     def closing(self, finished: Finished) -> list[bytes]:
         """Held-back text, the finish chunk, the usage chunk on request, [DONE]."""

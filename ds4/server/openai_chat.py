@@ -11,7 +11,7 @@ from ds4.server import request_fields as rf
 from ds4.server.errors import OPENAI, error_body
 from ds4.server.generation import failure_error, generate
 from ds4.server.runtime import Running, Runtime
-from ds4.server.sse import COMMENT_PING, DONE, Holdback, data_frame
+from ds4.server.sse import COMMENT_PING, DONE, Channel, data_frame
 from ds4.server.tools import forced_prefix, tool_result_ids
 from ds4.server.turn import Turn
 from ds4.server.wire import new_id, now
@@ -81,8 +81,8 @@ class ChatShape:
         self.turn = running.turn
         self.id = new_id("chatcmpl-")
         self.created = now()
-        self.reasoning = Holdback(self.turn.stop)
-        self.content = Holdback(self.turn.stop)
+        self.reasoning = Channel()
+        self.content = Channel()
         self.streamed_calls: set[int] = set()
 
     def body(self, finished: Finished) -> dict:

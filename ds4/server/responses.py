@@ -74,7 +74,7 @@ class ResponseShape:
         self.turn = running.turn
         self.id = new_id("resp_")
         self.created = now()
-        self.items = OutputItems(summaries, self.turn.stop)
+        self.items = OutputItems(summaries)
         self.sequence = 0
 
     def response(self, status: str, usage: Usage | None = None, **extra: object) -> dict:

@@ -6,7 +6,7 @@ import copy
 
 from ds4.chat import events as ev
 from ds4.jobs.events import Finished
-from ds4.server.sse import Holdback
+from ds4.server.sse import Channel
 from ds4.server.wire import new_id
 
 Pairs = list[tuple[str, dict]]
@@ -15,13 +15,13 @@ Pairs = list[tuple[str, dict]]
 class OutputItems:
     """Builds output items from parser events, as (event type, fields) pairs to stream."""
 
-    def __init__(self, summaries: bool, stop: list[str]):
+    def __init__(self, summaries: bool):
         self.summaries = summaries
         self.items: list[dict] = []
         self.open: dict | None = None
         self.text_of: dict[str, str] = {}  # item id -> its reasoning summary or output text
-        self.reasoning = Holdback(stop)
-        self.text = Holdback(stop)
+        self.reasoning = Channel()
+        self.text = Channel()
         self.calls: dict[int, dict] = {}
 
     def snapshot(self) -> list[dict]:

@@ -48,29 +48,20 @@ class JobEvents:
             return None
 
 
-class Holdback:
-    """Text of one stream channel, holding back a tail that may still become a stop sequence."""
+class Channel:
+    """Text of one stream channel: what was sent, and what the final text still adds."""
 
-    def __init__(self, stop: list[str]):
-        self.keep = max((len(s) for s in stop), default=1) - 1
-        self.seen = ""
-        self.sent = 0
+    def __init__(self) -> None:
+        self.sent = ""
 
     def push(self, text: str) -> str:
-        """Add generated text; return what can be sent now."""
-        self.seen += text
-        upto = len(self.seen) - self.keep
-        if upto <= self.sent:
-            return ""
-        out = self.seen[self.sent:upto]
-        self.sent = upto
-        return out
+        """Record text as sent; return it."""
+        self.sent += text
+        return text
 
     def finish(self, final: str) -> str:
-        """The rest of the channel's final text (after stop-sequence cutting) not yet sent."""
-        sent_text = self.seen[: self.sent]
-        if not final.startswith(sent_text):
+        """The part of the channel's final text not sent yet ("" if the stream went elsewhere)."""
+        if not final.startswith(self.sent):
             return ""
-        self.sent = len(final)
-        self.seen = final
-        return final[len(sent_text):]
+        rest, self.sent = final[len(self.sent):], final
+        return rest

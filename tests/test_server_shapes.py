@@ -1,0 +1,198 @@
+"""Protocol shapes of the server, fed with real parser events (no model, no HTTP)."""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from ds4.chat import OutputParser
+from ds4.jobs.events import Failed, Finished, SamplingOptions, TokenEvents, Usage
+from ds4.server.anthropic import MessageShape
+from ds4.server.completions import CompletionShape
+from ds4.server.openai_chat import ChatShape
+from ds4.server.responses import ResponseShape
+from ds4.server.turn import Prompt, Turn
+from ds4.tokenizer import Tokenizer
+
+D = "｜DSML｜"
+TOOL_TURN = (f'I need the get_weather tool.</think>\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\n'
+             f'<{D}parameter name="city" string="true">Paris</{D}parameter>\n'
+             f'<{D}parameter name="days" string="false">2</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>')
+TEXT_TURN = "Let me think.</think>The answer is 42."
+ARGS = {"city": "Paris", "days": 2}
+
+
+def job_events(text: str, finish: str, thinking: bool = True, prefix: str = "call_"):
+    """TokenEvents of `text` fed 3 bytes at a time, and the Finished event."""
+    parser = OutputParser(thinking=thinking, tools_active=True, id_prefix=prefix)
+    data = text.encode()
+    events = [TokenEvents(7, tuple(parser.feed(data[i:i + 3]))) for i in range(0, len(data), 3)]
+    events.append(TokenEvents(7, tuple(parser.finish())))
+    return events, Finished(finish, parser.result(), text, Usage(10, 4, len(events)))
+
+
+def running(stop=(), include_usage=True):
+    turn = Turn(endpoint="/x", protocol="openai", model="deepseek-v4-flash", render=lambda: "",
+                thinking="high", sampling=SamplingOptions(), max_tokens=100, stop=list(stop),
+                include_usage=include_usage)
+    engine = SimpleNamespace(tokenizer=Tokenizer.for_model())
+    return SimpleNamespace(turn=turn, prompt=Prompt("", list(range(10))),
+                           runtime=SimpleNamespace(engine=engine))
+
+
+def stream(shape, events, finished):
+    frames = shape.opening()
+    for e in events:
+        frames += shape.tokens(e)
+    return frames + shape.closing(finished)
+
+
+def parse_frames(frames):
+    """[(event name or None, data)] of SSE frames; data is JSON or the string [DONE]."""
+    out = []
+    for frame in frames:
+        text = frame.decode()
+        assert text.endswith("\n\n")
+        name = re.search(r"^event: (.*)$", text, re.M)
+        data = re.search(r"^data: (.*)$", text, re.M).group(1)
+        out.append((name and name.group(1), data if data == "[DONE]" else json.loads(data)))
+    return out
+
+
+def test_chat_stream_streams_reasoning_and_tool_arguments_then_usage_and_done():
+    events, finished = job_events(TOOL_TURN, "tool_calls")
+    frames = parse_frames(stream(ChatShape(running()), events, finished))
+    assert frames[-1] == (None, "[DONE]")
+    chunks = [d for _, d in frames[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "I need the get_weather tool."
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    header = calls[0]
+    assert re.fullmatch(r"call_[0-9a-f]{32}", header["id"]) and header["type"] == "function"
+    assert header["function"] == {"name": "get_weather", "arguments": ""}
+    assert json.loads("".join(tc["function"]["arguments"] for tc in calls)) == ARGS
+    assert header["id"] == finished.output.tool_calls[0].id
+    final, usage = chunks[-2], chunks[-1]
+    assert final["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "tool_calls"}
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 10, "completion_tokens": finished.usage.completion_tokens,
+        "total_tokens": 10 + finished.usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 6}}
+
+
+def test_chat_body_has_message_reasoning_and_tool_calls():
+    _, finished = job_events(TOOL_TURN, "tool_calls")
+    body = ChatShape(running()).body(finished)
+    assert body["object"] == "chat.completion" and body["model"] == "deepseek-v4-flash"
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    msg = choice["message"]
+    assert msg["role"] == "assistant" and msg["content"] == ""
+    assert msg["reasoning_content"] == "I need the get_weather tool."
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == ARGS
+
+
+def test_anthropic_stream_has_thinking_signature_and_tool_use_blocks():
+    events, finished = job_events(TOOL_TURN, "tool_calls", prefix="toolu_")
+    shape = MessageShape(running())
+    frames = parse_frames(stream(shape, events, finished))
+    names = [n for n, _ in frames]
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    starts = [d["content_block"] for n, d in frames if n == "content_block_start"]
+    assert [b["type"] for b in starts] == ["thinking", "tool_use"]
+    assert re.fullmatch(r"toolu_[0-9a-f]{32}", starts[1]["id"]) and starts[1]["input"] == {}
+    deltas = [d["delta"] for n, d in frames if n == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == "I need the get_weather tool."
+    assert [d["signature"] for d in deltas if d["type"] == "signature_delta"] == [shape.id]
+    assert json.loads("".join(d.get("partial_json", "") for d in deltas)) == ARGS
+    stops = [d["index"] for n, d in frames if n == "content_block_stop"]
+    assert stops == [0, 1]
+    delta = frames[-2][1]
+    assert delta["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert delta["usage"]["input_tokens"] + delta["usage"]["cache_read_input_tokens"] == 10
+
+
+def test_anthropic_body_orders_blocks_and_parses_input():
+    _, finished = job_events(TOOL_TURN, "tool_calls", prefix="toolu_")
+    shape = MessageShape(running())
+    body = shape.body(finished)
+    assert [b["type"] for b in body["content"]] == ["thinking", "tool_use"]
+    assert body["content"][0]["signature"] == shape.id
+    assert body["content"][1]["input"] == ARGS and body["stop_reason"] == "tool_use"
+    assert body["usage"] == {"input_tokens": 6, "output_tokens": finished.usage.completion_tokens,
+                             "cache_read_input_tokens": 4, "cache_creation_input_tokens": 0}
+
+
+def test_anthropic_thinking_only_gets_an_empty_text_block():
+    events, finished = job_events("still thinking", "length")
+    frames = parse_frames(stream(MessageShape(running()), events, finished))
+    starts = [d["content_block"]["type"] for n, d in frames if n == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    assert frames[-2][1]["delta"]["stop_reason"] == "max_tokens"
+
+
+def test_responses_stream_numbers_events_and_ends_with_the_whole_response():
+    events, finished = job_events(TEXT_TURN, "stop")
+    shape = ResponseShape(running(), summaries=True)
+    frames = parse_frames(stream(shape, events, finished))
+    assert all(n is None for n, _ in frames)
+    data = [d for _, d in frames]
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    assert all(list(d)[:2] == ["type", "sequence_number"] for d in data)
+    types = [d["type"] for d in data]
+    assert types[0] == "response.created" and types[-1] == "response.completed"
+    summary = "".join(d["delta"] for d in data if d["type"] == "response.reasoning_summary_text.delta")
+    text = "".join(d["delta"] for d in data if d["type"] == "response.output_text.delta")
+    assert (summary, text) == ("Let me think.", "The answer is 42.")
+    final = data[-1]["response"]
+    assert final["status"] == "completed" and final["id"].startswith("resp_")
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
+    assert final["output"][1]["content"] == [{"type": "output_text", "text": "The answer is 42.",
+                                              "annotations": []}]
+    assert final["usage"]["input_tokens_details"] == {"cached_tokens": 4, "cache_write_tokens": 6}
+
+
+def test_responses_body_without_summary_opt_in_has_function_call_only():
+    _, finished = job_events(TOOL_TURN, "tool_calls")
+    body = ResponseShape(running(), summaries=False).body(finished)
+    [call] = body["output"]
+    assert call["type"] == "function_call" and call["status"] == "completed"
+    assert call["call_id"] == finished.output.tool_calls[0].id and call["name"] == "get_weather"
+    assert json.loads(call["arguments"]) == ARGS
+
+
+def test_responses_length_is_incomplete():
+    _, finished = job_events("no end", "length", thinking=False)
+    body = ResponseShape(running(), summaries=False).body(finished)
+    assert body["status"] == "incomplete"
+    assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_completion_stream_never_shows_a_stop_sequence():
+    tok = Tokenizer.for_model()
+    ids = tok.encode("Hello world STOP and more")
+    events = [TokenEvents(i, ()) for i in ids]
+    finished = Finished("stop", None, "Hello world ", Usage(10, 0, len(ids)))
+    frames = parse_frames(stream(CompletionShape(running(stop=["STOP"])), events, finished))
+    texts = [d["choices"][0]["text"] for _, d in frames[:-1] if d["choices"]]
+    assert "".join(texts) == "Hello world " and all("S" not in t for t in texts)
+    assert frames[-3][1]["choices"][0]["finish_reason"] == "stop"
+    assert frames[-2][1]["choices"] == [] and frames[-1][1] == "[DONE]"
+
+
+@pytest.mark.parametrize("shape", [ChatShape, MessageShape, CompletionShape])
+def test_failure_inside_a_stream_is_an_error_frame(shape):
+    frames = parse_frames(shape(running()).failure(Failed("eval failed", 500)))
+    name, data = frames[0]
+    if shape is MessageShape:
+        assert name == "error" and data == {"type": "error", "error": {
+            "type": "api_error", "message": "eval failed"}}
+    else:
+        assert data["error"]["message"] == "eval failed"
+        assert data["error"]["type"] == "server_error" and frames[-1][1] == "[DONE]"
