@@ -1,0 +1,192 @@
+"""Engine (config, weights, scratch, tokenizer) and Session (one context: sync, decode, snapshot)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ds4.backend import get_backend
+from ds4.model.config import ModelConfig
+from ds4.model.forward import Model
+from ds4.model.state import SessionState, state_bytes
+from ds4.model.weights import load_weights
+
+SNAPSHOT_VERSION = 1
+
+
+class ContextOverflow(ValueError):
+    """The tokens would not fit in the session's context."""
+
+
+class Engine:
+    """A loaded model; sessions share its weights and scratch buffers (one thread drives it)."""
+
+    def __init__(self, model_dir: Path, cfg: ModelConfig, model: Model, prefill_chunk: int):
+        self.model_dir = model_dir
+        self.config = cfg
+        self.model = model
+        self.backend = model.backend
+        self.prefill_chunk = prefill_chunk
+        self._tokenizer = None
+
+    @classmethod
+    def open(cls, model_dir: str | Path, backend: str = "auto", prefill_chunk: int = 512,
+             resident_experts: bool = True, quantize: bool | None = None) -> "Engine":
+        """Load a model directory; quantize=None simulates FP8/FP4 only for quantised checkpoints."""
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        model_dir = Path(model_dir)
+        cfg = ModelConfig.from_dir(model_dir)
+        be = get_backend(backend)
+        weights = load_weights(model_dir, cfg, be.xp, resident_experts=resident_experts)
+        if quantize is None:
+            quantize = weights.low_precision or cfg.quantization_config is not None
+        return cls(model_dir, cfg, Model(cfg, weights, be, quantize), prefill_chunk)
+
+    @property
+    def tokenizer(self):
+        """The model directory's tokenizer (loaded on first use; only text I/O needs it)."""
+        if self._tokenizer is None:
+            from ds4.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.for_model(self.model_dir)
+        return self._tokenizer
+
+    def new_session(self, ctx_size: int = 4096) -> "Session":
+        """A fresh, empty session with state preallocated for ctx_size tokens."""
+        if ctx_size < 1:
+            raise ValueError(f"ctx_size must be >= 1, got {ctx_size}")
+        return Session(self, ctx_size)
+
+    def memory_report(self) -> dict:
+        """Bytes of weights, of session state (per context token and fixed) and of scratch."""
+        per_token, fixed = state_bytes(self.config)
+        return {
+            "weight_bytes": self.model.weights.nbytes,
+            "state_bytes_per_token": per_token,
+            "state_fixed_bytes": fixed,
+            "scratch_bytes": self.model.scratch.nbytes,
+        }
+
+    def close(self) -> None:
+        """Free the shared scratch (sessions of this engine must not be used afterwards)."""
+        self.model.scratch.free()
+
+    def fingerprint(self) -> dict:
+        """What a snapshot must agree on to be restored into this engine."""
+        c = self.config
+        return {"layer_types": list(c.layer_types), "hidden_size": c.hidden_size, "head_dim": c.head_dim,
+                "vocab_size": c.vocab_size, "sliding_window": c.sliding_window,
+                "compress_rates": c.compress_rates, "index_head_dim": c.index_head_dim,
+                "quantize": self.model.quantize}
+
+
+class Session:
+    """One context: the tokens held, their state, the last logits, and the last prompt frontier."""
+
+    def __init__(self, engine: Engine, ctx_size: int):
+        self.engine = engine
+        self.ctx_size = ctx_size
+        self.state = SessionState(engine.backend.xp, engine.config, ctx_size)
+        self.tokens: list[int] = []
+        self.logits: np.ndarray | None = None
+        self._frontier = None  # (tokens, logits, n, copies of the fixed-size arrays)
+
+    def reusable_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of token_ids sync would keep without recomputing."""
+        ids = list(token_ids)
+        if _is_prefix(self.tokens, ids):
+            return len(self.tokens)
+        if self._frontier is not None and _is_prefix(self._frontier[0], ids):
+            return len(self._frontier[0])
+        return 0
+
+    def sync(self, token_ids: Sequence[int], should_stop: Callable[[], bool] | None = None):
+        """Hold exactly token_ids; returns logits after the last one, or None if stopped early."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("sync needs at least one token")
+        if len(ids) > self.ctx_size:
+            raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context size {self.ctx_size}")
+        self._rewind_to(self.reusable_prefix(ids))
+        chunk, start = self.engine.prefill_chunk, len(self.tokens)
+        for begin in range(start, len(ids), chunk):
+            if begin > start and should_stop is not None and should_stop():
+                return None
+            self._run(ids[begin : begin + chunk])
+        self._save_frontier()
+        return self.logits
+
+    def decode(self, token_id: int) -> np.ndarray:
+        """Append one token and return its logits (float32 [vocab])."""
+        if len(self.tokens) + 1 > self.ctx_size:
+            raise ContextOverflow(f"context is full ({self.ctx_size} tokens); cannot decode more")
+        self._run([int(token_id)])
+        return self.logits
+
+    def snapshot(self) -> bytes:
+        """Exact resumable state as bytes (tokens, logits, every live state row)."""
+        arrays = self.state.export(self.engine.backend.to_numpy)
+        meta = {"version": SNAPSHOT_VERSION, "fingerprint": self.engine.fingerprint(), "n": self.state.n,
+                "tokens": self.tokens}
+        arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+        if self.logits is not None:
+            arrays["__logits__"] = self.logits
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        return buf.getvalue()
+
+    def restore(self, blob: bytes) -> "Session":
+        """Load a snapshot taken from a session of a compatible engine; returns self."""
+        with np.load(io.BytesIO(blob)) as data:
+            arrays = {k: data[k] for k in data.files}
+        meta = json.loads(arrays.pop("__meta__").tobytes())
+        if meta.get("version") != SNAPSHOT_VERSION:
+            raise ValueError(f"snapshot version {meta.get('version')} is not supported")
+        if meta["fingerprint"] != json.loads(json.dumps(self.engine.fingerprint())):
+            raise ValueError("snapshot was taken with a different model configuration")
+        if meta["n"] > self.ctx_size:
+            raise ContextOverflow(f"snapshot holds {meta['n']} tokens, more than the context size {self.ctx_size}")
+        self.state.load(arrays, meta["n"])
+        self.tokens = list(meta["tokens"])
+        self.logits = arrays.get("__logits__")
+        self._save_frontier()
+        return self
+
+    # ---- internals
+
+    def _run(self, ids: list[int]) -> None:
+        logits = self.engine.model.forward(self.state, ids)
+        self.tokens.extend(ids)
+        self.logits = np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32)
+
+    def _rewind_to(self, keep: int) -> None:
+        """Make the held state cover exactly the first `keep` tokens it can reuse."""
+        if keep == len(self.tokens):
+            return
+        if self._frontier is not None and keep == len(self._frontier[0]) and keep > 0:
+            tokens, logits, n, copies = self._frontier
+            for name, arr in self.state.frontier_arrays().items():
+                arr[...] = copies[name]
+            self.state.n = n
+            self.tokens, self.logits = list(tokens), logits
+            return
+        self.state.reset()
+        self.tokens, self.logits = [], None
+        self._frontier = None  # its compressed rows are about to be overwritten
+
+    def _save_frontier(self) -> None:
+        """Remember this point (the end of a synced prompt) so a retry can roll back to it."""
+        current = self.state.frontier_arrays()
+        copies = self._frontier[3] if self._frontier is not None else {k: v.copy() for k, v in current.items()}
+        for name, arr in current.items():
+            copies[name][...] = arr
+        self._frontier = (list(self.tokens), self.logits, self.state.n, copies)
+
+
+def _is_prefix(held: list[int], ids: list[int]) -> bool:
+    return len(held) <= len(ids) and ids[: len(held)] == held

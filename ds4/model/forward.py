@@ -1,0 +1,88 @@
+"""A chunk of tokens through all layers (spec §3): embedding, mHC-wrapped blocks, head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+from ds4.model import quant
+from ds4.model.attention import attention
+from ds4.model.config import ModelConfig
+from ds4.model.hyper_connection import hc_collapse, hc_expand, hc_weights, hyper_head, rms_scale
+from ds4.model.moe import moe
+from ds4.model.rope import Rope
+from ds4.model.scratch import Scratch
+from ds4.model.state import SessionState
+from ds4.model.weights import Weights
+
+
+@dataclass
+class Step:
+    """What every layer needs to know about the chunk being run."""
+
+    start: int
+    positions: object  # xp int64 [S]
+    token_ids: object  # xp int64 [S]
+    cos_sin: dict  # rope kind -> (cos, sin) at the chunk's positions
+
+
+class Model:
+    """The model math bound to one config, its weights, a backend and the engine's scratch."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, backend, quantize: bool):
+        xp = backend.xp
+        self.xp, self.backend, self.cfg, self.weights = xp, backend, cfg, weights
+        self.scratch = Scratch(xp)
+        self.ropes = {"main": Rope(xp, cfg.rope_main, cfg.qk_rope_head_dim),
+                      "compress": Rope(xp, cfg.rope_compress, cfg.qk_rope_head_dim)}
+        self.quantize = quantize
+        self.kv_fp8 = partial(quant.kv_fp8_simulation, xp, rope_dim=cfg.qk_rope_head_dim) if quantize else None
+        self.indexer_qat = None
+        if quantize and cfg.index_head_dim & (cfg.index_head_dim - 1) == 0:
+            matrix = xp.asarray(quant.hadamard(cfg.index_head_dim))
+            self.indexer_qat = partial(quant.indexer_fp4_simulation, xp, hadamard_matrix=matrix)
+
+    def forward(self, state: SessionState, token_ids: list[int]):
+        """Run tokens at positions state.n.. through every layer; logits [V] of the last one."""
+        xp, cfg = self.xp, self.cfg
+        step = self._step(state.n, token_ids)
+        x = self.weights["model.embed_tokens.weight"][step.token_ids]
+        X = xp.ascontiguousarray(xp.broadcast_to(x[:, None, :], (x.shape[0], cfg.hc_mult, x.shape[1])))
+        for i, layer_state in enumerate(state.layers):
+            X = self._layer(i, layer_state, X, step)
+        state.n += len(token_ids)
+        return self._head(X[-1:])[0]
+
+    def _step(self, start: int, token_ids: list[int]) -> Step:
+        xp = self.xp
+        positions = xp.arange(start, start + len(token_ids), dtype=xp.int64)
+        cos_sin = {kind: rope.cos_sin(positions) for kind, rope in self.ropes.items()}
+        return Step(start, positions, xp.asarray(token_ids, dtype=xp.int64), cos_sin)
+
+    def _layer(self, i: int, layer_state, X, step: Step):
+        xp, cfg = self.xp, self.cfg
+        lw = self.weights.layer(i)
+        eps = cfg.rms_norm_eps
+        pre, post, comb = self._hc(lw, "attn_hc", X)
+        u = hc_collapse(xp, pre, X)
+        h = u * rms_scale(xp, u, eps) * lw["input_layernorm.weight"]
+        X = hc_expand(xp, X, attention(xp, self, lw, layer_state, h, step), post, comb)
+        pre, post, comb = self._hc(lw, "ffn_hc", X)
+        u = hc_collapse(xp, pre, X)
+        h = u * rms_scale(xp, u, eps) * lw["post_attention_layernorm.weight"]
+        hashed = cfg.mlp_layer_types[i] == "hash_moe"
+        f = moe(xp, cfg, lw, h, step.token_ids, hashed, self.backend.to_numpy)
+        return hc_expand(xp, X, f, post, comb)
+
+    def _hc(self, lw, name: str, X):
+        cfg = self.cfg
+        return hc_weights(self.xp, lw[name + ".fn"], lw[name + ".base"], lw[name + ".scale"], X,
+                          cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+
+    def _head(self, X):
+        """logits [S, V] = W_head @ RMSNorm(HyperHead(X))."""
+        xp, cfg, w = self.xp, self.cfg, self.weights
+        y = hyper_head(xp, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"], w["model.hc_head.hc_scale"],
+                       X, cfg.hc_eps, cfg.rms_norm_eps)
+        y = y * rms_scale(xp, y, cfg.rms_norm_eps) * w["model.norm.weight"]
+        return y @ w["lm_head.weight"].T

@@ -1,0 +1,50 @@
+"""Manifold-constrained hyper-connections (mHC, spec §3.2) and the final HyperHead (§3.9), fp32."""
+
+from __future__ import annotations
+
+
+def rms_scale(xp, x, eps: float):
+    """rsqrt(mean(x^2) + eps) over the last axis, keepdims."""
+    return 1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def sigmoid(xp, x):
+    """Logistic function."""
+    return 1.0 / (1.0 + xp.exp(-x))
+
+
+def hc_weights(xp, fn, base, scale, X, iters: int, hc_eps: float, norm_eps: float):
+    """(pre [S,n], post [S,n], comb [S,n,n]) of one mHC unit for streams X [S, n, D]."""
+    S, n, _ = X.shape
+    flat = X.reshape(S, -1)
+    mix = (flat @ fn.T) * rms_scale(xp, flat, norm_eps)
+    pre = sigmoid(xp, mix[:, :n] * scale[0] + base[:n]) + hc_eps
+    post = 2.0 * sigmoid(xp, mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    logits = (mix[:, 2 * n :] * scale[2] + base[2 * n :]).reshape(S, n, n)
+    logits = logits - logits.max(axis=-1, keepdims=True)
+    comb = xp.exp(logits)
+    comb = comb / comb.sum(axis=-1, keepdims=True) + hc_eps
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(axis=-1, keepdims=True) + hc_eps)
+        comb = comb / (comb.sum(axis=-2, keepdims=True) + hc_eps)
+    return pre, post, comb
+
+
+def hc_collapse(xp, pre, X):
+    """Sub-block input u = sum_i pre[i] * X[i] -> [S, D]."""
+    return xp.matmul(pre[:, None, :], X)[:, 0, :]
+
+
+def hc_expand(xp, X, y, post, comb):
+    """New streams X'[j] = post[j] * y + sum_i comb[i, j] * X[i] (comb transposed)."""
+    return post[:, :, None] * y[:, None, :] + xp.matmul(comb.transpose(0, 2, 1), X)
+
+
+def hyper_head(xp, fn, base, scale, X, hc_eps: float, norm_eps: float):
+    """Final collapse of the streams X [S, n, D] before the output norm -> [S, D]."""
+    S = X.shape[0]
+    flat = X.reshape(S, -1)
+    mix = (flat @ fn.T) * rms_scale(xp, flat, norm_eps)
+    pre = sigmoid(xp, mix * scale[0] + base) + hc_eps
+    return hc_collapse(xp, pre, X)

@@ -1,0 +1,76 @@
+"""Mixture of experts (spec §3.8): hash or top-k routing, clamped SwiGLU experts + shared expert."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds4.model.hyper_connection import sigmoid
+
+
+def router_scores(xp, cfg, logits):
+    """Per-expert scores in fp32 (sqrt(softplus) for V4)."""
+    if cfg.scoring_func == "sqrtsoftplus":
+        return xp.sqrt(xp.logaddexp(0.0, logits))
+    if cfg.scoring_func == "sigmoid":
+        return sigmoid(xp, logits)
+    shifted = xp.exp(logits - logits.max(axis=-1, keepdims=True))
+    return shifted / shifted.sum(axis=-1, keepdims=True)
+
+
+def route(xp, cfg, lw, x, token_ids, hashed: bool):
+    """(expert ids [S, k], weights [S, k]); ties pick the lower expert id."""
+    scores = router_scores(xp, cfg, x @ lw["mlp.gate.weight"].T)
+    if hashed:
+        ids = lw["mlp.gate.tid2eid"][token_ids]
+    else:
+        biased = scores + lw["mlp.gate.e_score_correction_bias"]
+        ids = xp.argsort(-biased, axis=-1, kind="stable")[:, : cfg.num_experts_per_tok]
+    weights = xp.take_along_axis(scores, ids, axis=-1)
+    if cfg.norm_topk_prob or cfg.scoring_func != "softmax":
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return ids, weights * cfg.routed_scaling_factor
+
+
+def swiglu(xp, gate, up, limit: float):
+    """silu(min(gate, limit)) * clip(up, -limit, limit); no clamp when limit <= 0."""
+    if limit > 0:
+        gate = xp.minimum(gate, limit)
+        up = xp.clip(up, -limit, limit)
+    return gate * sigmoid(xp, gate) * up
+
+
+def moe(xp, cfg, lw, x, token_ids, hashed: bool, to_host):
+    """f = sum_k w_k expert_k(x) + shared(x) for x [S, D]."""
+    ids, weights = route(xp, cfg, lw, x, token_ids, hashed)
+    if x.shape[0] == 1:
+        routed = _routed_one(xp, cfg, lw.experts, x[0], ids[0], weights[0])[None, :]
+    else:
+        routed = _routed_many(xp, cfg, lw.experts, x, ids, weights, to_host(ids))
+    if "mlp.shared_experts.gate_proj.weight" not in lw:
+        return routed
+    gate = x @ lw["mlp.shared_experts.gate_proj.weight"].T
+    up = x @ lw["mlp.shared_experts.up_proj.weight"].T
+    return routed + swiglu(xp, gate, up, cfg.swiglu_limit) @ lw["mlp.shared_experts.down_proj.weight"].T
+
+
+def _routed_one(xp, cfg, bank, x, ids, weights):
+    """Decode: the k picked experts as one batched product (duplicate picks simply add)."""
+    gate_up, down = bank.gather(ids)  # [k, 2I, D], [k, D, I]
+    inter = cfg.moe_intermediate_size
+    y = xp.matmul(gate_up, x)  # [k, 2I]
+    act = swiglu(xp, y[:, :inter], y[:, inter:], cfg.swiglu_limit) * weights[:, None]
+    return xp.matmul(down, act[:, :, None])[:, :, 0].sum(axis=0)
+
+
+def _routed_many(xp, cfg, bank, x, ids, weights, host_ids: np.ndarray):
+    """Prefill: one product per expert that any token of the chunk picked."""
+    out = xp.zeros_like(x)
+    inter = cfg.moe_intermediate_size
+    for e in np.unique(host_ids).tolist():
+        rows = xp.asarray(np.nonzero((host_ids == e).any(axis=1))[0])
+        w = (weights * (ids == e)).sum(axis=1)[rows]
+        gate_up, down = bank.expert(e)
+        y = x[rows] @ gate_up.T
+        act = swiglu(xp, y[:, :inter], y[:, inter:], cfg.swiglu_limit) * w[:, None]
+        out[rows] += act @ down.T
+    return out

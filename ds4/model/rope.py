@@ -1,0 +1,67 @@
+"""Interleaved partial RoPE on the trailing channels of a head (spec §3.4), plain or YaRN."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ds4.model.config import RopeSpec
+
+
+def inverse_frequencies(spec: RopeSpec, rope_dim: int) -> np.ndarray:
+    """f_k for the rope_dim/2 pairs (float64), YaRN-blended when the spec says so."""
+    base = spec.theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    extrapolation = 1.0 / base
+    if spec.rope_type != "yarn":
+        return extrapolation
+    interpolation = 1.0 / (spec.factor * base)
+    low, high = _correction_range(spec, rope_dim)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = np.clip((np.arange(rope_dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    return interpolation * ramp + extrapolation * (1.0 - ramp)
+
+
+def _correction_range(spec: RopeSpec, dim: int) -> tuple[float, float]:
+    def corr(rotations: float) -> float:
+        ctx = spec.original_max_position_embeddings
+        return dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(spec.theta))
+
+    low, high = corr(spec.beta_fast), corr(spec.beta_slow)
+    if spec.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+class Rope:
+    """cos/sin tables of one rope kind, applied to the trailing rope_dim channels."""
+
+    def __init__(self, xp, spec: RopeSpec, rope_dim: int):
+        self.xp = xp
+        self.rope_dim = rope_dim
+        self.factor = spec.attention_factor
+        self.inv_freq = xp.asarray(inverse_frequencies(spec, rope_dim))
+
+    def cos_sin(self, positions):
+        """(cos, sin) [S, rope_dim/2] fp32 for integer positions [S]; angles formed in float64."""
+        angles = positions.astype(self.xp.float64)[:, None] * self.inv_freq[None, :]
+        cos = (self.xp.cos(angles) * self.factor).astype(self.xp.float32)
+        sin = (self.xp.sin(angles) * self.factor).astype(self.xp.float32)
+        return cos, sin
+
+    def apply(self, x, cos, sin, inverse: bool = False):
+        """Rotate pairs (2k, 2k+1) of the trailing slice of x [S, ..., d]; returns a new array.
+
+        cos/sin are [S, rope_dim/2] and broadcast over any middle axes (heads).
+        """
+        if inverse:
+            sin = -sin
+        shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (cos.shape[1],)
+        cos, sin = cos.reshape(shape), sin.reshape(shape)
+        out = x.copy()
+        a = x[..., -self.rope_dim :: 2]
+        b = x[..., -self.rope_dim + 1 :: 2]
+        out[..., -self.rope_dim :: 2] = a * cos - b * sin
+        out[..., -self.rope_dim + 1 :: 2] = a * sin + b * cos
+        return out
