@@ -24,14 +24,14 @@ class DecodeAttempt:
     """
 
     def __init__(self, request: JobRequest, tokenizer: Any, rng: Any, cap: int,
-                 greedy: bool = False):
+                 greedy: bool = False, id_seed: str = ""):
         self.request = request
         self.tokenizer = tokenizer
         self.rng = rng
         self.cap = cap
         self.greedy = greedy  # a redecode samples the rest of the block greedily
         self.parser = OutputParser(thinking=request.thinking, tools_active=request.tools_active,
-                                   id_prefix=request.id_prefix)
+                                   id_prefix=request.id_prefix, id_seed=id_seed)
         self.stop = StopText(request.stop)
         self.tokens: list[int] = []
         self.ends: list[int] = []  # byte offset after each token, for recovery truncation

@@ -48,6 +48,7 @@ class Job:
         self.arrived_wall = time.time()
         seed = request.sampling.seed
         self.seed = seed if seed is not None else secrets.randbits(63)  # recorded for replay
+        self.id_seed = secrets.token_hex(8)  # tool-call ids unique per job, stable on redecode
         self.slot: Any = None
         self.tokenizer: Any = None
         self.timeslice: Timeslice | None = None
@@ -221,7 +222,8 @@ class Job:
     def _new_attempt(self, rng: Any, greedy: bool) -> DecodeAttempt:
         room = self.slot.session.ctx_size - len(self.request.prompt_tokens)
         cap = max(0, min(self.request.max_tokens, room))
-        return DecodeAttempt(self.request, self.tokenizer, rng, cap, greedy=greedy)
+        return DecodeAttempt(self.request, self.tokenizer, rng, cap, greedy=greedy,
+                             id_seed=self.id_seed)
 
     def _emit_all(self, events: list[TokenEvents]) -> None:
         for event in events:

@@ -114,7 +114,8 @@ class SlotPicker:
         best = max(idle, key=lambda s: (reuse[s.index], -s.last_used))
         if reuse[best.index] > 0:
             return best
-        return min(idle, key=lambda s: s.last_used)
+        # a slot still bound to call ids awaits that conversation's tool results: keep it
+        return min(idle, key=lambda s: (bool(s.live_call_ids()), s.last_used))
 
     def could_start(self, job: Job, slots: list[Slot]) -> bool:
         """Cheap test: would the job get a slot now? (No prefix scoring.)"""

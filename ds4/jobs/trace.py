@@ -22,6 +22,7 @@ def job_record(job: Any) -> dict:
         "cached_tokens": job.cached,
         "sampling": asdict(req.sampling),
         "seed": job.seed,
+        "id_seed": job.id_seed,
         "max_tokens": req.max_tokens,
         "stop": list(req.stop),
         "thinking": req.thinking,
