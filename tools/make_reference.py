@@ -51,7 +51,7 @@ CASES = {
         ),
         chunks=[37, 1, 31, 3, 20, 8],
         decode_steps=20,
-        seed=1,
+        seed=3,  # seeds chosen so every top-k pick wins by > 3e-4 (see selection_margins)
         hf_dtype="bfloat16",  # the bf16-on-disk case (values are bf16-exact anyway)
     ),
     # HCA m=8 / window 16 as in spec §9 (many HCA rows), HCA before CSA, topk 4.
@@ -68,7 +68,7 @@ CASES = {
         ),
         chunks=[5, 1, 17, 2, 9, 26],
         decode_steps=16,
-        seed=2,
+        seed=4,
         hf_dtype="float32",
     ),
 }
@@ -326,8 +326,10 @@ def self_check(name: str, model, directory: Path, ref: dict, case: dict) -> dict
     wide_model = DeepseekV4ForCausalLM(wide).float().eval()
     wide_model.load_state_dict(model.state_dict())
     wide_diff = np.abs(wide_model(input_ids=ids, use_cache=False).logits[0].numpy() - full).max()
+    margins = selection_margins(model, ids)
     summary = {
         "case": name,
+        "selection_margins": margins,
         "max|logit|": float(np.abs(full).max()),
         "chunked_vs_full": float(chunk_diff),
         "decode_vs_full": float(decode_diff),
@@ -338,7 +340,38 @@ def self_check(name: str, model, directory: Path, ref: dict, case: dict) -> dict
     assert chunk_diff < 1e-4 and decode_diff < 1e-4, summary
     assert max(reload_diff.values()) == 0.0, summary
     assert wide_diff > 1e-2, f"indexer top-k does not matter in {name}: {summary}"
+    assert min(margins.values()) > 1e-4, f"a near-tie in a selection of {name}: {summary}"
     return summary
+
+
+@torch.inference_mode()
+def selection_margins(model, ids: torch.Tensor) -> dict[str, float]:
+    """Smallest gap between the last picked and the first dropped score, for MoE routing and
+    the indexer: a gap far above fp32 noise means no engine can legitimately pick differently."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+    config, found = model.config, {"moe": [], "indexer": []}
+
+    def router_hook(module, args, _output):
+        scores = module.score_fn(torch.nn.functional.linear(args[0].reshape(-1, module.hidden_dim), module.weight))
+        ranked = (scores + module.e_score_correction_bias).sort(dim=-1, descending=True).values
+        found["moe"].append((ranked[:, module.top_k - 1] - ranked[:, module.top_k]).min().item())
+
+    def scorer_hook(_module, _args, scores):
+        rate = config.compress_rates[CSA]
+        for t in range(scores.shape[1]):
+            usable = scores[0, t, : (t + 1) // rate]
+            if usable.numel() > config.index_topk:
+                ranked = usable.sort(descending=True).values
+                found["indexer"].append((ranked[config.index_topk - 1] - ranked[config.index_topk]).item())
+
+    hooks = [m.register_forward_hook(router_hook) for m in model.modules() if isinstance(m, hf.DeepseekV4TopKRouter)]
+    hooks += [m.register_forward_hook(scorer_hook) for m in model.modules()
+              if isinstance(m, hf.DeepseekV4IndexerScorer)]
+    model(input_ids=ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    return {k: min(v) for k, v in found.items()}
 
 
 def main() -> None:
