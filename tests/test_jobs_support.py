@@ -32,6 +32,9 @@ class Recorder:
     def of(self, kind):
         return [e for e in self.events if isinstance(e, kind)]
 
+    def token_events(self):
+        return self.of(TokenEvents)
+
     def tokens(self):
         return [e.token_id for e in self.of(TokenEvents) if e.token_id != 1]
 
@@ -100,82 +103,25 @@ class ScriptedSession:
         return out
 
 
-class ScriptedSlot:
-    """Just what a Job reads of a slot."""
+class ScriptedEngine:
+    """Engine double whose sessions follow token scripts (see ScriptedSession)."""
 
-    def __init__(self, session):
-        self.index = 0
-        self.session = session
-        self.call_ids = []
-
-    def clear_bindings(self):
-        self.call_ids = []
-
-    def bind_call_ids(self, ids):
-        self.call_ids = list(ids)
-
-
-# -- temporary: stand-ins while the engine and the chat parser are being built -------------
-
-class HashSession:
-    """Session double: logits depend only on the token history (chunked sync, should_stop)."""
-
-    def __init__(self, vocab, ctx_size, chunk):
-        self.vocab, self.ctx_size, self.chunk = vocab, ctx_size, chunk
-        self.tokens, self.logits, self.prompt_end = [], None, 0
-        self.chunks = 0
-
-    def reusable_prefix(self, ids):
-        if self.tokens and self.tokens == list(ids[: len(self.tokens)]):
-            return len(self.tokens)
-        if self.prompt_end and self.tokens[: self.prompt_end] == list(ids[: self.prompt_end]):
-            return self.prompt_end
-        return 0
-
-    def sync(self, ids, should_stop=None):
-        if len(ids) > self.ctx_size:
-            raise ContextOverflow("context")
-        self.tokens = self.tokens[: self.reusable_prefix(ids)]
-        while len(self.tokens) < len(ids):
-            end = min(len(ids), (len(self.tokens) // self.chunk + 1) * self.chunk)
-            self.tokens = list(ids[:end])
-            self.chunks += 1
-            if len(self.tokens) < len(ids) and should_stop and should_stop():
-                self.logits = None
-                return None
-        self.prompt_end = len(ids)
-        self.logits = self._logits()
-        return self.logits
-
-    def decode(self, tok):
-        self.tokens.append(tok)
-        self.logits = self._logits()
-        return self.logits
-
-    def _logits(self):
-        rng = np.random.default_rng(hash(tuple(self.tokens)) & 0xFFFFFFFF)
-        out = np.full(self.vocab, -30.0, dtype=np.float32)
-        out[300:1300] = rng.standard_normal(1000).astype(np.float32)
-        return out
-
-
-class HashEngine:
-    def __init__(self, chunk=16):
+    def __init__(self, scripts: list[list[int]]):
         from ds4.tokenizer import Tokenizer
+
         self.tokenizer = Tokenizer.for_model()
-        self.chunk = chunk
-        self.sessions = []
+        self.scripts = scripts
+        self.sessions: list[ScriptedSession] = []
 
-    def new_session(self, ctx_size=4096):
-        s = HashSession(self.tokenizer.vocab_size, ctx_size, self.chunk)
-        self.sessions.append(s)
-        return s
-
-
-class ContextOverflow(Exception):
-    pass
+    def new_session(self, ctx_size: int = 4096) -> ScriptedSession:
+        session = ScriptedSession(self.tokenizer.vocab_size, self.scripts, ctx_size)
+        self.sessions.append(session)
+        return session
 
 
-def tiny_engine():
-    return HashEngine(chunk=16)
+def tiny_engine(prefill_chunk: int = 16):
+    """The built-in tiny model on NumPy; small chunks so prompts span several of them."""
+    from ds4.engine import Engine
+    from ds4.model.tiny import default_model_dir
 
+    return Engine.open(default_model_dir(), backend="numpy", prefill_chunk=prefill_chunk)

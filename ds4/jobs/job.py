@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ds4.chat.events import ParsedOutput
+from ds4.engine import ContextOverflow
 from ds4.jobs.decoding import DecodeAttempt
 from ds4.jobs.events import (Failed, Finished, JobEvent, JobRequest, JobSink, Progress, Started,
                              TokenEvents, Usage)
@@ -83,7 +84,7 @@ class Job:
 
     def fail_with(self, exc: BaseException) -> None:
         """End the job failed: a context overflow is the client's 400, anything else a 500."""
-        if type(exc).__name__ == "ContextOverflow":
+        if isinstance(exc, ContextOverflow):
             self.error = Failed(str(exc) or "context overflow", 400, "context_overflow")
         else:
             self.error = Failed(f"{type(exc).__name__}: {exc}", 500, "server_error")
