@@ -227,8 +227,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
         _check(named, name, shape, official)
     expert_sources = [_expert_sources(stored if official else named, cfg, i, official)
                       for i in range(cfg.num_hidden_layers)]
-    progress = _progress(sum(named[n].nbytes for n in expected) +
-                         (sum(t.nbytes for t in stored.values()) if resident_experts else 0))
+    expert_bytes = sum(_source_bytes(s) for pair in expert_sources for part in pair for s in part)
+    progress = _progress(sum(named[n].nbytes for n in expected) + (expert_bytes if resident_experts else 0))
     tensors = {}
     for name in expected:
         tensors[name] = xp.asarray(named[name].widen())

@@ -1,0 +1,130 @@
+"""Sessions of one engine: interleaving, snapshot/restore, rollback, chunking, stopping, overflow.
+
+All on the HF-parity fixture model (window 32, CSA m=4 top-8, HCA m=16), so windows close and
+the indexer selects during both prefill and decode. Exact equality is expected where the same
+arithmetic runs; chunked-vs-one-shot differs only by summation order (tolerance 1e-4).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds4.engine import ContextOverflow, Engine
+
+FIXTURE = Path(__file__).parent / "fixtures" / "v4_csa_hca"
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine.open(FIXTURE, backend="numpy", prefill_chunk=16)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [0] + np.random.default_rng(seed).integers(2, 512, length - 1).tolist()
+
+
+def greedy(session, logits, steps: int) -> list[int]:
+    out = []
+    for _ in range(steps):
+        token = int(np.argmax(logits))
+        out.append(token)
+        logits = session.decode(token)
+    return out
+
+
+@pytest.mark.parametrize("lengths", [(45, 45), (23, 70, 41)])
+def test_interleaved_sessions_match_isolated_runs(engine, lengths):
+    steps = 12
+    prompts = [prompt(i, n) for i, n in enumerate(lengths)]
+    alone = []
+    for p in prompts:
+        s = engine.new_session(256)
+        alone.append(greedy(s, s.sync(p), steps))
+    sessions = [engine.new_session(256) for _ in prompts]
+    logits = [s.sync(p) for s, p in zip(sessions, prompts)]
+    streams = [[] for _ in prompts]
+    for _ in range(steps):  # one greedy token each, alternating on one thread
+        for k, s in enumerate(sessions):
+            token = int(np.argmax(logits[k]))
+            streams[k].append(token)
+            logits[k] = s.decode(token)
+    assert streams == alone
+    assert len({tuple(s) for s in streams}) == len(streams)  # the streams really differ
+
+
+def test_snapshot_restore_mid_decode_gives_identical_logits(engine):
+    s = engine.new_session(256)
+    logits = s.sync(prompt(7, 50))
+    greedy(s, logits, 9)
+    blob = s.snapshot()
+    r = engine.new_session(128).restore(blob)
+    assert r.tokens == s.tokens
+    np.testing.assert_array_equal(r.logits, s.logits)
+    for token in (5, 77, 300, 2, 9, 41, 100, 7):  # crosses HCA closing at 63 and CSA windows
+        np.testing.assert_array_equal(r.decode(token), s.decode(token))
+
+
+def test_rollback_to_prompt_end_equals_fresh_run(engine):
+    p = prompt(3, 61)
+    s = engine.new_session(256)
+    first = s.sync(p)
+    greedy(s, first, 10)  # closes windows past the prompt end
+    assert s.reusable_prefix(p) == len(p)
+    again = s.sync(p)  # regenerate: no prefill
+    np.testing.assert_array_equal(again, first)
+    fresh = engine.new_session(256)
+    fresh_logits = fresh.sync(p)
+    assert greedy(s, again, 10) == greedy(fresh, fresh_logits, 10)
+    other = p[:40] + [9, 9, 9]
+    assert s.reusable_prefix(other) == 0  # a shorter shared prefix rebuilds
+    np.testing.assert_allclose(s.sync(other), engine.new_session(64).sync(other), atol=0)
+
+
+def test_ragged_chunks_equal_one_shot(engine):
+    p = prompt(11, 97)
+    one = Engine(engine.model_dir, engine.config, engine.model, prefill_chunk=512).new_session(128)
+    want = one.sync(p)
+    s = engine.new_session(128)
+    for end in (5, 6, 38, 41, 70, 71, 97):  # growing prefixes reuse the held tokens
+        got = s.sync(p[:end])
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    assert s.tokens == p
+
+
+def test_should_stop_leaves_a_valid_prefix(engine):
+    p = prompt(5, 80)
+    asked = []
+
+    def should_stop() -> bool:
+        asked.append(len(s.tokens))
+        return len(asked) == 3
+
+    s = engine.new_session(128)
+    assert s.sync(p, should_stop=should_stop) is None
+    assert asked == [16, 32, 48]  # asked between chunks only
+    assert s.tokens == p[:48]  # chunks of 16: stopped before the 4th chunk
+    np.testing.assert_allclose(s.logits, engine.new_session(128).sync(p[:48]), atol=1e-4)
+    resumed = s.sync(p)
+    np.testing.assert_allclose(resumed, engine.new_session(128).sync(p), atol=1e-4)
+
+
+def test_context_overflow(engine):
+    s = engine.new_session(40)
+    with pytest.raises(ContextOverflow, match="context size 40"):
+        s.sync(prompt(1, 41))
+    s.sync(prompt(1, 40))
+    with pytest.raises(ContextOverflow):
+        s.decode(3)
+    assert len(s.tokens) == 40
+
+
+def test_memory_report(engine):
+    report = engine.memory_report()
+    cfg = engine.config
+    # CSA layers append head_dim/4 + index_head_dim/4 floats per token, HCA head_dim/16
+    assert report["state_bytes_per_token"] == 4 * (2 * (32 / 4 + 16 / 4) + 2 * (32 / 16))
+    assert report["weight_bytes"] > 0 and report["scratch_bytes"] > 0
+    assert report["state_fixed_bytes"] >= cfg.num_hidden_layers * cfg.sliding_window * cfg.head_dim * 4
