@@ -231,3 +231,14 @@ def test_round_trip_of_generated_turns(reasoning, content, turn_calls, thinking,
     points = sorted({c % (len(data) + 1) for c in cuts})
     chunks = [data[a:b] for a, b in zip([0] + points, points + [len(data)])]
     assert_stream_matches(text, chunks, thinking=thinking)
+
+
+def test_structure_flag_inside_json_values():
+    parser = OutputParser(thinking=False)
+    parser.feed('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n'
+                '<｜DSML｜parameter name="o" string="false">{"a": '.encode())
+    assert parser.in_dsml_structure  # punctuation: greedy
+    parser.feed(b'"free \\" text')
+    assert not parser.in_dsml_structure  # inside a JSON string literal: normal sampling
+    parser.feed(b'"}')
+    assert parser.in_dsml_structure

@@ -4,7 +4,8 @@ import hashlib
 
 import pytest
 
-from ds4.chat import MAX_PREFIX, ToolMemory, parse_output, render_chat, render_completion
+from ds4.chat import (MAX_PREFIX, ToolMemory, canonical_turn, parse_output, render_chat,
+                      render_completion)
 from ds4.tokenizer import Tokenizer
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
@@ -217,3 +218,37 @@ def test_response_format_follows_tools():
     text = render_chat([SYSTEM, U1], tools=TOOLS, response_format={"type": "json_object"})
     assert ("tool calls.\n\n\n## Response Format:\n\nYou MUST strictly adhere to the following "
             'schema to reply:\n{"type": "json_object"}<｜User｜>') in text
+
+
+def test_canonical_turn_continues_the_prompt_exactly():
+    """prompt + canonical_turn(parse(C1)) is what the next request renders (§6.2)."""
+    p1 = render_chat([SYSTEM, WEATHER_USER], tools=TOOLS)
+    p2 = render_chat(weather_history(), tools=TOOLS)
+    assert p2.startswith(p1 + canonical_turn(parse_output(C1), thinking=True))
+    chat = render_chat(weather_history(), tools=TOOLS, thinking="none")
+    chat_p1 = render_chat([SYSTEM, WEATHER_USER], tools=TOOLS, thinking="none")
+    after = parse_output(C1.split("</think>")[1], thinking=False)
+    assert chat.startswith(chat_p1 + canonical_turn(after, thinking=False))
+
+
+def test_reasoning_replay_fills_a_turn_sent_back_without_reasoning():
+    history = weather_history()
+    del history[2]["reasoning_content"]
+    memory = ToolMemory(replay_reasoning=True)
+    memory.remember(["call_0"], parse_output(C1).raw_block, "I need the get_weather tool.")
+    assert render_chat(history, tools=TOOLS, tool_memory=memory) == render_chat(
+        weather_history(), tools=TOOLS)
+    plain = ToolMemory()
+    plain.remember(["call_0"], parse_output(C1).raw_block, "I need the get_weather tool.")
+    assert "<think></think>\n\n<｜DSML｜tool_calls>" in render_chat(history, tools=TOOLS,
+                                                                    tool_memory=plain)
+
+
+def test_legacy_function_call_field():
+    msgs = [U1, {"role": "assistant", "content": None,
+                 "function_call": {"name": "f", "arguments": '{"x": 1}'}},
+            {"role": "function", "name": "f", "content": "done"}]
+    text = render_chat(msgs, thinking="none")
+    assert ('<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="false">1'
+            '</｜DSML｜parameter>') in text
+    assert text.endswith("<｜User｜><tool_result>done</tool_result><｜Assistant｜></think>")

@@ -15,13 +15,13 @@ from ds4.chat.final_parse import parse_output
 from ds4.chat.forcing import forced_text, tools_active
 from ds4.chat.items import ChatError
 from ds4.chat.parser import OutputParser
-from ds4.chat.render import (MAX_PREFIX, render_anthropic, render_chat, render_completion,
-                             render_responses)
+from ds4.chat.render import (MAX_PREFIX, canonical_turn, render_anthropic, render_chat,
+                             render_completion, render_responses)
 from ds4.chat.replay import ToolMemory
 
 __all__ = [
     "ChatError", "Done", "MAX_PREFIX", "OutputParser", "ParsedOutput", "ParserEvent",
     "ReasoningDelta", "TextDelta", "ToolArgsDelta", "ToolCall", "ToolCallEnd", "ToolCallStart",
-    "ToolMemory", "forced_text", "parse_output", "render_anthropic", "render_chat",
+    "ToolMemory", "canonical_turn", "forced_text", "parse_output", "render_anthropic", "render_chat",
     "render_completion", "render_responses", "tools_active",
 ]

@@ -65,6 +65,8 @@ def add_openai_message(out: ItemList, msg: Any) -> None:
         if reasoning is None:
             reasoning = msg.get("reasoning")
         calls = [openai_call(c) for c in msg.get("tool_calls") or []]
+        if msg.get("function_call"):  # the legacy single-call field
+            calls.append(openai_call({"function": msg["function_call"]}))
         out.add_assistant(content_text(reasoning), content_text(content), calls)
     else:
         raise ChatError(f"unknown message role {role!r}")

@@ -40,6 +40,7 @@ class OutputParser:
         self._dialect = dsml.DIALECTS[0]
         self._call: ToolCall | None = None
         self._args: list[str] = []
+        self._json = JsonScan()
 
     # ---- public surface ------------------------------------------------------------------
 
@@ -86,7 +87,7 @@ class OutputParser:
         if self.state == "string_value":
             return len(self.buf) >= 2  # the held tail is a partial closing tag
         if self.state == "json_value":
-            return not inside_json_string(self.buf)
+            return not self._json.inside
         return self.state == "content" and self.tools and DSML in self.buf
 
     # ---- machinery -----------------------------------------------------------------------
@@ -234,6 +235,7 @@ class OutputParser:
         key, is_string = attrs
         self._emit_args(dsml.key_fragment(key, len(self._args) == 1, is_string))
         self.state = "string_value" if is_string else "json_value"
+        self._json = JsonScan()
         return True
 
     def _string_value(self) -> bool:
@@ -250,8 +252,9 @@ class OutputParser:
 
     def _json_value(self) -> bool:
         end_tag = self._dialect.param_end
-        close = self.buf.find(end_tag)
+        close = self.buf.find(end_tag, max(0, self._json.scanned - len(end_tag)))
         if close < 0:
+            self._json.scan(self.buf)
             return False
         self._emit_args(dsml.json_value_fragment(self._take(close)))
         self._take(len(end_tag))
@@ -259,14 +262,21 @@ class OutputParser:
         return True
 
 
-def inside_json_string(text: str) -> bool:
-    """True when text ends inside a JSON string literal (an unclosed, unescaped quote)."""
-    inside, escaped = False, False
-    for ch in text:
-        if escaped:
-            escaped = False
-        elif ch == "\\" and inside:
-            escaped = True
-        elif ch == '"':
-            inside = not inside
-    return inside
+class JsonScan:
+    """Whether a growing string=false value currently ends inside a JSON string literal."""
+
+    def __init__(self) -> None:
+        self.scanned = 0
+        self.inside = False
+        self.escaped = False
+
+    def scan(self, text: str) -> None:
+        """Advance over the characters added since the last call."""
+        for ch in text[self.scanned:]:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\" and self.inside:
+                self.escaped = True
+            elif ch == '"':
+                self.inside = not self.inside
+        self.scanned = len(text)

@@ -6,7 +6,8 @@ from typing import Any
 
 from ds4.chat.anthropic import anthropic_functions, anthropic_items
 from ds4.chat.forcing import forced_text, tools_active
-from ds4.chat.items import Assistant, ChatError, Item, System, User, ToolResult
+from ds4.chat.events import ParsedOutput
+from ds4.chat.items import Assistant, Call, ChatError, Item, System, ToolResult, User
 from ds4.chat.normalize import openai_functions, openai_items
 from ds4.chat.replay import ToolMemory
 from ds4.chat.responses import responses_functions, responses_items
@@ -63,6 +64,21 @@ def assistant_body(item: Assistant, memory: ToolMemory | None) -> str:
     return item.content + calls + ("" if item.open_end else EOS)
 
 
+def turn_reasoning(item: Assistant, memory: ToolMemory | None) -> str:
+    """The reasoning to render; a calls turn sent back without it may take the stored one."""
+    if item.reasoning or not item.calls or memory is None:
+        return item.reasoning
+    return memory.reasoning_for([c.id for c in item.calls]) or ""
+
+
+def canonical_turn(parsed: ParsedOutput, thinking: bool) -> str:
+    """What the next request renders after this turn's prompt when the client echoes the
+    parsed turn back as JSON (§6.2): [reasoning + </think>] + content + DSML(calls) + EOS."""
+    calls = [Call(c.id, c.name, c.arguments) for c in parsed.tool_calls]
+    head = parsed.reasoning + THINK_END if thinking else ""
+    return head + parsed.content + dsml_calls(calls) + EOS
+
+
 def render_items(items: list[Item], thinking: str = "high",
                  tool_memory: ToolMemory | None = None) -> str:
     """The prompt text of normalised items (the §3.1 procedure)."""
@@ -86,7 +102,7 @@ def render_items(items: list[Item], thinking: str = "high",
                 out.append(ASSISTANT + (THINK if opens else THINK_END))
         else:
             if think and (keep_reasoning or n > last_user):
-                out.append(item.reasoning + THINK_END)
+                out.append(turn_reasoning(item, tool_memory) + THINK_END)
             out.append(assistant_body(item, tool_memory))
     return "".join(out)
 
