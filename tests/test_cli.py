@@ -80,3 +80,9 @@ def test_statechart_export(tmp_path: Path, fmt: str, marker: str, capsys) -> Non
     path = tmp_path / f"job.{fmt}"
     assert main(["statechart", "--format", fmt, "-o", str(path)]) == 0
     assert marker in path.read_text()
+
+
+def test_missing_model_directory_fails_clearly(tmp_path: Path, capsys) -> None:
+    code = main(["generate", "--backend", "numpy", "-p", "Hi", "--model", str(tmp_path / "absent")])
+    assert code == 1
+    assert "ds4:" in capsys.readouterr().err

@@ -77,11 +77,7 @@ def generate_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     prompt = engine.tokenizer.encode(args.prompt if args.raw else plain_chat(args.prompt))
     session = engine.new_session(ctx_size=args.ctx)
     start = time.perf_counter()
-    try:
-        logits = session.sync(prompt)
-    except ContextOverflow as e:
-        print(f"ds4: {e}", file=err)
-        return 1
+    logits = session.sync(prompt)  # ContextOverflow (a ValueError) is reported by main
     prefill_s = time.perf_counter() - start
     rng, text = make_rng(args.seed), codecs.getincrementaldecoder("utf-8")(errors="replace")
     generated, start = 0, time.perf_counter()
@@ -114,11 +110,15 @@ def report_speed(err: TextIO, prompt_tokens: int, prefill_s: float, generated: i
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `ds4` command."""
     args = parser().parse_args(argv)
-    if args.command == "make-tiny":
-        return make_tiny_command(args, sys.stdout)
-    if args.command == "statechart":
-        return statechart_command(args, sys.stdout)
-    return generate_command(args, sys.stdout, sys.stderr)
+    try:
+        if args.command == "make-tiny":
+            return make_tiny_command(args, sys.stdout)
+        if args.command == "statechart":
+            return statechart_command(args, sys.stdout)
+        return generate_command(args, sys.stdout, sys.stderr)
+    except (OSError, ValueError, RuntimeError) as e:  # bad model dir, config, missing `dot`, ...
+        print(f"ds4: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
