@@ -101,3 +101,22 @@ def test_every_prefix_length_matches_hf(case: str) -> None:
     for t in range(1, len(ids)):
         logits = session.decode(ids[t])
         assert_logits_close(logits, ref["full_logits"][t], f"{case} position {t}")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_going_back_to_earlier_prefixes_matches_hf(case: str) -> None:
+    """Regenerate after decoding (back to the synced prompt end), a shorter prefix (rebuild),
+    and a longer one again: each sync returns the non-cached logits of its last position."""
+    ref = reference(case)
+    ids, p = ref["ids"].tolist(), int(ref["prefill_len"])
+    full = ref["full_logits"]
+    session = engine(case, "hf").new_session(ctx_size=256)
+    session.sync(ids[:p])
+    for token in ids[p : p + 6]:
+        session.decode(token)
+    assert_logits_close(session.sync(ids[:p]), full[p - 1], f"{case} back to the prompt end")
+    assert session.tokens == ids[:p]
+    assert_logits_close(session.decode(ids[p]), full[p], f"{case} decode after going back")
+    assert_logits_close(session.sync(ids[: p - 9]), full[p - 10], f"{case} shorter prefix")
+    assert_logits_close(session.sync(ids[: p + 11]), full[p + 10], f"{case} longer again")
+    assert session.tokens == ids[: p + 11]
