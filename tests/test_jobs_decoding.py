@@ -45,7 +45,7 @@ def streamed_text(rec) -> str:
 
 def test_a_closed_tool_call_ends_the_turn_and_binds_its_id_to_the_slot():
     script = TOK.encode("Checking." + CALL) + TOK.encode("never sampled")
-    sched, job, rec = run([script], tools_active=True)
+    sched, _, rec = run([script], tools_active=True)
     end = rec.finished()
     assert end.finish_reason == "tool_calls"
     call = end.output.tool_calls[0]
@@ -60,7 +60,7 @@ def test_a_closed_tool_call_ends_the_turn_and_binds_its_id_to_the_slot():
 
 def test_eos_is_never_fed_to_the_session():
     script = TOK.encode("Short answer.") + [EOS]
-    sched, job, rec = run([script])
+    sched, _, rec = run([script])
     end = rec.finished()
     assert (end.finish_reason, end.text, end.output.content) == ("stop", "Short answer.",
                                                                   "Short answer.")
@@ -70,7 +70,7 @@ def test_eos_is_never_fed_to_the_session():
 
 def test_stop_string_cuts_the_answer_and_is_never_streamed():
     script = TOK.encode("Hello world. STOP here and more text") + [EOS]
-    sched, job, rec = run([script], stop=["STOP", "never"])
+    sched, _, rec = run([script], stop=["STOP", "never"])
     end = rec.finished()
     assert end.finish_reason == "stop"
     assert end.output.content == "Hello world. " and end.text == "Hello world. "
@@ -90,7 +90,7 @@ def test_stop_filter_holds_back_partial_matches():
 def test_forced_text_is_inserted_as_if_sampled():
     forced = TOK.encode(OPEN + INVOKE)
     script = TOK.encode("xx") * len(forced) + TOK.encode(CALL)[len(forced):]
-    sched, job, rec = run([script], tools_active=True, forced_text=OPEN + INVOKE)
+    sched, _, rec = run([script], tools_active=True, forced_text=OPEN + INVOKE)
     end = rec.finished()
     assert end.finish_reason == "tool_calls"
     assert end.output.tool_calls[0].name == "get_weather"
@@ -112,7 +112,7 @@ def test_malformed_block_is_redecoded_from_the_last_valid_offset():
 
 def test_recovery_gives_up_after_two_redecodes():
     bad = TOK.encode("Checking." + BROKEN) + [EOS]
-    sched, job, rec = run([bad, bad, bad], tools_active=True)
+    _, job, rec = run([bad, bad, bad], tools_active=True)
     end = rec.finished()
     assert job.redecodes == 2
     assert end.finish_reason == "stop" and not end.output.tool_calls

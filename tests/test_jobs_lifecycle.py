@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
+import pytest
 from test_jobs_support import Recorder, StepClock, tiny_engine
 
-from ds4.jobs.events import Failed, Finished, JobRequest, Progress, SamplingOptions, Started
-from ds4.jobs.scheduler import Scheduler, SchedulerConfig
+from ds4.jobs.events import (
+    Failed,
+    JobRequest,
+    Progress,
+    SamplingOptions,
+    Started,
+)
+from ds4.jobs.scheduler import Scheduler, SchedulerConfig, refuse_ssd_streaming_on_gpu
 from ds4.jobs.trace import read_trace
 
 GREEDY = SamplingOptions(temperature=0.0)
@@ -121,21 +128,37 @@ def test_generation_stops_with_length_when_the_context_is_full(engine):
 
 
 def test_a_job_that_raises_ends_failed_and_leaves_its_slot_usable(engine):
-    sched = scheduler(engine, parallel=2)
+    sched = scheduler(engine)
+    bad = Recorder()
+    sched.submit(JobRequest(prompt_tokens=[5, 10**9, 7], sampling=GREEDY), bad)  # no such id
+    drain(sched)
+    failed = bad.final()
+    assert isinstance(failed, Failed) and failed.status == 500
+    assert failed.kind == "server_error" and "IndexError" in failed.message
+    rec = Recorder()
+    req = request(engine, max_tokens=3)
+    sched.submit(req, rec)
+    drain(sched)
+    assert rec.of(Started)[0].cached_tokens == 0  # nothing of the failed prompt is trusted
+    assert len(rec.tokens()) == 3
+    assert sched.slots[0].session.tokens == req.prompt_tokens + rec.tokens()
+    assert_all_idle(sched)
+
+
+def test_a_sink_that_raises_fails_only_its_own_job(engine):
+    sched = scheduler(engine)
     seen = []
 
     def broken(event):
         seen.append(event)
-        if isinstance(event, Started):
+        if len(seen) == 2:  # Queued, then Started
             raise RuntimeError("sink broke")
 
     sched.submit(request(engine), broken)
-    drain(sched)
-    assert isinstance(seen[-1], Failed) and seen[-1].status == 500
-    assert "sink broke" in seen[-1].message
     rec = Recorder()
     sched.submit(request(engine, max_tokens=3), rec)
     drain(sched)
+    assert isinstance(seen[-1], Failed) and "sink broke" in seen[-1].message
     assert len(rec.tokens()) == 3
     assert_all_idle(sched)
 
@@ -188,3 +211,10 @@ def test_ssd_streaming_refuses_parallel_slots():
     with pytest.raises(ValueError, match="--ssd-streaming"):
         SchedulerConfig(parallel=2, ssd_streaming=True)
     assert SchedulerConfig(parallel=1, ssd_streaming=True).ssd_streaming
+
+
+def test_ssd_streaming_is_refused_on_the_gpu_backend():
+    gpu = SimpleNamespace(backend=SimpleNamespace(name="cupy"))
+    with pytest.raises(ValueError, match="CuPy"):
+        refuse_ssd_streaming_on_gpu(gpu, SchedulerConfig(ssd_streaming=True))
+    refuse_ssd_streaming_on_gpu(gpu, SchedulerConfig())  # without the flag: fine

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import pytest
-
 from test_jobs_support import Recorder, StepClock, tiny_engine
 
-from ds4.jobs.events import (Failed, Finished, JobRequest, Progress, Queued, SamplingOptions,
-                             Started, TokenEvents)
+from ds4.jobs.events import (
+    JobRequest,
+    Progress,
+    Queued,
+    SamplingOptions,
+    Started,
+    TokenEvents,
+)
 from ds4.jobs.scheduler import Scheduler, SchedulerConfig
 
 GREEDY = SamplingOptions(temperature=0.0)
@@ -61,6 +66,7 @@ PROMPTS = ["The quick brown fox", "Once upon a time in a land far away",
 @pytest.mark.parametrize("parallel", [2, 3])
 def test_interleaved_jobs_give_the_tokens_of_isolated_runs(engine, parallel):
     reqs = [request(prompt(engine, t), max_tokens=10) for t in PROMPTS[:parallel]]
+    reqs[-1].sampling = SamplingOptions(temperature=0.9, top_k=50, seed=7)  # own rng per job
     expected = [alone(engine, r) for r in reqs]
     sched = scheduler(engine, parallel=parallel, decode_tokens=2)
     log = []
@@ -70,6 +76,8 @@ def test_interleaved_jobs_give_the_tokens_of_isolated_runs(engine, parallel):
     drain(sched)
     assert [rec.tokens() for rec in recs] == expected
     assert all(len(t) == 10 for t in expected)
+    assert len(sched.stats.ttft) == parallel  # one TTFT and nine gaps per job
+    assert len(sched.stats.inter_token) == 9 * parallel
     # really interleaved: the last job streamed before the first one finished
     first_done = log.index((0, "Finished"))
     assert (parallel - 1, "TokenEvents") in log[:first_done]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from ds4.chat import OutputParser
 from ds4.chat.events import ParsedOutput, ParserEvent

@@ -5,14 +5,24 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ds4.chat.events import ParsedOutput
 from ds4.engine import ContextOverflow
 from ds4.jobs.decoding import DecodeAttempt
-from ds4.jobs.events import (Failed, Finished, JobEvent, JobRequest, JobSink, Progress, Started,
-                             TokenEvents, Usage)
+from ds4.jobs.events import (
+    Failed,
+    Finished,
+    JobEvent,
+    JobRequest,
+    JobSink,
+    Progress,
+    Started,
+    TokenEvents,
+    Usage,
+)
 from ds4.jobs.machine import TERMINAL, attach_machine, turn_triggers
 from ds4.jobs.stats import SchedulerStats
 from ds4.sampling import make_rng

@@ -6,18 +6,22 @@ round-robin, fire one transition of its job, release the slot if the job ended.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ds4.jobs.events import JobRequest, JobSink, Queued
 from ds4.jobs.job import Job, Timeslice
 from ds4.jobs.slot import Slot
 from ds4.jobs.stats import SchedulerStats
 from ds4.jobs.trace import TraceWriter, job_record
+
+log = logging.getLogger("ds4.jobs")
 
 IDLE_WAIT_S = 0.5  # the thread re-checks for stop this often when nothing arrives
 
@@ -43,7 +47,7 @@ class SchedulerConfig:
                              "sessions would thrash the streamed experts; use --parallel 1")
 
     @classmethod
-    def from_env(cls, env: dict | None = None, **overrides: Any) -> "SchedulerConfig":
+    def from_env(cls, env: dict | None = None, **overrides: Any) -> SchedulerConfig:
         """Defaults, then DS4_SERVER_SCHED_PREFILL_MS / _DECODE_TOKENS, then overrides."""
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
@@ -169,13 +173,14 @@ class Scheduler:
 
     def submit(self, request: JobRequest, sink: JobSink) -> Job:
         """Queue a job; its sink gets Queued now and every later event from the scheduler."""
-        with self._lock:
+        with self._lock:  # stop() takes the same lock: no job slips in after shutdown
             self._seq += 1
             job = Job(request, sink, self._seq, self.clock, self.stats)
-        if self._stopping.is_set():
+            refused = self._stopping.is_set()
+            ahead = -1 if refused else self.pending.push(job)
+        if refused:
             job.fail_with_message("server shutting down", 503)
             return job
-        ahead = self.pending.push(job)
         self.stats.queue_depth = len(self.pending)
         sink(Queued(ahead))
         self._wakeup.set()
@@ -202,7 +207,8 @@ class Scheduler:
 
     def stop(self) -> None:
         """Stop the thread; jobs still queued or running end failed ("shutdown requested")."""
-        self._stopping.set()
+        with self._lock:
+            self._stopping.set()
         self._wakeup.set()
         if self._thread is not None:
             self._thread.join()
@@ -261,7 +267,8 @@ class Scheduler:
                 job.cancel()
             else:
                 job.step()
-        except Exception as exc:  # any failure ends this job only; the slot stays usable
+        except Exception as exc:  # any failure ends this job only, not the loop
+            log.exception("job %d failed on slot %d", job.seq, slot.index)
             self._fail(job, exc)
         if job.is_terminal:
             self._release(slot, job)
@@ -271,8 +278,8 @@ class Scheduler:
             return  # it ended, then its sink raised: nothing left to tell it
         try:
             job.fail_with(exc)
-        except Exception:  # the sink raised again on Failed; the job is failed all the same
-            pass
+        except Exception:  # the sink raised again; the job is failed all the same
+            log.exception("job %d: its sink refused the failure report", job.seq)
 
     def _release(self, slot: Slot, job: Job) -> None:
         slot.job = None

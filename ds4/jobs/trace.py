@@ -45,7 +45,8 @@ class TraceWriter:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._file = open(self.path, "w", encoding="utf-8")  # truncates, like ds4
+        # open for the server's lifetime, closed by close(); truncates, like ds4
+        self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115
 
     def write(self, record: dict) -> None:
         """Write one record as one line and flush it."""
