@@ -2,8 +2,14 @@
 
 import pytest
 
-from ds4.chat import (ChatError, forced_text, render_anthropic, render_chat, render_responses,
-                      tools_active)
+from ds4.chat import (
+    ChatError,
+    forced_text,
+    render_anthropic,
+    render_chat,
+    render_responses,
+    tools_active,
+)
 
 WEATHER = {"name": "get_weather", "description": "Get the weather.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}

@@ -7,8 +7,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds4.chat import (Done, OutputParser, ReasoningDelta, TextDelta, ToolArgsDelta, ToolCallEnd,
-                      ToolCallStart, parse_output)
+from ds4.chat import (
+    Done,
+    OutputParser,
+    ReasoningDelta,
+    TextDelta,
+    ToolArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    parse_output,
+)
 from ds4.chat.items import Call
 from ds4.chat.tools_block import dsml_calls
 from ds4.tokenizer import Tokenizer
@@ -146,8 +154,8 @@ def test_thinking_without_end_is_all_reasoning():
     ('<｜DSML｜invoke name="f">\n', 'hello</｜DSML｜invoke>', "expected a parameter"),
     ('', 'junk', "expected an invoke"),
     ('', '<｜DSML｜invoke nam="f">\n</｜DSML｜invoke>', "invalid invoke tag"),
-    ('<｜DSML｜invoke name="f">\n', '<｜DSML｜parameter name="k" string="maybe">v'
-     '</｜DSML｜parameter>', "invalid parameter tag"),
+    ('<｜DSML｜invoke name="f">\n',
+     ('<｜DSML｜parameter name="k" string="maybe">v</｜DSML｜parameter>'), "invalid parameter tag"),
 ])
 def test_malformed_dsml_is_reported_with_the_valid_offset(good, bad, message):
     head = 'r</think>C\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="ok">\n</｜DSML｜invoke>\n'
@@ -178,7 +186,7 @@ def test_structure_flag_follows_the_syntax(tok):
                      parser.reasoning_done))
     assert not any(flag for text, flag, _ in seen[:8])  # reasoning
     assert seen[8] == ("</think>", False, True)
-    paris = [n for n, s in enumerate(seen) if s[0] == "Paris"][0]
+    paris = next(n for n, s in enumerate(seen) if s[0] == "Paris")
     # the flag governs the NEXT token: the tag is greedy up to its `">`, the body is not,
     # and a partial closing tag is greedy again
     assert [s[1] for s in seen[paris - 2:paris + 2]] == [True, False, False, True]

@@ -4,8 +4,14 @@ import hashlib
 
 import pytest
 
-from ds4.chat import (MAX_PREFIX, ToolMemory, canonical_turn, parse_output, render_chat,
-                      render_completion)
+from ds4.chat import (
+    MAX_PREFIX,
+    ToolMemory,
+    canonical_turn,
+    parse_output,
+    render_chat,
+    render_completion,
+)
 from ds4.tokenizer import Tokenizer
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}

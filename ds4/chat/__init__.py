@@ -9,19 +9,34 @@ Parse (§5): OutputParser streams events; parse_output() is the final word, and 
 result() always equals it, call ids included. ToolMemory keeps sampled DSML for replay (§6.1).
 """
 
-from ds4.chat.events import (Done, ParsedOutput, ParserEvent, ReasoningDelta, TextDelta,
-                             ToolArgsDelta, ToolCall, ToolCallEnd, ToolCallStart)
+from ds4.chat.events import (
+    Done,
+    ParsedOutput,
+    ParserEvent,
+    ReasoningDelta,
+    TextDelta,
+    ToolArgsDelta,
+    ToolCall,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from ds4.chat.final_parse import parse_output
 from ds4.chat.forcing import forced_text, tools_active
 from ds4.chat.items import ChatError
 from ds4.chat.parser import OutputParser
-from ds4.chat.render import (MAX_PREFIX, canonical_turn, render_anthropic, render_chat,
-                             render_completion, render_responses)
+from ds4.chat.render import (
+    MAX_PREFIX,
+    canonical_turn,
+    render_anthropic,
+    render_chat,
+    render_completion,
+    render_responses,
+)
 from ds4.chat.replay import ToolMemory
 
 __all__ = [
-    "ChatError", "Done", "MAX_PREFIX", "OutputParser", "ParsedOutput", "ParserEvent",
+    "MAX_PREFIX", "ChatError", "Done", "OutputParser", "ParsedOutput", "ParserEvent",
     "ReasoningDelta", "TextDelta", "ToolArgsDelta", "ToolCall", "ToolCallEnd", "ToolCallStart",
-    "ToolMemory", "canonical_turn", "forced_text", "parse_output", "render_anthropic", "render_chat",
-    "render_completion", "render_responses", "tools_active",
+    "ToolMemory", "canonical_turn", "forced_text", "parse_output", "render_anthropic",
+    "render_chat", "render_completion", "render_responses", "tools_active",
 ]

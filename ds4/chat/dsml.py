@@ -134,12 +134,12 @@ def json_value_fragment(value: str) -> str:
         return to_json(value)
 
 
-def id_hash(seed: str) -> "hashlib._Hash":
+def id_hash(seed: str) -> hashlib._Hash:
     """Running hash of the output that call ids derive from (fed the text as it is read)."""
     return hashlib.sha256(seed.encode("utf-8") + b"\0")
 
 
-def call_id(prefix: str, running: "hashlib._Hash", index: int) -> str:
+def call_id(prefix: str, running: hashlib._Hash, index: int) -> str:
     """prefix + 32 hex: a hash of (seed, output up to the invoke tag, call index)."""
     h = running.copy()
     h.update(f"\0{index}".encode("ascii"))

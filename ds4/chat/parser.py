@@ -12,8 +12,17 @@ from dataclasses import replace
 
 from ds4.chat import dsml
 from ds4.chat.dsml import DSML, SEPARATOR, SPACE, START_MARKERS, THINK, THINK_END
-from ds4.chat.events import (Done, ParsedOutput, ParserEvent, ReasoningDelta, TextDelta,
-                             ToolArgsDelta, ToolCall, ToolCallEnd, ToolCallStart)
+from ds4.chat.events import (
+    Done,
+    ParsedOutput,
+    ParserEvent,
+    ReasoningDelta,
+    TextDelta,
+    ToolArgsDelta,
+    ToolCall,
+    ToolCallEnd,
+    ToolCallStart,
+)
 
 LONGEST_MARKER = max(len(m) for m in START_MARKERS)
 TOOL_STATES = ("invokes", "params", "string_value", "json_value")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ds4.chat.anthropic import anthropic_functions, anthropic_items
-from ds4.chat.forcing import forced_text, tools_active
 from ds4.chat.events import ParsedOutput
+from ds4.chat.forcing import forced_text, tools_active
 from ds4.chat.items import Assistant, Call, ChatError, Item, System, ToolResult, User
 from ds4.chat.normalize import openai_functions, openai_items
 from ds4.chat.replay import ToolMemory

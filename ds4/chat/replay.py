@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-
 Turn = tuple[str, frozenset, str]  # raw block, the turn's call ids, the turn's reasoning
 
 
