@@ -46,15 +46,17 @@ def both(cp, fn_gpu, fn_np, *args, out_index, **kw):
     return cp.asnumpy(dev[out_index]), host[out_index]
 
 
-@pytest.mark.parametrize("rows,cols,group", [(512, 4096, None), (8192, 1024, None),
-                                             (8192, 4096, 1024), (96, 64, None)])
-def test_gemv_bf16(cp, rng, rows, cols, group):
+@pytest.mark.parametrize("rows,cols,group,bf16", [(512, 4096, None, True), (8192, 1024, None, True),
+                                                  (8192, 4096, 1024, True), (96, 64, None, True),
+                                                  (512, 4096, None, False), (96, 40, 32, False)])
+def test_gemv(cp, rng, rows, cols, group, bf16):
     from ds4.kernels import gemv, to_bf16
 
-    w = to_bf16(randn(rng, rows, cols, scale=0.05))
+    w = randn(rng, rows, cols, scale=0.05)
+    w = to_bf16(w) if bf16 else w
     x = randn(rng, (rows // group if group else 1) * cols)
     out = np.full(rows, np.nan, np.float32)
-    g, n = both(cp, gemv.gemv_bf16, gemv.gemv_bf16_numpy, w, x, out, group, out_index=2)
+    g, n = both(cp, gemv.gemv, gemv.gemv_numpy, w, x, out, group, out_index=2)
     assert np.isfinite(g).all() and rel_err(g, n) < RTOL
 
 
@@ -65,7 +67,7 @@ def test_rms_norm_and_rope(cp, rng):
     out = np.full_like(x, np.nan)
     g, n = both(cp, norm.rms_norm, norm.rms_norm_numpy, x, w, out, out_index=2)
     assert rel_err(g, n) < RTOL
-    freqs = (10000.0 ** (-np.arange(32) * 2 / 64)).astype(np.float32)
+    freqs = 10000.0 ** (-np.arange(32) * 2 / 64)
     pos = np.array([4093], np.int32)
     g, n = both(cp, rope.rope_tail, rope.rope_tail_numpy, x, pos, freqs, 64, 64,
                 out_index=0, sign=-1.0)
@@ -117,7 +119,7 @@ def test_attention(cp, rng, t, ratio, use_sel):
                 comp if ratio else None, sel, count, ratio, sinks, out, 1024, out_index=8)
     assert rel_err(g, n) < RTOL
     kv, w = randn(rng, width), randn(rng, width)
-    freqs = (160000.0 ** (-np.arange(32) * 2 / 64)).astype(np.float32)
+    freqs = 160000.0 ** (-np.arange(32) * 2 / 64)
     g, n = both(cp, at.attention_store_kv, at.attention_store_kv_numpy, kv, w, freqs, pos,
                 raw, 64, out_index=4)
     assert rel_err(g, n) < 1e-5
@@ -129,26 +131,25 @@ def test_compressor_windows(cp, rng, ratio, hd, overlap):
     from ds4.kernels import compressor as c
 
     cw = 2 * hd if overlap else hd
-    rows = 2 * ratio if overlap else ratio
     bias, w = randn(rng, ratio, cw), randn(rng, hd)
-    freqs = (160000.0 ** (-np.arange(32) * 2 / 64)).astype(np.float32)
-    skv = {"h": np.zeros((rows, cw), np.float32)}
-    ssc = {"h": np.full((rows, cw), -np.inf, np.float32)}
-    comp = {"h": np.full((4, hd), np.nan, np.float32)}
-    dev = {k: cp.asarray(v["h"]) for k, v in (("kv", skv), ("sc", ssc), ("comp", comp))}
+    freqs = 160000.0 ** (-np.arange(32) * 2 / 64)
+    host = {"pkv": np.zeros((ratio, cw), np.float32), "psc": np.zeros((ratio, cw), np.float32),
+            "okv": np.zeros((ratio, hd), np.float32) if overlap else None,
+            "osc": np.full((ratio, hd), -np.inf, np.float32) if overlap else None,
+            "comp": np.full((4, hd), np.nan, np.float32)}
+    dev = {k: None if v is None else cp.asarray(v) for k, v in host.items()}
     for t in range(3 * ratio):
         kvp, g = randn(rng, cw), randn(rng, cw)
         pos = np.array([t], np.int32)
-        c.compressor_push_numpy(kvp, g, bias, pos, skv["h"], ssc["h"], ratio, overlap)
-        c.compressor_pool_numpy(skv["h"], ssc["h"], w, freqs, pos, comp["h"], ratio, overlap, 64)
-        dpos = cp.asarray(pos)
-        c.compressor_push(cp.asarray(kvp), cp.asarray(g), cp.asarray(bias), dpos, dev["kv"],
-                          dev["sc"], ratio, overlap)
-        c.compressor_pool(dev["kv"], dev["sc"], cp.asarray(w), cp.asarray(freqs), dpos,
-                          dev["comp"], ratio, overlap, 64)
-    assert rel_err(cp.asnumpy(dev["comp"][:3]), comp["h"][:3]) < 1e-5
+        for fns, st, conv in (((c.compressor_push_numpy, c.compressor_pool_numpy), host, np.asarray),
+                              ((c.compressor_push, c.compressor_pool), dev, cp.asarray)):
+            fns[0](conv(kvp), conv(g), conv(bias), conv(pos), st["pkv"], st["psc"])
+            fns[1](st["pkv"], st["psc"], st["okv"], st["osc"], conv(w), conv(freqs), conv(pos),
+                   st["comp"], 64)
+    assert rel_err(cp.asnumpy(dev["comp"][:3]), host["comp"][:3]) < 1e-5
     assert np.isnan(cp.asnumpy(dev["comp"][3])).all()  # no fourth window closed
-    assert rel_err(cp.asnumpy(dev["kv"]), skv["h"]) < 1e-6
+    if overlap:
+        assert rel_err(cp.asnumpy(dev["okv"]), host["okv"]) < 1e-6
 
 
 def test_indexer_scores_and_topk(cp, rng):
@@ -185,10 +186,11 @@ def test_argmax_ties(cp, rng):
     assert g[0] == n[0] == 777
 
 
-@pytest.mark.parametrize("hashed", [False, True])
-def test_moe(cp, rng, hashed):
+@pytest.mark.parametrize("hashed,bf16", [(False, True), (True, True), (False, False)])
+def test_moe(cp, rng, hashed, bf16):
     from ds4.kernels import moe, to_bf16
 
+    conv = to_bf16 if bf16 else (lambda a: a)
     E, top_k, inter, D = 64, 6, 256, 1024
     logits, bias = randn(rng, E), randn(rng, E, scale=0.1)
     tid2eid = rng.integers(0, E, (50, top_k)).astype(np.int32) if hashed else None
@@ -198,8 +200,8 @@ def test_moe(cp, rng, hashed):
     g_idx, n_idx = both(cp, moe.moe_route, moe.moe_route_numpy, *args, out_index=6)
     g_w, n_w = both(cp, moe.moe_route, moe.moe_route_numpy, *args, out_index=7)
     assert np.array_equal(g_idx, n_idx) and rel_err(g_w, n_w) < 1e-6
-    gate_up = to_bf16(randn(rng, E, 2 * inter, D, scale=0.1))
-    down = to_bf16(randn(rng, E, D, inter, scale=0.05))
+    gate_up = conv(randn(rng, E, 2 * inter, D, scale=0.1))
+    down = conv(randn(rng, E, D, inter, scale=0.05))
     x, act = randn(rng, D), np.full((top_k, inter), np.nan, np.float32)
     d_gu = cp.asarray(gate_up)
     d_idx, d_w, d_x, d_act = (cp.asarray(a) for a in (n_idx, n_w, x, act))

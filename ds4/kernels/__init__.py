@@ -50,9 +50,12 @@ def launch(family: str, name: str, grid, block, args, shared: int = 0) -> None:
     k(tuple(grid), tuple(block), tuple(args), shared_mem=shared)
 
 
-def widen_bf16(words: np.ndarray) -> np.ndarray:
-    """bf16 words (uint16) to float32, as the kernels widen them."""
-    return (np.asarray(words).astype(np.uint32) << 16).view(np.float32)
+def widen(w: np.ndarray) -> np.ndarray:
+    """Weights as float32: bf16 words (uint16) widened as the kernels do; fp32 as is."""
+    w = np.asarray(w)
+    if w.dtype == np.uint16:
+        return (w.astype(np.uint32) << 16).view(np.float32)
+    return w.astype(np.float32, copy=False)
 
 
 def to_bf16(x: np.ndarray) -> np.ndarray:

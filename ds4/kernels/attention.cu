@@ -33,7 +33,7 @@ __device__ float block_reduce(float v, float* shared, int op) {
 // `width` threads (width <= 1024).
 extern "C" __global__ void attention_store_kv(const float* __restrict__ kv_in,
                                               const float* __restrict__ w,
-                                              const float* __restrict__ freqs,
+                                              const double* __restrict__ freqs,
                                               const int* __restrict__ pos, float* raw, int width,
                                               int rope_dim, int cap, float eps) {
     __shared__ float red[32];
@@ -49,8 +49,9 @@ extern "C" __global__ void attention_store_kv(const float* __restrict__ kv_in,
         float out = row[c];
         if (c >= first) {
             int k = (c - first) >> 1;
-            float s, co;
-            sincosf((float)t * freqs[k], &s, &co);
+            double ds, dc;
+            sincos((double)t * freqs[k], &ds, &dc);
+            float s = (float)ds, co = (float)dc;
             float a = row[first + 2 * k], b = row[first + 2 * k + 1];
             out = ((c - first) & 1) ? a * s + b * co : a * co - b * s;
         }

@@ -1,4 +1,7 @@
-"""KV-compressor launchers (ds4/kernels/compressor.cu) and their NumPy twins."""
+"""KV-compressor launchers (ds4/kernels/compressor.cu) and their NumPy twins.
+
+State layout as in ds4/model/state.py: pending_kv/pending_score [m, cw], overlap_kv/overlap_score
+[m, hd] (None for HCA, which has no overlap), comp [capacity, hd]."""
 
 from __future__ import annotations
 
@@ -9,53 +12,54 @@ from ds4.kernels.norm import rms_norm_numpy
 from ds4.kernels.rope import rope_angles_numpy, rotate_numpy
 
 
-def compressor_push(kvp, g, bias, pos, state_kv, state_score, ratio: int, overlap: bool):
-    """Write token pos's projected kv and gate + bias[pos % ratio] into the open window."""
-    cw = state_kv.shape[1]
-    args = (ptr(kvp), ptr(g), ptr(bias), ptr(pos), ptr(state_kv), ptr(state_score),
-            i32(ratio), i32(cw), i32(int(overlap)))
+def compressor_push(kvp, g, bias, pos, pending_kv, pending_score):
+    """Write token pos's projected kv and gate + bias[pos % m] at pending slot pos % m."""
+    m, cw = pending_kv.shape
+    args = (ptr(kvp), ptr(g), ptr(bias), ptr(pos), ptr(pending_kv), ptr(pending_score), i32(m),
+            i32(cw))
     launch("compressor", "compressor_push", ((cw + 255) // 256,), (256,), args)
-    return state_kv
+    return pending_kv
 
 
-def compressor_push_numpy(kvp, g, bias, pos, state_kv, state_score, ratio: int, overlap: bool):
+def compressor_push_numpy(kvp, g, bias, pos, pending_kv, pending_score):
     """NumPy twin of compressor_push."""
-    slot = int(np.asarray(pos)[0]) % ratio
-    row = ratio + slot if overlap else slot
-    state_kv[row] = kvp
-    state_score[row] = g + bias[slot]
-    return state_kv
+    slot = int(np.asarray(pos)[0]) % pending_kv.shape[0]
+    pending_kv[slot] = kvp
+    pending_score[slot] = g + bias[slot]
+    return pending_kv
 
 
-def compressor_pool(state_kv, state_score, norm_w, freqs, pos, comp, ratio: int, overlap: bool,
-                    rope_dim: int, eps: float = 1e-6):
-    """If token pos closes a window, pool it into comp[(pos + 1) // ratio - 1] (spec 3.5)."""
+def compressor_pool(pending_kv, pending_score, overlap_kv, overlap_score, norm_w, freqs, pos,
+                    comp, rope_dim: int, eps: float = 1e-6):
+    """If token pos closes a window, pool it into comp[(pos + 1) // m - 1] (spec 3.5)."""
+    m = pending_kv.shape[0]
     hd = comp.shape[1]
     block = (hd + 31) // 32 * 32
-    args = (ptr(state_kv), ptr(state_score), ptr(norm_w), ptr(freqs), ptr(pos), ptr(comp),
-            i32(ratio), i32(hd), i32(int(overlap)), i32(rope_dim), f32(eps))
+    args = (ptr(pending_kv), ptr(pending_score), ptr(overlap_kv), ptr(overlap_score), ptr(norm_w),
+            ptr(freqs), ptr(pos), ptr(comp), i32(m), i32(hd), i32(rope_dim), f32(eps))
     launch("compressor", "compressor_pool", (1,), (block,), args, shared=4 * hd)
     return comp
 
 
-def compressor_pool_numpy(state_kv, state_score, norm_w, freqs, pos, comp, ratio: int,
-                          overlap: bool, rope_dim: int, eps: float = 1e-6):
+def compressor_pool_numpy(pending_kv, pending_score, overlap_kv, overlap_score, norm_w, freqs,
+                          pos, comp, rope_dim: int, eps: float = 1e-6):
     """NumPy twin of compressor_pool."""
+    m, hd = pending_kv.shape[0], comp.shape[1]
     t = int(np.asarray(pos)[0])
-    if (t + 1) % ratio:
+    if (t + 1) % m:
         return comp
-    w, hd = (t + 1) // ratio - 1, comp.shape[1]
-    if overlap:
-        vals = np.concatenate([state_kv[:ratio, :hd], state_kv[ratio:, hd:]])
-        scores = np.concatenate([state_score[:ratio, :hd], state_score[ratio:, hd:]])
+    w = (t + 1) // m - 1
+    if overlap_kv is not None:
+        vals = np.concatenate([overlap_kv, pending_kv[:, hd:]])
+        scores = np.concatenate([overlap_score, pending_score[:, hd:]])
     else:
-        vals, scores = state_kv[:ratio], state_score[:ratio]
+        vals, scores = pending_kv, pending_score
     e = np.exp(scores - scores.max(axis=0, keepdims=True))
     pooled = (e * vals).sum(axis=0) / e.sum(axis=0)
     row = rms_norm_numpy(pooled[None, :], norm_w, np.empty((1, hd), np.float32), eps)
-    cos, sin = rope_angles_numpy([ratio * w], freqs)
+    cos, sin = rope_angles_numpy([m * w], freqs)
     comp[w] = rotate_numpy(row, cos, sin, rope_dim)[0]
-    if overlap:
-        state_kv[:ratio] = state_kv[ratio:]
-        state_score[:ratio] = state_score[ratio:]
+    if overlap_kv is not None:
+        overlap_kv[...] = pending_kv[:, :hd]
+        overlap_score[...] = pending_score[:, :hd]
     return comp

@@ -1,63 +1,93 @@
-// bf16-weight matrix-vector products for decode: y = W x with W stored [rows, cols] as raw
-// bfloat16 words (uint16). Widening a bf16 word is a 16-bit shift into a float's high half, so
-// the weights stay bf16 in device memory and each byte is read once, 16 bytes per load.
+// Matrix-vector products for decode: y = W x with W stored [rows, cols]. Weights are raw bfloat16
+// words (uint16) or fp32; a bf16 word widens by a 16-bit shift into a float's high half, so bf16
+// weights stay bf16 in device memory and every byte is read once, 16 bytes per load.
 
 __device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
 
-__device__ __forceinline__ float dot8(uint4 w, const float4* x) {
-    float4 a = x[0], b = x[1];
-    return bf16_lo(w.x) * a.x + bf16_hi(w.x) * a.y + bf16_lo(w.y) * a.z + bf16_hi(w.y) * a.w
-         + bf16_lo(w.z) * b.x + bf16_hi(w.z) * b.y + bf16_lo(w.w) * b.z + bf16_hi(w.w) * b.w;
-}
+// Eight consecutive weights of one row: one 16-byte load for bf16, two for fp32.
+template <typename W> struct Pack;
+
+template <> struct Pack<unsigned short> {
+    uint4 v;
+    __device__ __forceinline__ void load(const unsigned short* w, int i) {
+        v = __ldcs((const uint4*)w + i);
+    }
+    __device__ __forceinline__ float dot(const float4* x) const {
+        float4 a = x[0], b = x[1];
+        return bf16_lo(v.x) * a.x + bf16_hi(v.x) * a.y + bf16_lo(v.y) * a.z + bf16_hi(v.y) * a.w
+             + bf16_lo(v.z) * b.x + bf16_hi(v.z) * b.y + bf16_lo(v.w) * b.z + bf16_hi(v.w) * b.w;
+    }
+};
+
+template <> struct Pack<float> {
+    float4 p, q;
+    __device__ __forceinline__ void load(const float* w, int i) {
+        p = __ldcs((const float4*)w + 2 * i);
+        q = __ldcs((const float4*)w + 2 * i + 1);
+    }
+    __device__ __forceinline__ float dot(const float4* x) const {
+        float4 a = x[0], b = x[1];
+        return p.x * a.x + p.y * a.y + p.z * a.z + p.w * a.w
+             + q.x * b.x + q.y * b.y + q.z * b.z + q.w * b.w;
+    }
+};
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
 
+// Dot product of one row's n8 packs with x, by one warp; every lane gets the sum.
+template <typename W>
+__device__ __forceinline__ float row_dot(const W* w, const float4* xv, int n8) {
+    int lane = threadIdx.x & 31, i = lane;
+    float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
+    // Four independent loads in flight per lane before the first use.
+    for (; i + 96 < n8; i += 128) {
+        Pack<W> a, b, c, d;
+        a.load(w, i); b.load(w, i + 32); c.load(w, i + 64); d.load(w, i + 96);
+        acc0 += a.dot(xv + 2 * i);
+        acc1 += b.dot(xv + 2 * (i + 32));
+        acc2 += c.dot(xv + 2 * (i + 64));
+        acc3 += d.dot(xv + 2 * (i + 96));
+    }
+    for (; i < n8; i += 32) {
+        Pack<W> a;
+        a.load(w, i);
+        acc0 += a.dot(xv + 2 * i);
+    }
+    return warp_sum((acc0 + acc1) + (acc2 + acc3));
+}
+
 // One warp per row; grid.y splits the columns into `splits` equal spans (then y must be zeroed
 // first and partial sums are added atomically). Row r reads x + (r / rows_per_group) * cols, which
 // serves the grouped output projection (8 groups, each with its own input slice).
 // Requires cols % (8 * splits) == 0.
-extern "C" __global__ void gemv_bf16(const unsigned short* __restrict__ W,
-                                     const float* __restrict__ x, float* __restrict__ y,
-                                     int rows, int cols, int rows_per_group, int splits) {
+template <typename W>
+__device__ void gemv(const W* __restrict__ Wm, const float* __restrict__ x, float* __restrict__ y,
+                     int rows, int cols, int rows_per_group, int splits) {
     int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    int lane = threadIdx.x & 31;
     if (row >= rows) return;
     int span = cols / splits;
     size_t k0 = (size_t)blockIdx.y * span;
-    const uint4* w = (const uint4*)(W + (size_t)row * cols + k0);
+    const W* w = Wm + (size_t)row * cols + k0;
     const float4* xv = (const float4*)(x + (size_t)(row / rows_per_group) * cols + k0);
-    int n8 = span >> 3;
-    float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
-    int i = lane;
-    // Four independent 16-byte loads in flight per lane before the first use.
-    for (; i + 96 < n8; i += 128) {
-        uint4 a = __ldcs(w + i), b = __ldcs(w + i + 32), c = __ldcs(w + i + 64), d = __ldcs(w + i + 96);
-        acc0 += dot8(a, xv + 2 * i);
-        acc1 += dot8(b, xv + 2 * (i + 32));
-        acc2 += dot8(c, xv + 2 * (i + 64));
-        acc3 += dot8(d, xv + 2 * (i + 96));
-    }
-    for (; i < n8; i += 32) acc0 += dot8(__ldcs(w + i), xv + 2 * i);
-    float acc = warp_sum((acc0 + acc1) + (acc2 + acc3));
-    if (lane == 0) {
+    float acc = row_dot(w, xv, span >> 3);
+    if ((threadIdx.x & 31) == 0) {
         if (splits > 1) atomicAdd(y + row, acc);
         else y[row] = acc;
     }
 }
 
-// Same product for fp32 weights (router-free small matrices kept fp32 by the checkpoint).
+extern "C" __global__ void gemv_bf16(const unsigned short* __restrict__ W,
+                                     const float* __restrict__ x, float* __restrict__ y,
+                                     int rows, int cols, int rows_per_group, int splits) {
+    gemv(W, x, y, rows, cols, rows_per_group, splits);
+}
+
 extern "C" __global__ void gemv_f32(const float* __restrict__ W, const float* __restrict__ x,
-                                    float* __restrict__ y, int rows, int cols) {
-    int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    int lane = threadIdx.x & 31;
-    if (row >= rows) return;
-    const float* w = W + (size_t)row * cols;
-    float acc = 0.f;
-    for (int k = lane; k < cols; k += 32) acc += w[k] * x[k];
-    acc = warp_sum(acc);
-    if (lane == 0) y[row] = acc;
+                                    float* __restrict__ y, int rows, int cols, int rows_per_group,
+                                    int splits) {
+    gemv(W, x, y, rows, cols, rows_per_group, splits);
 }

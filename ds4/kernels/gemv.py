@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4.kernels import f32, i32, launch, ptr, widen_bf16  # noqa: F401
+from ds4.kernels import i32, launch, ptr, widen
 
 WARPS_PER_BLOCK = 8
 TARGET_WARPS = 16384  # enough rows x splits in flight to keep HBM busy on an H200
@@ -18,8 +18,16 @@ def pick_splits(rows: int, cols: int) -> int:
     return splits
 
 
-def gemv_bf16(w, x, out, rows_per_group: int | None = None, splits: int | None = None):
-    """out = W x (W [rows, cols] bf16 words); row r reads x[(r // rows_per_group) * cols:]."""
+def weight_kind(w) -> str:
+    """Kernel name suffix for a weight array: bf16 words (uint16) or fp32."""
+    if w.dtype == np.uint16:
+        return "bf16"
+    assert w.dtype == np.float32, w.dtype
+    return "f32"
+
+
+def gemv(w, x, out, rows_per_group: int | None = None, splits: int | None = None):
+    """out = W x (W [rows, cols] bf16 words or fp32); row r reads x[(r // rows_per_group) * cols:]."""
     rows, cols = w.shape
     assert cols % 8 == 0 and w.flags.c_contiguous
     group = rows if rows_per_group is None else rows_per_group
@@ -28,30 +36,15 @@ def gemv_bf16(w, x, out, rows_per_group: int | None = None, splits: int | None =
         out.fill(0)
     grid = ((rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, splits)
     args = (ptr(w), ptr(x), ptr(out), i32(rows), i32(cols), i32(group), i32(splits))
-    launch("gemv", "gemv_bf16", grid, (32 * WARPS_PER_BLOCK,), args)
+    launch("gemv", "gemv_" + weight_kind(w), grid, (32 * WARPS_PER_BLOCK,), args)
     return out
 
 
-def gemv_bf16_numpy(w, x, out, rows_per_group: int | None = None, splits: int | None = None):
-    """NumPy twin of gemv_bf16."""
+def gemv_numpy(w, x, out, rows_per_group: int | None = None, splits: int | None = None):
+    """NumPy twin of gemv."""
     rows, cols = w.shape
     group = rows if rows_per_group is None else rows_per_group
-    wf = widen_bf16(w).reshape(rows // group, group, cols)
+    wf = widen(w).reshape(rows // group, group, cols)
     xs = np.asarray(x, dtype=np.float32).reshape(rows // group, cols)
     out[...] = np.einsum("grc,gc->gr", wf, xs).reshape(rows)
-    return out
-
-
-def gemv_f32(w, x, out):
-    """out = W x for fp32 W [rows, cols]."""
-    rows, cols = w.shape
-    grid = ((rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
-    launch("gemv", "gemv_f32", grid, (32 * WARPS_PER_BLOCK,),
-           (ptr(w), ptr(x), ptr(out), i32(rows), i32(cols)))
-    return out
-
-
-def gemv_f32_numpy(w, x, out):
-    """NumPy twin of gemv_f32."""
-    out[...] = np.asarray(w) @ np.asarray(x)
     return out

@@ -26,14 +26,28 @@ __device__ float block_sum(float v, float* shared) {
 
 __device__ __forceinline__ float sigmoidf(float v) { return 1.f / (1.f + expf(-v)); }
 
-// X[i, :] = widen(embed[token]) for every stream i: the residual starts as the token embedding.
-extern "C" __global__ void embed_streams(const unsigned short* __restrict__ embed,
-                                         const int* __restrict__ token, float* X, int D,
-                                         int streams) {
+__device__ __forceinline__ float widen(unsigned short w) { return __uint_as_float((unsigned int)w << 16); }
+__device__ __forceinline__ float widen(float w) { return w; }
+
+// X[i, :] = embed[token] for every stream i: the residual starts as the token embedding.
+template <typename W>
+__device__ void embed(const W* table, const int* token, float* X, int D, int streams) {
     int d = blockIdx.x * blockDim.x + threadIdx.x;
     if (d >= D) return;
-    float v = __uint_as_float((unsigned int)embed[(size_t)token[0] * D + d] << 16);
+    float v = widen(table[(size_t)token[0] * D + d]);
     for (int i = 0; i < streams; i++) X[(size_t)i * D + d] = v;
+}
+
+extern "C" __global__ void embed_streams_bf16(const unsigned short* __restrict__ table,
+                                              const int* __restrict__ token, float* X, int D,
+                                              int streams) {
+    embed(table, token, X, D, streams);
+}
+
+extern "C" __global__ void embed_streams_f32(const float* __restrict__ table,
+                                             const int* __restrict__ token, float* X, int D,
+                                             int streams) {
+    embed(table, token, X, D, streams);
 }
 
 // mix[row] = fn[row, :] . x * rsqrt(mean(x^2) + eps); one block per mix row, x = flatten(X).

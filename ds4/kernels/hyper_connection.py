@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4.kernels import f32, i32, launch, ptr, widen_bf16
+from ds4.kernels import f32, i32, launch, ptr, widen
+from ds4.kernels.gemv import weight_kind
 
 
 def embed_streams(embed, token, X):
-    """X[i] = widen(embed[token[0]]) for every stream i (embed: bf16 words [vocab, D])."""
+    """X[i] = embed[token[0]] for every stream i (embed: bf16 words or fp32 [vocab, D])."""
     streams, D = X.shape
-    launch("hyper_connection", "embed_streams", ((D + 255) // 256,), (256,),
+    launch("hyper_connection", "embed_streams_" + weight_kind(embed), ((D + 255) // 256,), (256,),
            (ptr(embed), ptr(token), ptr(X), i32(D), i32(streams)))
     return X
 
 
 def embed_streams_numpy(embed, token, X):
     """NumPy twin of embed_streams."""
-    X[...] = widen_bf16(embed[int(np.asarray(token)[0])])[None, :]
+    X[...] = widen(embed[int(np.asarray(token)[0])])[None, :]
     return X
 
 

@@ -1,6 +1,6 @@
 // Mixture of experts for decode (spec 3.8): router top-k on sqrt(softplus(logit)) and the expert
-// GEMVs with clamped SwiGLU. Expert weights are bf16 words: gate/up rows [inter, cols] each and
-// down [rows, inter], expert e at base + e * expert_stride (HF stacked layout).
+// GEMVs with clamped SwiGLU. Expert weights are bf16 words or fp32: gate/up rows [inter, cols]
+// each and down [rows, inter], expert e at base + e * expert_stride (HF stacked layout).
 
 #ifndef INFINITY  // NVRTC has no math.h
 #define INFINITY __int_as_float(0x7f800000)
@@ -9,11 +9,33 @@
 __device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
 
-__device__ __forceinline__ float dot8(uint4 w, const float4* x) {
-    float4 a = x[0], b = x[1];
-    return bf16_lo(w.x) * a.x + bf16_hi(w.x) * a.y + bf16_lo(w.y) * a.z + bf16_hi(w.y) * a.w
-         + bf16_lo(w.z) * b.x + bf16_hi(w.z) * b.y + bf16_lo(w.w) * b.z + bf16_hi(w.w) * b.w;
-}
+// Eight consecutive weights: one 16-byte load for bf16, two for fp32.
+template <typename W> struct Pack;
+
+template <> struct Pack<unsigned short> {
+    uint4 v;
+    __device__ __forceinline__ void load(const unsigned short* w, int i) {
+        v = __ldcs((const uint4*)w + i);
+    }
+    __device__ __forceinline__ float dot(const float4* x) const {
+        float4 a = x[0], b = x[1];
+        return bf16_lo(v.x) * a.x + bf16_hi(v.x) * a.y + bf16_lo(v.y) * a.z + bf16_hi(v.y) * a.w
+             + bf16_lo(v.z) * b.x + bf16_hi(v.z) * b.y + bf16_lo(v.w) * b.z + bf16_hi(v.w) * b.w;
+    }
+};
+
+template <> struct Pack<float> {
+    float4 p, q;
+    __device__ __forceinline__ void load(const float* w, int i) {
+        p = __ldcs((const float4*)w + 2 * i);
+        q = __ldcs((const float4*)w + 2 * i + 1);
+    }
+    __device__ __forceinline__ float dot(const float4* x) const {
+        float4 a = x[0], b = x[1];
+        return p.x * a.x + p.y * a.y + p.z * a.z + p.w * a.w
+             + q.x * b.x + q.y * b.y + q.z * b.z + q.w * b.w;
+    }
+};
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -70,54 +92,56 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits,
         for (int r = 0; r < top_k; r++) total += score[picked[r]];
         for (int r = 0; r < top_k; r++) {
             idx[r] = picked[r];
-            wts[r] = score[picked[r]] / total * route_scale;
+            wts[r] = score[picked[r]] / (total + 1e-20f) * route_scale;
         }
     }
 }
 
 // act[k, j] = silu(min(gate_j . x, limit)) * clamp(up_j . x, -limit, limit) * wts[k] for the
 // expert idx[k] (k = blockIdx.y); idx null means expert k, wts null means weight 1 (the shared
-// expert). One warp per row j. Requires cols % 8 == 0.
-extern "C" __global__ void moe_gate_up(const unsigned short* __restrict__ gate_base,
-                                       const unsigned short* __restrict__ up_base,
-                                       long long expert_stride, const int* __restrict__ idx,
-                                       const float* __restrict__ wts,
-                                       const float* __restrict__ x, float* act, int inter,
-                                       int cols, float limit) {
+// expert). One warp per row j. Requires cols % 8 == 0. limit <= 0 turns the clamps off.
+template <typename W>
+__device__ void gate_up(const W* gate_base, const W* up_base, long long expert_stride,
+                        const int* idx, const float* wts, const float* x, float* act, int inter,
+                        int cols, float limit) {
     int j = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31, k = blockIdx.y;
     if (j >= inter) return;
     long long e = idx ? idx[k] : k;
-    const uint4* g = (const uint4*)(gate_base + e * expert_stride + (size_t)j * cols);
-    const uint4* u = (const uint4*)(up_base + e * expert_stride + (size_t)j * cols);
+    const W* g = gate_base + e * expert_stride + (size_t)j * cols;
+    const W* u = up_base + e * expert_stride + (size_t)j * cols;
     const float4* xv = (const float4*)x;
     float ga = 0.f, gb = 0.f, ua = 0.f, ub = 0.f;
     int n8 = cols >> 3, i = lane;
     for (; i + 32 < n8; i += 64) {
-        uint4 g0 = __ldcs(g + i), g1 = __ldcs(g + i + 32), u0 = __ldcs(u + i), u1 = __ldcs(u + i + 32);
-        ga += dot8(g0, xv + 2 * i);
-        gb += dot8(g1, xv + 2 * (i + 32));
-        ua += dot8(u0, xv + 2 * i);
-        ub += dot8(u1, xv + 2 * (i + 32));
+        Pack<W> g0, g1, u0, u1;
+        g0.load(g, i); g1.load(g, i + 32); u0.load(u, i); u1.load(u, i + 32);
+        ga += g0.dot(xv + 2 * i);
+        gb += g1.dot(xv + 2 * (i + 32));
+        ua += u0.dot(xv + 2 * i);
+        ub += u1.dot(xv + 2 * (i + 32));
     }
     for (; i < n8; i += 32) {
-        ga += dot8(__ldcs(g + i), xv + 2 * i);
-        ua += dot8(__ldcs(u + i), xv + 2 * i);
+        Pack<W> g0, u0;
+        g0.load(g, i); u0.load(u, i);
+        ga += g0.dot(xv + 2 * i);
+        ua += u0.dot(xv + 2 * i);
     }
     float gs = warp_sum(ga + gb), us = warp_sum(ua + ub);
     if (lane == 0) {
-        gs = fminf(gs, limit);
-        us = fminf(fmaxf(us, -limit), limit);
+        if (limit > 0.f) {
+            gs = fminf(gs, limit);
+            us = fminf(fmaxf(us, -limit), limit);
+        }
         act[(size_t)k * inter + j] = gs / (1.f + expf(-gs)) * us * (wts ? wts[k] : 1.f);
     }
 }
 
 // y[r] (+)= sum_k down[idx[k]][r, :] . act[k]; one warp per output row, all n_sel experts, so no
 // atomics. idx null means expert k. accumulate != 0 adds to y (the shared expert's output).
-extern "C" __global__ void moe_down(const unsigned short* __restrict__ down_base,
-                                    long long expert_stride, const int* __restrict__ idx,
-                                    const float* __restrict__ act, float* y, int rows, int inter,
-                                    int n_sel, int accumulate) {
+template <typename W>
+__device__ void down(const W* down_base, long long expert_stride, const int* idx,
+                     const float* act, float* y, int rows, int inter, int n_sel, int accumulate) {
     int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (r >= rows) return;
@@ -125,15 +149,40 @@ extern "C" __global__ void moe_down(const unsigned short* __restrict__ down_base
     float acc = 0.f;
     for (int k = 0; k < n_sel; k++) {
         long long e = idx ? idx[k] : k;
-        const uint4* w = (const uint4*)(down_base + e * expert_stride + (size_t)r * inter);
+        const W* w = down_base + e * expert_stride + (size_t)r * inter;
         const float4* a = (const float4*)(act + (size_t)k * inter);
         int i = lane;
         for (; i + 32 < n8; i += 64) {
-            uint4 w0 = __ldcs(w + i), w1 = __ldcs(w + i + 32);
-            acc += dot8(w0, a + 2 * i) + dot8(w1, a + 2 * (i + 32));
+            Pack<W> w0, w1;
+            w0.load(w, i); w1.load(w, i + 32);
+            acc += w0.dot(a + 2 * i) + w1.dot(a + 2 * (i + 32));
         }
-        for (; i < n8; i += 32) acc += dot8(__ldcs(w + i), a + 2 * i);
+        for (; i < n8; i += 32) {
+            Pack<W> w0;
+            w0.load(w, i);
+            acc += w0.dot(a + 2 * i);
+        }
     }
     acc = warp_sum(acc);
     if (lane == 0) y[r] = accumulate ? y[r] + acc : acc;
+}
+
+#define GATE_UP_ARGS(W) const W* __restrict__ gate_base, const W* __restrict__ up_base, \
+    long long expert_stride, const int* __restrict__ idx, const float* __restrict__ wts,  \
+    const float* __restrict__ x, float* act, int inter, int cols, float limit
+#define DOWN_ARGS(W) const W* __restrict__ down_base, long long expert_stride, \
+    const int* __restrict__ idx, const float* __restrict__ act, float* y, int rows, int inter, \
+    int n_sel, int accumulate
+
+extern "C" __global__ void moe_gate_up_bf16(GATE_UP_ARGS(unsigned short)) {
+    gate_up(gate_base, up_base, expert_stride, idx, wts, x, act, inter, cols, limit);
+}
+extern "C" __global__ void moe_gate_up_f32(GATE_UP_ARGS(float)) {
+    gate_up(gate_base, up_base, expert_stride, idx, wts, x, act, inter, cols, limit);
+}
+extern "C" __global__ void moe_down_bf16(DOWN_ARGS(unsigned short)) {
+    down(down_base, expert_stride, idx, act, y, rows, inter, n_sel, accumulate);
+}
+extern "C" __global__ void moe_down_f32(DOWN_ARGS(float)) {
+    down(down_base, expert_stride, idx, act, y, rows, inter, n_sel, accumulate);
 }

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4.kernels import f32, i32, launch, ptr, widen_bf16
+from ds4.kernels import f32, i32, launch, ptr, widen
+from ds4.kernels.gemv import weight_kind
 
 WARPS_PER_BLOCK = 8
 
@@ -29,7 +30,7 @@ def moe_route_numpy(logits, bias, tid2eid, token, top_k: int, route_scale: float
         choice = score + (0 if bias is None else bias)
         picked = np.lexsort((np.arange(len(choice)), -choice.astype(np.float64)))[:top_k]
     idx[:top_k] = picked
-    wts[:top_k] = score[picked] / score[picked].sum() * np.float32(route_scale)
+    wts[:top_k] = score[picked] / (score[picked].sum() + 1e-20) * np.float32(route_scale)
     return idx
 
 
@@ -39,14 +40,14 @@ def _expert_stride(w) -> int:
 
 def moe_gate_up(gate, up, idx, wts, x, act, limit: float):
     """act[k] = silu(min(gate_e x, limit)) * clamp(up_e x, +-limit) * wts[k], e = idx[k].
-    gate/up: bf16 words [experts, inter, cols] (views of one stacked tensor are fine) or
+    gate/up: bf16 words or fp32 [experts, inter, cols] (views of one stacked tensor are fine) or
     [inter, cols] with idx None (the shared expert)."""
     n_sel, inter = act.shape
     cols = gate.shape[-1]
     grid = ((inter + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, n_sel)
     args = (ptr(gate), ptr(up), np.int64(_expert_stride(gate)), ptr(idx), ptr(wts), ptr(x),
             ptr(act), i32(inter), i32(cols), f32(limit))
-    launch("moe", "moe_gate_up", grid, (32 * WARPS_PER_BLOCK,), args)
+    launch("moe", "moe_gate_up_" + weight_kind(gate), grid, (32 * WARPS_PER_BLOCK,), args)
     return act
 
 
@@ -57,25 +58,27 @@ def _expert(w, idx, k):
 def moe_gate_up_numpy(gate, up, idx, wts, x, act, limit: float):
     """NumPy twin of moe_gate_up."""
     for k in range(act.shape[0]):
-        g = np.minimum(widen_bf16(_expert(gate, idx, k)) @ x, limit)
-        u = np.clip(widen_bf16(_expert(up, idx, k)) @ x, -limit, limit)
+        g = widen(_expert(gate, idx, k)) @ x
+        u = widen(_expert(up, idx, k)) @ x
+        if limit > 0:
+            g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
         act[k] = g / (1.0 + np.exp(-g)) * u * (1.0 if wts is None else wts[k])
     return act
 
 
 def moe_down(down, idx, act, out, accumulate: bool = False):
-    """out (+)= sum_k down_e act[k], e = idx[k]; down: bf16 words [experts, rows, inter]."""
+    """out (+)= sum_k down_e act[k], e = idx[k]; down: bf16 words or fp32 [experts, rows, inter]."""
     n_sel, inter = act.shape
     rows = out.shape[0]
     grid = ((rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
     args = (ptr(down), np.int64(_expert_stride(down)), ptr(idx), ptr(act), ptr(out), i32(rows),
             i32(inter), i32(n_sel), i32(int(accumulate)))
-    launch("moe", "moe_down", grid, (32 * WARPS_PER_BLOCK,), args)
+    launch("moe", "moe_down_" + weight_kind(down), grid, (32 * WARPS_PER_BLOCK,), args)
     return out
 
 
 def moe_down_numpy(down, idx, act, out, accumulate: bool = False):
     """NumPy twin of moe_down."""
-    total = sum(widen_bf16(_expert(down, idx, k)) @ act[k] for k in range(act.shape[0]))
+    total = sum(widen(_expert(down, idx, k)) @ act[k] for k in range(act.shape[0]))
     out[...] = (out if accumulate else 0) + total
     return out

@@ -9,7 +9,8 @@ from ds4.kernels import f32, i32, launch, ptr
 
 def rope_tail(x, pos, freqs, rope_dim: int, rows_per_pos: int = 1, pos_offset: int = 0,
               sign: float = 1.0):
-    """Rotate interleaved pairs of the last rope_dim channels of x [rows, width] in place."""
+    """Rotate interleaved pairs of the last rope_dim channels of x [rows, width] in place
+    (freqs: float64 [rope_dim/2])."""
     rows, width = x.shape
     total = rows * (rope_dim // 2)
     args = (ptr(x), ptr(pos), ptr(freqs), i32(rows), i32(width), i32(rope_dim),
@@ -19,9 +20,9 @@ def rope_tail(x, pos, freqs, rope_dim: int, rows_per_pos: int = 1, pos_offset: i
 
 
 def rope_angles_numpy(positions, freqs):
-    """cos and sin of the fp32 angles positions x freqs, as the kernels form them."""
-    angle = np.asarray(positions, dtype=np.float32)[:, None] * np.asarray(freqs, np.float32)
-    return np.cos(angle), np.sin(angle)
+    """fp32 cos and sin of the float64 angles positions x freqs, as the kernels form them."""
+    angle = np.asarray(positions, dtype=np.float64)[:, None] * np.asarray(freqs, np.float64)
+    return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
 
 
 def rotate_numpy(x, cos, sin, rope_dim: int, sign: float = 1.0):

@@ -1,0 +1,205 @@
+"""One-token decode made only of RawKernels, captured per session as a CUDA graph and replayed.
+
+Every variable of a decode step (position, token, counts of rows) is read by the kernels from
+device memory, so a captured graph stays valid as the session grows: before each replay a small
+host-to-device copy writes the token and position into the decoder's `pos_token` buffer.
+A graph is captured per session because it holds the addresses of that session's state arrays;
+the transient buffers below are shared by all sessions, which is safe because replays run one at
+a time on one stream and every buffer is written before it is read within a step.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from ds4.kernels import attention as at
+from ds4.kernels import compressor as cm
+from ds4.kernels import hyper_connection as hc
+from ds4.kernels import indexer as ix
+from ds4.kernels import moe
+from ds4.kernels import sampling
+from ds4.kernels.gemv import gemv
+from ds4.kernels.norm import rms_norm
+from ds4.kernels.rope import rope_tail
+from ds4.model import gpu_weights
+from ds4.model.config import CSA, SLIDING
+
+
+class KernelDecoder:
+    """Decode step of a model through ds4/kernels, with one CUDA graph per session state."""
+
+    def __init__(self, cfg, top: dict, layers: list[dict], freqs: dict, xp=None):
+        if xp is None:
+            import cupy as xp
+        self.cp, self.cfg, self.top, self.layers, self.freqs = xp, cfg, top, layers, freqs
+        self.pos_token = xp.zeros(2, dtype=xp.int32)  # [position, token]
+        self.pos, self.token = self.pos_token[:1], self.pos_token[1:]
+        self.buf = self._buffers(cfg)
+        self.graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._seen: weakref.WeakSet = weakref.WeakSet()  # states that ran one eager step
+        self._stream = None
+        self.use_graphs = True
+
+    @classmethod
+    def from_model(cls, model) -> "KernelDecoder":
+        """Kernel-form copies of an engine Model's tensors (see gpu_weights.supported)."""
+        xp, cfg = model.xp, model.cfg
+        layers = [gpu_weights.layer_tensors(xp, cfg, model.weights, i)
+                  for i in range(cfg.num_hidden_layers)]
+        freqs = {k: gpu_weights.rope_frequencies(xp, r) for k, r in model.ropes.items()}
+        return cls(cfg, gpu_weights.model_tensors(xp, model.weights), layers, freqs, xp)
+
+    def _buffers(self, cfg) -> dict:
+        cp, f = self.cp, self.cp.float32
+        D, H, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        n, k, inter = cfg.hc_mult, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        sizes = {"X": (n, D), "mix": (2 * n + n * n,), "post_comb": (n + n * n,), "u": (D,),
+                 "h": (D,), "y": (D,), "qlat": (1, cfg.q_lora_rank), "q": (H, d), "kv": (d,),
+                 "o": (H, d), "z": (cfg.o_groups * cfg.o_lora_rank,), "ckv": (2 * d,),
+                 "cg": (2 * d,), "iq": (cfg.index_n_heads, cfg.index_head_dim),
+                 "head_w": (cfg.index_n_heads,), "router": (cfg.n_routed_experts,),
+                 "wts": (k,), "act": (k, inter), "shared_act": (1, inter),
+                 "logits": (cfg.vocab_size,), "scores": (1,)}
+        buf = {name: cp.zeros(shape, dtype=f) for name, shape in sizes.items()}
+        buf["idx"] = cp.zeros(k, dtype=cp.int32)
+        buf["sel"] = cp.zeros(max(cfg.index_topk, 1), dtype=cp.int32)
+        buf["sel_count"] = cp.zeros(1, dtype=cp.int32)
+        return buf
+
+    def _fit_scores(self, state) -> None:
+        """Grow the indexer score buffer to this session's capacity (drops captured graphs)."""
+        need = max([ls.indexer.rows.shape[0] for ls in state.layers if ls.indexer] + [1])
+        if self.buf["scores"].shape[0] < need:
+            self.buf["scores"] = self.cp.zeros(need, dtype=self.cp.float32)
+            self.graphs.clear()
+
+    def decode(self, state, token: int):
+        """Append token at position state.n; return a fresh device array of its logits."""
+        cp = self.cp
+        self._fit_scores(state)
+        self.stream.wait_event(cp.cuda.get_current_stream().record())
+        with self.stream:
+            self.pos_token.set(np.array([state.n, token], dtype=np.int32), stream=self.stream)
+            graph = self.graphs.get(state) if self.use_graphs else None
+            if graph is not None:
+                graph.launch(self.stream)
+            elif self.use_graphs and state in self._seen:
+                self.stream.begin_capture()
+                self.run(state)
+                self.graphs[state] = graph = self.stream.end_capture()
+                graph.launch(self.stream)
+            else:  # first step of a session: eager, which also compiles and loads every kernel
+                self.run(state)
+                self._seen.add(state)
+            logits = self.buf["logits"].copy()
+        cp.cuda.get_current_stream().wait_event(self.stream.record())
+        state.n += 1
+        return logits
+
+    @property
+    def stream(self):
+        """The non-blocking stream graphs are captured and replayed on."""
+        if self._stream is None:
+            self._stream = self.cp.cuda.Stream(non_blocking=True)
+        return self._stream
+
+    def run(self, state) -> None:
+        """Enqueue one decode step for `state` at the position in self.pos (no host syncs)."""
+        self._fit_scores(state)  # a no-op after the eager first step, so never during capture
+        cfg, b, top = self.cfg, self.buf, self.top
+        hc.embed_streams(top["embed"], self.token, b["X"])
+        for i, (t, ls) in enumerate(zip(self.layers, state.layers)):
+            self._block(t, "attn_hc", "input_layernorm.weight")
+            self._attention(i, t, ls)
+            hc.hc_post(b["X"], b["y"], b["post_comb"], b["X"])
+            self._block(t, "ffn_hc", "post_attention_layernorm.weight")
+            self._moe(i, t)
+            hc.hc_post(b["X"], b["y"], b["post_comb"], b["X"])
+        hc.hc_mix(top["hc_fn"], b["X"], b["mix"][:cfg.hc_mult], cfg.rms_norm_eps)
+        hc.hc_pre(b["mix"], top["hc_scale"], top["hc_base"], b["X"], b["u"], b["post_comb"],
+                  cfg.hc_sinkhorn_iters, cfg.hc_eps, head=True)
+        rms_norm(b["u"][None], top["norm"], b["h"][None], cfg.rms_norm_eps)
+        gemv(top["head"], b["h"], b["logits"])
+
+    def _block(self, t: dict, unit: str, norm: str) -> None:
+        """h = RMSNorm_w(sum_i pre_i X_i) of one mHC unit; post/comb kept for hc_post."""
+        cfg, b = self.cfg, self.buf
+        hc.hc_mix(t[unit + ".fn"], b["X"], b["mix"], cfg.rms_norm_eps)
+        hc.hc_pre(b["mix"], t[unit + ".scale"], t[unit + ".base"], b["X"], b["u"],
+                  b["post_comb"], cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        rms_norm(b["u"][None], t[norm], b["h"][None], cfg.rms_norm_eps)
+
+    def _attention(self, i: int, t: dict, ls) -> None:
+        """y = attention output of layer i for h (spec 3.4), updating the layer's state."""
+        cfg, b, eps, r = self.cfg, self.buf, self.cfg.rms_norm_eps, self.cfg.qk_rope_head_dim
+        H, d = cfg.num_attention_heads, cfg.head_dim
+        freqs = self.freqs["main" if ls.kind == SLIDING else "compress"]
+        gemv(t["self_attn.q_a_proj.weight"], b["h"], b["qlat"][0])
+        rms_norm(b["qlat"], t["self_attn.q_a_norm.weight"], b["qlat"], eps)
+        gemv(t["self_attn.q_b_proj.weight"], b["qlat"][0], b["q"].reshape(-1))
+        rms_norm(b["q"], None, b["q"], eps)
+        rope_tail(b["q"], self.pos, freqs, r, rows_per_pos=H)
+        gemv(t["self_attn.kv_proj.weight"], b["h"], b["kv"])
+        at.attention_store_kv(b["kv"], t["self_attn.kv_norm.weight"], freqs, self.pos, ls.raw,
+                              r, eps)
+        comp, sel, count, ratio = None, None, None, 0
+        if ls.compressor is not None:
+            self._compress(t, "self_attn.compressor.", ls.compressor, freqs)
+            comp, ratio = ls.compressor.rows, ls.compressor.ratio
+        if ls.kind == CSA:
+            self._index(t, ls.indexer, freqs)
+            sel, count = b["sel"], b["sel_count"]
+        window = ls.raw.shape[0]
+        max_keys = window + (0 if comp is None else
+                             min(comp.shape[0], cfg.index_topk) if sel is not None else comp.shape[0])
+        at.attention_decode(b["q"], ls.raw, self.pos, comp, sel, count, ratio,
+                            t["self_attn.sinks"], b["o"], max_keys)
+        rope_tail(b["o"], self.pos, freqs, r, rows_per_pos=H, sign=-1.0)
+        gemv(t["self_attn.o_a_proj.weight"], b["o"].reshape(-1), b["z"],
+             rows_per_group=cfg.o_lora_rank)
+        gemv(t["self_attn.o_b_proj.weight"], b["z"], b["y"])
+
+    def _compress(self, t: dict, prefix: str, cs, freqs) -> None:
+        """Feed h to one compressor; pool its window into cs.rows when this token closes it."""
+        b, cw = self.buf, cs.pending_kv.shape[1]
+        ckv, cg = b["ckv"][:cw], b["cg"][:cw]
+        gemv(t[prefix + "kv_proj.weight"], b["h"], ckv)
+        gemv(t[prefix + "gate_proj.weight"], b["h"], cg)
+        cm.compressor_push(ckv, cg, t[prefix + "position_bias"], self.pos, cs.pending_kv,
+                           cs.pending_score)
+        overlap = cs.overlap_kv if cs.overlap else None
+        overlap_score = cs.overlap_score if cs.overlap else None
+        cm.compressor_pool(cs.pending_kv, cs.pending_score, overlap, overlap_score,
+                           t[prefix + "kv_norm.weight"], freqs, self.pos, cs.rows,
+                           self.cfg.qk_rope_head_dim, self.cfg.rms_norm_eps)
+
+    def _index(self, t: dict, cs, freqs) -> None:
+        """Indexer keys for this token, then the top-k entries the query attends (b["sel"])."""
+        cfg, b, p = self.cfg, self.buf, "self_attn.compressor.indexer."
+        self._compress(t, p, cs, freqs)
+        gemv(t[p + "q_b_proj.weight"], b["qlat"][0], b["iq"].reshape(-1))
+        rope_tail(b["iq"], self.pos, freqs, cfg.qk_rope_head_dim, rows_per_pos=cfg.index_n_heads)
+        gemv(t[p + "scorer.weights_proj.weight"], b["h"], b["head_w"])
+        scores = b["scores"][:cs.rows.shape[0]]
+        ix.indexer_scores(b["iq"], b["head_w"], cs.rows, self.pos, cs.ratio, scores)
+        sampling.topk_select(scores, cfg.index_topk, b["sel"], b["sel_count"], self.pos, cs.ratio)
+
+    def _moe(self, i: int, t: dict) -> None:
+        """y = routed experts + shared expert of h (spec 3.8)."""
+        cfg, b = self.cfg, self.buf
+        inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
+        gemv(t["mlp.gate.weight"], b["h"], b["router"])
+        moe.moe_route(b["router"], t.get("mlp.gate.e_score_correction_bias"),
+                      t.get("mlp.gate.tid2eid"), self.token, cfg.num_experts_per_tok,
+                      cfg.routed_scaling_factor, b["idx"], b["wts"])
+        gu = t["experts.gate_up"]
+        moe.moe_gate_up(gu[:, :inter], gu[:, inter:], b["idx"], b["wts"], b["h"], b["act"], limit)
+        moe.moe_down(t["experts.down"], b["idx"], b["act"], b["y"])
+        if "mlp.shared_experts.gate_proj.weight" in t:
+            moe.moe_gate_up(t["mlp.shared_experts.gate_proj.weight"],
+                            t["mlp.shared_experts.up_proj.weight"], None, None, b["h"],
+                            b["shared_act"], limit)
+            moe.moe_down(t["mlp.shared_experts.down_proj.weight"], None, b["shared_act"], b["y"],
+                         accumulate=True)

@@ -1,0 +1,109 @@
+"""The model's tensors in the form the decode kernels read: bf16 words where exact, else fp32.
+
+The engine widens every weight to fp32 on the device. A tensor whose values are all exactly
+bf16 (any bf16 checkpoint) is stored again as raw 16-bit words, so decode GEMVs read half the
+bytes and compute the same function; fp32-only tensors (fp32 test checkpoints) stay fp32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds4.model.config import CSA, SLIDING
+
+LAYER_MATRICES = ("self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight",
+                  "self_attn.kv_proj.weight", "self_attn.o_a_proj.weight",
+                  "self_attn.o_b_proj.weight", "mlp.gate.weight")
+COMPRESSOR_MATRICES = ("kv_proj.weight", "gate_proj.weight")
+SHARED_EXPERT = ("gate_proj", "up_proj", "down_proj")
+
+
+def kernel_weight(xp, w):
+    """bf16 words (uint16) when every value of fp32 w is exactly bf16, else w itself."""
+    w = xp.ascontiguousarray(w, dtype=xp.float32)
+    bits = w.view(xp.uint32)
+    if bool((bits & 0xFFFF).any()):
+        return w
+    return (bits >> 16).astype(xp.uint16)
+
+
+def _float(xp, w):
+    return xp.ascontiguousarray(w, dtype=xp.float32)
+
+
+def layer_tensors(xp, cfg, weights, i: int) -> dict:
+    """One layer's decode tensors by their HF names inside the layer (plus stacked experts)."""
+    lw = weights.layer(i)
+    t = {name: kernel_weight(xp, lw[name]) for name in LAYER_MATRICES}
+    for name in ("attn_hc.fn", "attn_hc.base", "attn_hc.scale", "ffn_hc.fn", "ffn_hc.base",
+                 "ffn_hc.scale", "input_layernorm.weight", "post_attention_layernorm.weight",
+                 "self_attn.q_a_norm.weight", "self_attn.kv_norm.weight", "self_attn.sinks"):
+        t[name] = _float(xp, lw[name])
+    kind = cfg.layer_types[i]
+    prefixes = [] if kind == SLIDING else ["self_attn.compressor."]
+    if kind == CSA:
+        prefixes.append("self_attn.compressor.indexer.")
+        for name in ("q_b_proj.weight", "scorer.weights_proj.weight"):
+            t[prefixes[1] + name] = kernel_weight(xp, lw[prefixes[1] + name])
+    for p in prefixes:
+        for name in COMPRESSOR_MATRICES:
+            t[p + name] = kernel_weight(xp, lw[p + name])
+        for name in ("position_bias", "kv_norm.weight"):
+            t[p + name] = _float(xp, lw[p + name])
+    if cfg.mlp_layer_types[i] == "hash_moe":
+        t["mlp.gate.tid2eid"] = xp.ascontiguousarray(lw["mlp.gate.tid2eid"], dtype=xp.int32)
+    else:
+        t["mlp.gate.e_score_correction_bias"] = _float(xp, lw["mlp.gate.e_score_correction_bias"])
+    if "mlp.shared_experts.gate_proj.weight" in lw:
+        for name in SHARED_EXPERT:
+            key = f"mlp.shared_experts.{name}.weight"
+            t[key] = kernel_weight(xp, lw[key])
+    t["experts.gate_up"], t["experts.down"] = _stacked_experts(xp, lw.experts)
+    return t
+
+
+def _stacked_experts(xp, bank):
+    """(gate_up [E, 2I, D], down [E, D, I]) in kernel form."""
+    gate_up = xp.stack([bank.expert(e)[0] for e in range(bank.count)])
+    down = xp.stack([bank.expert(e)[1] for e in range(bank.count)])
+    return kernel_weight(xp, gate_up), kernel_weight(xp, down)
+
+
+def model_tensors(xp, weights) -> dict:
+    """Embedding, head and final collapse tensors in kernel form."""
+    return {"embed": kernel_weight(xp, weights["model.embed_tokens.weight"]),
+            "head": kernel_weight(xp, weights["lm_head.weight"]),
+            "norm": _float(xp, weights["model.norm.weight"]),
+            "hc_fn": _float(xp, weights["model.hc_head.hc_fn"]),
+            "hc_base": _float(xp, weights["model.hc_head.hc_base"]),
+            "hc_scale": _float(xp, weights["model.hc_head.hc_scale"])}
+
+
+def rope_frequencies(xp, rope) -> object:
+    """A Rope's float64 inverse frequencies as the kernels' freqs argument."""
+    return xp.ascontiguousarray(rope.inv_freq, dtype=xp.float64)
+
+
+def supported(model) -> str | None:
+    """Why the kernel decode cannot run this model (None when it can)."""
+    cfg = model.cfg
+    if model.quantize:
+        return "FP8/FP4 simulation is not in the decode kernels"
+    if cfg.scoring_func != "sqrtsoftplus":
+        return f"router scoring {cfg.scoring_func!r}"
+    if any(r.factor != 1.0 for r in model.ropes.values()):
+        return "rope attention factor != 1"
+    if cfg.hc_mult > 8 or cfg.n_routed_experts > 1024 or cfg.num_experts_per_tok > 32:
+        return "hc_mult, experts or top-k beyond the kernels' fixed limits"
+    if any(not b.resident for b in model.weights.experts):
+        return "experts are not resident"
+    widths = (cfg.hidden_size, cfg.q_lora_rank, cfg.moe_intermediate_size, cfg.o_lora_rank,
+              cfg.num_attention_heads // cfg.o_groups * cfg.head_dim)
+    if any(w % 8 for w in widths) or cfg.head_dim > 1024:
+        return "a width not a multiple of 8 (16-byte loads)"
+    return None
+
+
+def nbytes(tensors: dict) -> int:
+    """Bytes of a tensor dict."""
+    return int(sum(np.prod(t.shape) * t.dtype.itemsize for t in tensors.values()))
