@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def rms_scale(xp, x, eps: float):
     """rsqrt(mean(x^2) + eps) over the last axis, keepdims."""
-    return 1.0 / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return 1.0 / xp.sqrt((x * x).sum(axis=-1, keepdims=True) * (1.0 / x.shape[-1]) + eps)
 
 
 def sigmoid(xp, x):
@@ -24,10 +24,10 @@ def hc_weights(xp, fn, base, scale, X, iters: int, hc_eps: float, norm_eps: floa
     logits = logits - logits.max(axis=-1, keepdims=True)
     comb = xp.exp(logits)
     comb = comb / comb.sum(axis=-1, keepdims=True) + hc_eps
-    comb = comb / (comb.sum(axis=-2, keepdims=True) + hc_eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(axis=-1, keepdims=True) + hc_eps)
-        comb = comb / (comb.sum(axis=-2, keepdims=True) + hc_eps)
+    comb /= comb.sum(axis=-2, keepdims=True) + hc_eps
+    for _ in range(iters - 1):  # Sinkhorn: rows, then columns
+        comb /= comb.sum(axis=-1, keepdims=True) + hc_eps
+        comb /= comb.sum(axis=-2, keepdims=True) + hc_eps
     return pre, post, comb
 
 
