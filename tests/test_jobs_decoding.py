@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from test_jobs_support import Recorder, ScriptedEngine
 
-from ds4.chat.events import TextDelta, ToolCallStart
+from ds4.chat.events import TextDelta, ToolArgsDelta, ToolCallStart
 from ds4.jobs.events import Failed, JobRequest, SamplingOptions
 from ds4.jobs.scheduler import Scheduler, SchedulerConfig
 from ds4.jobs.stop import StopText
@@ -108,6 +108,9 @@ def test_malformed_block_is_redecoded_from_the_last_valid_offset():
     assert sched.engine.sessions[0].tokens == PROMPT + good
     starts = [e for te in rec.token_events() for e in te.events if isinstance(e, ToolCallStart)]
     assert [s.id for s in starts] == [end.output.tool_calls[0].id]  # announced once
+    streamed_args = "".join(e.text for te in rec.token_events() for e in te.events
+                            if isinstance(e, ToolArgsDelta))
+    assert streamed_args == end.output.tool_calls[0].arguments  # the stream agrees
 
 
 def test_recovery_gives_up_after_two_redecodes():
@@ -126,3 +129,13 @@ def test_an_unterminated_block_fails_the_turn():
     assert isinstance(end, Failed) and end.message == "unterminated tool call"
     assert job.redecodes == 2
     assert not any(s["busy"] for s in sched.slots_info())
+
+
+def test_a_stop_string_held_back_by_the_parser_still_stops_at_the_cap():
+    # with tools active the parser holds trailing whitespace; the cap flushes it
+    script = TOK.encode("Answer: done \n") + TOK.encode("more")
+    _, _, rec = run([script], tools_active=True, stop=[" \n"],
+                    max_tokens=len(TOK.encode("Answer: done \n")))
+    end = rec.finished()
+    assert end.finish_reason == "stop"
+    assert end.output.content == "Answer: done" and streamed_text(rec) == "Answer: done"

@@ -139,10 +139,11 @@ class DecodeAttempt:
     def _end(self, reason: str, events: list[ParserEvent],
              carrier: int | None = None) -> list[TokenEvents]:
         """Close the attempt; the parser's and stop filter's held text rides on the last token."""
-        self.finish_reason = reason
         tail = self.parser.finish()
         if self.stop.hit is None:
             events = events + self.stop.filter(tail) + self.stop.flush()
+        # a stop string completed by the parser's flushed tail still ends the answer as "stop"
+        self.finish_reason = "stop" if self.stop.hit is not None else reason
         if carrier is None or (carrier == EOS_ID and not events):
             return []
         return [TokenEvents(carrier, tuple(events))]
