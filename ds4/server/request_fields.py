@@ -27,7 +27,6 @@ _CHECKS = {
 }
 _EFFORTS = {"max": "max", "xhigh": "high", "high": "high", "medium": "high", "low": "high",
             "minimal": "high", "none": "none"}
-_THINKING_SAMPLING = SamplingOptions(temperature=1.0, top_k=0, top_p=1.0, min_p=0.05)
 
 
 async def read_json(request: Request, limit: int) -> tuple[dict, str]:
@@ -125,14 +124,13 @@ def thinking_mode(body: dict, alias_mode: str | None, ctx: int) -> str:
 def sampling(body: dict, thinking: str, with_min_p: bool = True,
              with_top_k: bool = True, with_seed: bool = True) -> SamplingOptions:
     """Sampling options; thinking forces the model's own settings and ignores client knobs."""
-    seed = field(body, "seed", INTEGER, default=0) if with_seed else 0
-    seed = seed or None  # 0: a fresh seed per job
-    if thinking != "none":
-        return SamplingOptions(_THINKING_SAMPLING.temperature, 0, 1.0, 0.05, seed)
+    seed = (field(body, "seed", INTEGER, default=0) if with_seed else 0) or None  # 0: fresh
     temperature = float(field(body, "temperature", NUMBER, default=1.0))
     top_p = float(field(body, "top_p", NUMBER, default=1.0))
     top_k = field(body, "top_k", INTEGER, default=0) if with_top_k else 0
     min_p = float(field(body, "min_p", NUMBER, default=0.05)) if with_min_p else 0.05
+    if thinking != "none":  # fields were still type-checked: a bad request is a 400 either way
+        return SamplingOptions(1.0, 0, 1.0, 0.05, seed)
     return SamplingOptions(
         temperature=temperature,
         top_k=min(max(top_k, 0), 1024),
