@@ -102,9 +102,6 @@ BASE_CONFIG = dict(
     num_nextn_predict_layers=0,  # no MTP tensors in these fixtures (HF never builds one)
 )
 
-RATIO_OF_TYPE = {SLIDING: 0}
-
-
 def build_config(overrides: dict) -> DeepseekV4Config:
     """HF config for one case, eager attention and experts (float64-safe, plainest path)."""
     config = DeepseekV4Config(**{**BASE_CONFIG, **overrides})
