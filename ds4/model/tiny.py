@@ -103,8 +103,10 @@ def block_tensors(c: dict, kind: str, hash_moe: bool) -> dict[str, tuple[tuple[i
         "mlp.shared_experts.up_proj.weight": ((inter, D), "linear"),
         "mlp.shared_experts.down_proj.weight": ((D, inter), "linear"),
     }
-    t["mlp.gate.tid2eid" if hash_moe else "mlp.gate.e_score_correction_bias"] = (
-        ((c["vocab_size"], c["num_experts_per_tok"]), "tid2eid") if hash_moe else ((e,), "bias"))
+    if hash_moe:  # a fixed token -> experts table replaces the biased top-k choice
+        t["mlp.gate.tid2eid"] = ((c["vocab_size"], c["num_experts_per_tok"]), "tid2eid")
+    else:
+        t["mlp.gate.e_score_correction_bias"] = ((e,), "bias")
     if kind != SLIDING:
         t.update(compressor_tensors(c, kind))
     return t
