@@ -204,13 +204,15 @@ def test_forced_prefix_is_parsed_like_sampled_text():
 
 # ---- round trip over generated assistant turns (hypothesis) ---------------------------------
 
-# Characters that build partial DSML/think markers without ever completing one (no 'p', 'i',
-# 't'), mixed with arbitrary text that the filter keeps marker-free.
-TRICKY = list('ab <>/｜DSML\n\t "\\{}[],:é') + ["😀", "\x00", "\x1f", "\r"]
+# Pieces that build partial DSML/think markers (which the filter keeps from completing),
+# mixed with arbitrary characters.
+TRICKY = ["<", ">", "/", "｜", "DSML", "\n\n", "\n", "\t", " ", '"', "\\", "{", "}", "é", "😀",
+          "\x00", "\r", "</thin", "<thin", "<｜DSML｜tool_call", "</｜DSML｜paramet", "<tool_call",
+          "<DSML｜", "</｜DSML｜invok", "<｜DSML｜", "</｜DSML｜tool_calls"]
 MARKERS = ("</think>", "<think>", "tool_calls>", "<｜DSML｜invoke", "</｜DSML｜parameter>",
            "<invoke", "<parameter", "</parameter>")
-free_text = st.text(st.one_of(st.sampled_from(TRICKY), st.characters(blacklist_categories=("Cs",))),
-                    max_size=30).filter(lambda s: not any(m in s for m in MARKERS))
+free_text = st.lists(st.one_of(st.sampled_from(TRICKY), st.characters(exclude_categories=("Cs",))),
+                     max_size=12).map("".join).filter(lambda s: not any(m in s for m in MARKERS))
 names = st.text("abcdefghijklmnopqrstuvwxyz_.-0123456789", min_size=1, max_size=12)
 keys = free_text.filter(lambda s: '"' not in s and ">" not in s)
 json_values = st.recursive(
@@ -250,3 +252,22 @@ def test_structure_flag_inside_json_values():
     assert not parser.in_dsml_structure  # inside a JSON string literal: normal sampling
     parser.feed(b'"}')
     assert parser.in_dsml_structure
+
+
+DSML_PIECES = ["<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", "<｜DSML｜invoke", "</｜DSML｜invoke>",
+               "<｜DSML｜parameter", "</｜DSML｜parameter>", ' name="f"', ' name="k"',
+               ' string="true"', ' string="false"', ">", "\n", "</think>", "<think>", "<tool_calls>",
+               "<invoke", "</invoke>", "</parameter>", "1", "[2]", '"s"']
+fuzz_text = st.lists(st.sampled_from(DSML_PIECES + TRICKY), max_size=40).map("".join)
+
+
+@given(text=fuzz_text, thinking=st.booleans(), tools=st.booleans(),
+       cuts=st.lists(st.integers(0, 4000), max_size=6))
+@settings(max_examples=300, deadline=None)
+def test_stream_equals_final_parse_on_arbitrary_text(text, thinking, tools, cuts):
+    """Whatever the model writes (well-formed, malformed, cut short) the two parsers agree."""
+    data = text.encode()
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    chunks = [data[a:b] for a, b in zip([0] + points, points + [len(data)])]
+    final, parser = assert_stream_matches(text, chunks, thinking=thinking, tools_active=tools)
+    assert (parser.error is not None) == bool(final.malformed or final.unterminated)
