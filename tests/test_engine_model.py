@@ -89,6 +89,8 @@ def test_config_errors_name_the_field():
     assert "o_groups" in _config_error(o_groups=3)
     assert "rope_type" in _config_error(rope_parameters={"rope_type": "longrope", "factor": 2.0})
     assert "mlp_layer_types" in _config_error(mlp_layer_types=["hash_moe", "dense"] + ["moe"] * 3)
+    assert "swiglu_limit" in _config_error(swiglu_limit=None)  # no silent Flash default
+    assert "disagree" in _config_error(compress_ratios=[0, 4, 8, 8, 8, 0])
 
 
 def test_schedule_comes_from_official_keys():

@@ -134,53 +134,17 @@ def _parse(data: dict) -> ModelConfig:
     for official, hf in OFFICIAL_ALIASES.items():
         if official in data and hf not in data:
             data[hf] = data[official]
-    n = _int(data, "num_hidden_layers")
-    head_dim = _int(data, "head_dim")
-    if data.get("num_key_value_heads", 1) != 1:
-        raise ValueError("config field 'num_key_value_heads' must be 1 (one shared K=V head)")
-    scoring = data.get("scoring_func", "sqrtsoftplus")
-    if scoring not in SCORING_FUNCS:
-        raise ValueError(f"config field 'scoring_func' must be one of {SCORING_FUNCS}, got {scoring!r}")
-    rope_dim = _rope_dim(data, head_dim)
-    rates = _compress_rates(data)
-    layer_types = _layer_types(data, n, rates)
-    heads = _int(data, "num_attention_heads")
-    groups = _int(data, "o_groups")
-    if heads % groups:
-        raise ValueError(f"config field 'o_groups' ({groups}) must divide num_attention_heads ({heads})")
-    topk = _int(data, "num_experts_per_tok")
-    experts = _int(data, "n_routed_experts")
-    if topk > experts:
-        raise ValueError(f"config field 'num_experts_per_tok' ({topk}) exceeds n_routed_experts ({experts})")
     main, compress = _rope_specs(data)
     return ModelConfig(
         vocab_size=_int(data, "vocab_size"),
         hidden_size=_int(data, "hidden_size"),
-        num_hidden_layers=n,
-        num_attention_heads=heads,
-        head_dim=head_dim,
-        qk_rope_head_dim=rope_dim,
-        q_lora_rank=_int(data, "q_lora_rank"),
-        o_groups=groups,
-        o_lora_rank=_int(data, "o_lora_rank"),
-        n_routed_experts=experts,
-        num_experts_per_tok=topk,
-        n_shared_experts=_int(data, "n_shared_experts", 0) if "n_shared_experts" in data else 1,
-        moe_intermediate_size=_int(data, "moe_intermediate_size"),
-        scoring_func=scoring,
-        norm_topk_prob=bool(data.get("norm_topk_prob", True)),
-        routed_scaling_factor=_float(data, "routed_scaling_factor", 1.0),
-        swiglu_limit=_float(data, "swiglu_limit", 0.0),
-        layer_types=layer_types,
-        mlp_layer_types=_mlp_layer_types(data, n),
-        compress_rates=rates,
+        num_hidden_layers=_int(data, "num_hidden_layers"),
+        **_attention_fields(data),
+        **_moe_fields(data),
+        **_compression_fields(data),
         hc_mult=_int(data, "hc_mult"),
         hc_sinkhorn_iters=_int(data, "hc_sinkhorn_iters"),
         hc_eps=_float(data, "hc_eps"),
-        sliding_window=_int(data, "sliding_window"),
-        index_n_heads=_int(data, "index_n_heads") if CSA in layer_types else int(data.get("index_n_heads", 1)),
-        index_head_dim=_index_head_dim(data, layer_types, rope_dim),
-        index_topk=_int(data, "index_topk") if CSA in layer_types else int(data.get("index_topk", 1)),
         rope_main=main,
         rope_compress=compress,
         rms_norm_eps=_float(data, "rms_norm_eps", 1e-6),
@@ -191,6 +155,49 @@ def _parse(data: dict) -> ModelConfig:
         eos_token_id=_eos(data.get("eos_token_id", 1)),
         quantization_config=data.get("quantization_config"),
         raw=data,
+    )
+
+
+def _attention_fields(data: dict) -> dict:
+    if data.get("num_key_value_heads", 1) != 1:
+        raise ValueError("config field 'num_key_value_heads' must be 1 (one shared K=V head)")
+    head_dim = _int(data, "head_dim")
+    heads, groups = _int(data, "num_attention_heads"), _int(data, "o_groups")
+    if heads % groups:
+        raise ValueError(f"config field 'o_groups' ({groups}) must divide num_attention_heads ({heads})")
+    return dict(num_attention_heads=heads, head_dim=head_dim, qk_rope_head_dim=_rope_dim(data, head_dim),
+                q_lora_rank=_int(data, "q_lora_rank"), o_groups=groups, o_lora_rank=_int(data, "o_lora_rank"),
+                sliding_window=_int(data, "sliding_window"))
+
+
+def _moe_fields(data: dict) -> dict:
+    n = _int(data, "num_hidden_layers")
+    scoring = data.get("scoring_func", "sqrtsoftplus")
+    if scoring not in SCORING_FUNCS:
+        raise ValueError(f"config field 'scoring_func' must be one of {SCORING_FUNCS}, got {scoring!r}")
+    topk, experts = _int(data, "num_experts_per_tok"), _int(data, "n_routed_experts")
+    if topk > experts:
+        raise ValueError(f"config field 'num_experts_per_tok' ({topk}) exceeds n_routed_experts ({experts})")
+    return dict(
+        n_routed_experts=experts, num_experts_per_tok=topk,
+        n_shared_experts=_int(data, "n_shared_experts", 0) if "n_shared_experts" in data else 1,
+        moe_intermediate_size=_int(data, "moe_intermediate_size"), scoring_func=scoring,
+        norm_topk_prob=bool(data.get("norm_topk_prob", True)),
+        routed_scaling_factor=_float(data, "routed_scaling_factor"),
+        swiglu_limit=_float(data, "swiglu_limit"), mlp_layer_types=_mlp_layer_types(data, n),
+    )
+
+
+def _compression_fields(data: dict) -> dict:
+    n = _int(data, "num_hidden_layers")
+    rates = _compress_rates(data)
+    layer_types = _layer_types(data, n, rates)
+    has_csa = CSA in layer_types
+    return dict(
+        layer_types=layer_types, compress_rates=rates,
+        index_n_heads=_int(data, "index_n_heads") if has_csa else int(data.get("index_n_heads") or 1),
+        index_head_dim=_index_head_dim(data, layer_types, _rope_dim(data, _int(data, "head_dim"))),
+        index_topk=_int(data, "index_topk") if has_csa else int(data.get("index_topk") or 1),
     )
 
 

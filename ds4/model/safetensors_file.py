@@ -59,7 +59,7 @@ class StoredTensor:
             scale = self.scale.data if index is None else self.scale.data[index]
             return quant.dequant_fp4_weight(data, _scale_values(self.scale, scale))
         if self.dtype == "BF16":
-            return (data.astype(np.uint32) << 16).view(np.float32)
+            return np.left_shift(data, 16, dtype=np.uint32).view(np.float32)  # one allocation
         if self.dtype in ("I64", "I32", "I16", "I8", "U8"):
             return np.asarray(data, dtype=np.int64)
         if self.dtype == "F32":
