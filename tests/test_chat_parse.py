@@ -156,6 +156,10 @@ def test_thinking_without_end_is_all_reasoning():
     ('', '<｜DSML｜invoke nam="f">\n</｜DSML｜invoke>', "invalid invoke tag"),
     ('<｜DSML｜invoke name="f">\n',
      ('<｜DSML｜parameter name="k" string="maybe">v</｜DSML｜parameter>'), "invalid parameter tag"),
+    ('<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="k" string="true">', 'v<｜User｜>hi',
+     "turn marker inside"),
+    ('<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="k" string="false">',
+     '[1, <｜Assistant｜>', "turn marker inside"),
 ])
 def test_malformed_dsml_is_reported_with_the_valid_offset(good, bad, message):
     head = 'r</think>C\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="ok">\n</｜DSML｜invoke>\n'
@@ -257,7 +261,8 @@ def test_structure_flag_inside_json_values():
 DSML_PIECES = ["<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", "<｜DSML｜invoke", "</｜DSML｜invoke>",
                "<｜DSML｜parameter", "</｜DSML｜parameter>", ' name="f"', ' name="k"',
                ' string="true"', ' string="false"', ">", "\n", "</think>", "<think>", "<tool_calls>",
-               "<invoke", "</invoke>", "</parameter>", "1", "[2]", '"s"']
+               "<invoke", "</invoke>", "</parameter>", "1", "[2]", '"s"', "<｜User｜>",
+               "<｜Assistant｜>"]
 fuzz_text = st.lists(st.sampled_from(DSML_PIECES + TRICKY), max_size=40).map("".join)
 
 

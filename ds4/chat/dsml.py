@@ -155,4 +155,12 @@ BAD_INVOKE = "malformed DSML: invalid invoke tag"
 BAD_PARAMETER = "malformed DSML: invalid parameter tag"
 EXPECTED_INVOKE = "malformed DSML: expected an invoke or the end of the tool calls"
 EXPECTED_PARAMETER = "malformed DSML: expected a parameter or the end of the invoke"
+TURN_IN_BLOCK = "malformed DSML: a turn marker inside the tool calls"
 UNTERMINATED = "unterminated tool call"
+# The model opening a new turn inside a block lost the thread (§5.5 sends it to a redecode).
+TURN_MARKERS = ("<｜User｜>", "<｜Assistant｜>")
+
+
+def has_turn_marker(text: str) -> bool:
+    """True when text contains a user/assistant turn marker."""
+    return any(m in text for m in TURN_MARKERS)

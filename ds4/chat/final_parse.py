@@ -99,9 +99,11 @@ class BlockReader:
             raise Malformed(dsml.BAD_PARAMETER)
         key, is_string = attrs
         close = self.text.find(self.d.param_end, gt + 1)
+        value = self.text[gt + 1:] if close < 0 else self.text[gt + 1:close]
+        if dsml.has_turn_marker(value):
+            raise Malformed(dsml.TURN_IN_BLOCK)
         if close < 0:
             raise Unterminated()
-        value = self.text[gt + 1:close]
         args.append(dsml.key_fragment(key, len(args) == 1, is_string))
         if is_string:
             args.append(dsml.string_fragment(value) + '"')

@@ -94,7 +94,9 @@ class OutputParser:
         if self.state in ("invokes", "params"):
             return True
         if self.state == "string_value":
-            return len(self.buf) >= 2  # the held tail is a partial closing tag
+            # a held tail of 2+ characters that may close the value: finish the tag greedily
+            end_tag = self._dialect.param_end
+            return len(self.buf) >= 2 and end_tag.startswith(self.buf)
         if self.state == "json_value":
             return not self._json.inside
         return self.state == "content" and self.tools and DSML in self.buf
@@ -250,8 +252,10 @@ class OutputParser:
     def _string_value(self) -> bool:
         end_tag = self._dialect.param_end
         close = self.buf.find(end_tag)
+        if dsml.has_turn_marker(self.buf if close < 0 else self.buf[:close]):
+            return self._fail(dsml.TURN_IN_BLOCK)
         if close < 0:
-            keep = dsml.held_tail(self.buf, 0, (end_tag,), len(end_tag))
+            keep = dsml.held_tail(self.buf, 0, (end_tag, *dsml.TURN_MARKERS), len(end_tag))
             self._emit_args(dsml.string_fragment(self._take(keep)))
             return False
         self._emit_args(dsml.string_fragment(self._take(close)) + '"')
@@ -262,6 +266,8 @@ class OutputParser:
     def _json_value(self) -> bool:
         end_tag = self._dialect.param_end
         close = self.buf.find(end_tag, max(0, self._json.scanned - len(end_tag)))
+        if dsml.has_turn_marker(self.buf if close < 0 else self.buf[:close]):
+            return self._fail(dsml.TURN_IN_BLOCK)
         if close < 0:
             self._json.scan(self.buf)
             return False
