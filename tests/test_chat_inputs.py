@@ -5,6 +5,7 @@ import pytest
 from ds4.chat import (
     ChatError,
     forced_text,
+    prompt_opens_reasoning,
     render_anthropic,
     render_chat,
     render_responses,
@@ -48,6 +49,13 @@ def test_anthropic_final_assistant_message_is_continued_without_eos():
     messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]
     text = render_anthropic(messages, thinking="none")
     assert text.endswith("<｜User｜>Count<｜Assistant｜></think>1, 2,")
+
+
+def test_prefilled_answer_is_parsed_as_answer_even_in_thinking_mode():
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]
+    assert not prompt_opens_reasoning(render_anthropic(messages, thinking="high"))
+    assert prompt_opens_reasoning(render_anthropic(messages[:1], thinking="high"))
+    assert not prompt_opens_reasoning(render_anthropic(messages[:1], thinking="none"))
 
 
 def test_anthropic_tool_result_blocks_and_system_parts():

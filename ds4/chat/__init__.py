@@ -27,6 +27,7 @@ from ds4.chat.parser import OutputParser
 from ds4.chat.render import (
     MAX_PREFIX,
     canonical_turn,
+    prompt_opens_reasoning,
     render_anthropic,
     render_chat,
     render_completion,
@@ -37,6 +38,7 @@ from ds4.chat.replay import ToolMemory
 __all__ = [
     "MAX_PREFIX", "ChatError", "Done", "OutputParser", "ParsedOutput", "ParserEvent",
     "ReasoningDelta", "TextDelta", "ToolArgsDelta", "ToolCall", "ToolCallEnd", "ToolCallStart",
-    "ToolMemory", "canonical_turn", "forced_text", "parse_output", "render_anthropic",
+    "ToolMemory", "canonical_turn", "forced_text", "parse_output",
+    "prompt_opens_reasoning", "render_anthropic",
     "render_chat", "render_completion", "render_responses", "tools_active",
 ]

@@ -137,6 +137,15 @@ def render_responses(input: Any, instructions: str | None = None,
     return render_items(items, thinking, tool_memory)
 
 
+def prompt_opens_reasoning(prompt: str) -> bool:
+    """Whether generation after this prompt starts inside <think> (the parser's `thinking`).
+
+    False in chat mode and for a continued (prefilled) assistant message, whose output goes
+    on with the answer even when thinking is enabled.
+    """
+    return prompt.endswith(ASSISTANT + THINK)
+
+
 def render_completion(prompt: str, thinking: str = "high") -> str:
     """Prompt text of /v1/completions: the fixed ds4 system line around the raw prompt."""
     think = check_thinking(thinking)
