@@ -131,3 +131,29 @@ def test_streamed_experts_equal_resident(model_dir):
     for got, want in zip(streamed.experts[2].gather(ids), resident.experts[2].gather(ids)):
         np.testing.assert_array_equal(got, want)
     assert streamed.nbytes < resident.nbytes
+
+
+def test_sharded_index_loads_like_one_file(model_dir, tmp_path):
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(sharded / shard))
+    index = {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    data = json.loads((model_dir / "config.json").read_text())
+    (sharded / "config.json").write_text(json.dumps({**data, "quantization_config": {"fmt": "e4m3"}}))
+    cfg = ModelConfig.from_dir(sharded)
+    one, split = load_weights(model_dir, cfg, np), load_weights(sharded, cfg, np)
+    assert set(one.tensors) == set(split.tensors)
+    for name in one.tensors:
+        np.testing.assert_array_equal(one[name], split[name])
+
+    from ds4.engine import Engine
+
+    assert Engine.open(sharded, backend="numpy").model.quantize  # quantization_config turns it on
+    assert not Engine.open(model_dir, backend="numpy").model.quantize
