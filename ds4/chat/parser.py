@@ -53,11 +53,11 @@ class OutputParser:
 
     # ---- public surface ------------------------------------------------------------------
 
-    def feed(self, data: bytes) -> list[ParserEvent]:
+    def feed(self, data: bytes | str) -> list[ParserEvent]:
         """Events made complete by the bytes of one more sampled token."""
         if self.done or self.error or self.final:
             return []
-        self.buf += self._decoder.decode(data)
+        self.buf += data if isinstance(data, str) else self._decoder.decode(data)
         return self._run()
 
     def finish(self) -> list[ParserEvent]:
