@@ -36,7 +36,8 @@ def greedy(session, logits, steps: int) -> list[int]:
 
 
 @pytest.mark.parametrize("lengths", [(45, 45), (23, 70, 41)])
-def test_interleaved_sessions_match_isolated_runs(engine, lengths):
+def test_two_sessions_smoke(engine, lengths):
+    """Sessions driven interleaved on one thread each equal their isolated run, token by token."""
     steps = 12
     prompts = [prompt(i, n) for i, n in enumerate(lengths)]
     alone = []
