@@ -138,6 +138,13 @@ def test_tolerated_plain_tags_and_missing_string_attribute():
     assert out.content == "Text" and out.tool_calls[0].arguments == '{"k": "v"}'
 
 
+def test_tolerated_start_marker_without_first_bar():
+    short = C1.replace("｜DSML｜", "DSML｜")
+    out = parse_output(short)
+    assert out.tool_calls[0].arguments == '{"city": "Paris", "days": 2}'
+    assert out.raw_block == short.split("</think>")[1]
+
+
 def test_chat_mode_and_inactive_tools():
     out = parse_output("</think>Hi</think>there", thinking=False)
     assert (out.reasoning, out.content) == ("", "Hi</think>there")
