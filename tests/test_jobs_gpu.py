@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from test_jobs_support import Recorder
 
 from ds4.backend import cuda_available

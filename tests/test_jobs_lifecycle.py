@@ -199,6 +199,19 @@ def test_background_thread_runs_jobs_and_stop_ends_the_rest(engine):
     assert_all_idle(sched)
 
 
+def test_stop_ends_running_and_queued_jobs_with_503(engine):
+    sched = scheduler(engine)
+    running, queued = Recorder(), Recorder()
+    sched.submit(request(engine, max_tokens=100), running)
+    sched.submit(request(engine), queued)
+    for _ in range(4):
+        sched.run_turn()
+    sched.stop()
+    assert running.tokens() and running.final() == Failed("shutdown requested", 503)
+    assert queued.final() == Failed("server shutting down", 503)
+    assert_all_idle(sched)
+
+
 def test_config_reads_the_two_timeslices_from_the_environment():
     env = {"DS4_SERVER_SCHED_PREFILL_MS": "250", "DS4_SERVER_SCHED_DECODE_TOKENS": "3"}
     cfg = SchedulerConfig.from_env(env, parallel=2)

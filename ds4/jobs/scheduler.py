@@ -242,17 +242,34 @@ class Scheduler:
         acted = False
         for job in self.pending.jobs():
             if job.cancel_requested.is_set():
-                self.pending.remove(job)
-                job.cancel()
-                self._record_end(job)
+                self._end_queued(job, job.cancel)
                 acted = True
                 continue
-            slot = self.picker.pick(job, self.slots)
+            try:
+                slot = self.picker.pick(job, self.slots)
+            except Exception as exc:  # a broken prompt must not stall the queue behind it
+                log.exception("job %d: no slot could be chosen", job.seq)
+                self._end_queued(job, lambda job=job, exc=exc: job.fail_with(exc))
+                acted = True
+                continue
             if slot is not None:
                 self.pending.remove(job)
                 self._assign(job, slot)
         self.stats.queue_depth = len(self.pending)
         return acted
+
+    def _end_queued(self, job: Job, end: Callable[[], Any]) -> None:
+        """End a job that never got a slot."""
+        self.pending.remove(job)
+        self._reporting(job, end)
+        self._record_end(job)
+
+    def _reporting(self, job: Job, end: Callable[[], Any]) -> None:
+        """Fire a terminal trigger; a sink that raises on the report cannot stop the loop."""
+        try:
+            end()
+        except Exception:  # the job reached its terminal state before its sink raised
+            log.exception("job %d: its sink refused the final report", job.seq)
 
     def _assign(self, job: Job, slot: Slot) -> None:
         slot.job = job
@@ -274,12 +291,8 @@ class Scheduler:
             self._release(slot, job)
 
     def _fail(self, job: Job, exc: Exception) -> None:
-        if job.is_terminal:
-            return  # it ended, then its sink raised: nothing left to tell it
-        try:
-            job.fail_with(exc)
-        except Exception:  # the sink raised again; the job is failed all the same
-            log.exception("job %d: its sink refused the failure report", job.seq)
+        if not job.is_terminal:  # else it ended, then its sink raised: nothing left to tell
+            self._reporting(job, lambda: job.fail_with(exc))
 
     def _release(self, slot: Slot, job: Job) -> None:
         slot.job = None
@@ -294,19 +307,23 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stopping.is_set():
             self._wakeup.clear()
-            if not self.run_turn():
+            try:
+                acted = self.run_turn()
+            except Exception:  # a scheduler bug: keep serving the other jobs, say so loudly
+                log.exception("scheduler turn failed")
+                acted = False
+            if not acted:
                 self._wakeup.wait(IDLE_WAIT_S)
 
     def _end_all(self, message: str) -> None:
         """Fail every job still queued or on a slot (after the thread stopped)."""
         for job in self.pending.jobs():
-            self.pending.remove(job)
-            job.fail_with_message("server shutting down", 503)
-            self._record_end(job)
+            self._end_queued(job, lambda job=job: job.fail_with_message("server shutting down",
+                                                                        503))
         for slot in self.slots:
             if slot.job is not None:
                 job = slot.job
-                job.fail_with_message(message, 503)
+                self._reporting(job, lambda job=job: job.fail_with_message(message, 503))
                 self._release(slot, job)
         self.stats.queue_depth = 0
         self.stats.busy_slots = 0
