@@ -27,7 +27,7 @@ def test_kernel_compiles_for_sm90(source: Path, tmp_path: Path):
     proc = subprocess.run(
         ["nvcc", "-arch=sm_90", "--cubin", "-std=c++17", "-Xptxas", "-warn-spills",
          "-o", str(cubin), str(source)],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert cubin.stat().st_size > 0
     # Local-memory spills make a decode kernel several times slower; treat them as a failure.

@@ -8,6 +8,7 @@ from functools import partial
 from ds4.model import quant
 from ds4.model.attention import attention
 from ds4.model.config import ModelConfig
+from ds4.model.gpu_decode import kernel_decoder_for
 from ds4.model.hyper_connection import hc_collapse, hc_expand, hc_weights, hyper_head, rms_scale
 from ds4.model.moe import moe
 from ds4.model.rope import Rope
@@ -41,9 +42,12 @@ class Model:
         if quantize and cfg.index_head_dim & (cfg.index_head_dim - 1) == 0:
             matrix = xp.asarray(quant.hadamard(cfg.index_head_dim))
             self.indexer_qat = partial(quant.indexer_fp4_simulation, xp, hadamard_matrix=matrix)
+        self.kernel_decoder = kernel_decoder_for(self)  # GPU: one-token steps as CUDA graphs
 
     def forward(self, state: SessionState, token_ids: list[int]):
         """Run tokens at positions state.n.. through every layer; logits [V] of the last one."""
+        if self.kernel_decoder is not None and len(token_ids) == 1:
+            return self.kernel_decoder.decode(state, token_ids[0])
         xp, cfg = self.xp, self.cfg
         step = self._step(state.n, token_ids)
         x = self.weights["model.embed_tokens.weight"][step.token_ids]

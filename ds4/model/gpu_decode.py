@@ -18,8 +18,7 @@ from ds4.kernels import attention as at
 from ds4.kernels import compressor as cm
 from ds4.kernels import hyper_connection as hc
 from ds4.kernels import indexer as ix
-from ds4.kernels import moe
-from ds4.kernels import sampling
+from ds4.kernels import moe, sampling
 from ds4.kernels.gemv import gemv
 from ds4.kernels.norm import rms_norm
 from ds4.kernels.rope import rope_tail
@@ -43,7 +42,7 @@ class KernelDecoder:
         self.use_graphs = True
 
     @classmethod
-    def from_model(cls, model) -> "KernelDecoder":
+    def from_model(cls, model) -> KernelDecoder:
         """Kernel-form copies of an engine Model's tensors (see gpu_weights.supported)."""
         xp, cfg = model.xp, model.cfg
         layers = [gpu_weights.layer_tensors(xp, cfg, model.weights, i)
@@ -108,15 +107,24 @@ class KernelDecoder:
     def run(self, state) -> None:
         """Enqueue one decode step for `state` at the position in self.pos (no host syncs)."""
         self._fit_scores(state)  # a no-op after the eager first step, so never during capture
+        hc.embed_streams(self.top["embed"], self.token, self.buf["X"])
+        for i, layer_state in enumerate(state.layers):
+            self.run_layer(i, layer_state)
+        self.run_head()
+
+    def run_layer(self, i: int, layer_state) -> None:
+        """Layer i on the residual streams buf["X"]: mHC + attention, then mHC + MoE."""
+        t, b = self.layers[i], self.buf
+        self._block(t, "attn_hc", "input_layernorm.weight")
+        self._attention(i, t, layer_state)
+        hc.hc_post(b["X"], b["y"], b["post_comb"], b["X"])
+        self._block(t, "ffn_hc", "post_attention_layernorm.weight")
+        self._moe(i, t)
+        hc.hc_post(b["X"], b["y"], b["post_comb"], b["X"])
+
+    def run_head(self) -> None:
+        """buf["logits"] = W_head RMSNorm(HyperHead(X)) (spec 3.9)."""
         cfg, b, top = self.cfg, self.buf, self.top
-        hc.embed_streams(top["embed"], self.token, b["X"])
-        for i, (t, ls) in enumerate(zip(self.layers, state.layers)):
-            self._block(t, "attn_hc", "input_layernorm.weight")
-            self._attention(i, t, ls)
-            hc.hc_post(b["X"], b["y"], b["post_comb"], b["X"])
-            self._block(t, "ffn_hc", "post_attention_layernorm.weight")
-            self._moe(i, t)
-            hc.hc_post(b["X"], b["y"], b["post_comb"], b["X"])
         hc.hc_mix(top["hc_fn"], b["X"], b["mix"][:cfg.hc_mult], cfg.rms_norm_eps)
         hc.hc_pre(b["mix"], top["hc_scale"], top["hc_base"], b["X"], b["u"], b["post_comb"],
                   cfg.hc_sinkhorn_iters, cfg.hc_eps, head=True)
@@ -134,7 +142,7 @@ class KernelDecoder:
     def _attention(self, i: int, t: dict, ls) -> None:
         """y = attention output of layer i for h (spec 3.4), updating the layer's state."""
         cfg, b, eps, r = self.cfg, self.buf, self.cfg.rms_norm_eps, self.cfg.qk_rope_head_dim
-        H, d = cfg.num_attention_heads, cfg.head_dim
+        H = cfg.num_attention_heads
         freqs = self.freqs["main" if ls.kind == SLIDING else "compress"]
         gemv(t["self_attn.q_a_proj.weight"], b["h"], b["qlat"][0])
         rms_norm(b["qlat"], t["self_attn.q_a_norm.weight"], b["qlat"], eps)
@@ -203,3 +211,24 @@ class KernelDecoder:
                             b["shared_act"], limit)
             moe.moe_down(t["mlp.shared_experts.down_proj.weight"], None, b["shared_act"], b["y"],
                          accumulate=True)
+
+
+class GraphDecode:
+    """The engine's hook for one-token steps: builds the KernelDecoder on first use."""
+
+    def __init__(self, model):
+        self.model = model
+        self.decoder: KernelDecoder | None = None
+
+    def decode(self, state, token: int):
+        """Logits (device array) of token appended at state.n, through a replayed CUDA graph."""
+        if self.decoder is None:
+            self.decoder = KernelDecoder.from_model(self.model)
+        return self.decoder.decode(state, int(token))
+
+
+def kernel_decoder_for(model) -> GraphDecode | None:
+    """A GraphDecode for a model on the GPU whose features the kernels cover, else None."""
+    if not model.backend.is_gpu or gpu_weights.supported(model) is not None:
+        return None
+    return GraphDecode(model)

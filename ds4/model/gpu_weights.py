@@ -19,7 +19,10 @@ SHARED_EXPERT = ("gate_proj", "up_proj", "down_proj")
 
 
 def kernel_weight(xp, w):
-    """bf16 words (uint16) when every value of fp32 w is exactly bf16, else w itself."""
+    """bf16 words (uint16) when every value of fp32 w is exactly bf16, else w itself (bf16
+    words pass through)."""
+    if w.dtype == xp.uint16:
+        return xp.ascontiguousarray(w)
     w = xp.ascontiguousarray(w, dtype=xp.float32)
     bits = w.view(xp.uint32)
     if bool((bits & 0xFFFF).any()):
@@ -63,7 +66,9 @@ def layer_tensors(xp, cfg, weights, i: int) -> dict:
 
 
 def _stacked_experts(xp, bank):
-    """(gate_up [E, 2I, D], down [E, D, I]) in kernel form."""
+    """(gate_up [E, 2I, D], down [E, D, I]) in kernel form (a bank's `stacked` pair if it has one)."""
+    if getattr(bank, "stacked", None) is not None:
+        return tuple(kernel_weight(xp, w) for w in bank.stacked)
     gate_up = xp.stack([bank.expert(e)[0] for e in range(bank.count)])
     down = xp.stack([bank.expert(e)[1] for e in range(bank.count)])
     return kernel_weight(xp, gate_up), kernel_weight(xp, down)

@@ -1,0 +1,237 @@
+"""Benchmark the GPU engine at real V4-Flash layer dimensions on random weights.
+
+Prints, in one run: the device copy bandwidth and GEMM rate (the two ceilings), the per
+layer-token decode time of the kernel/CUDA-graph path against its bytes-read floor (with a
+per-stage profile), prefill tokens/s and TFLOP/s at each chunk size through the engine's model
+code on CuPy, and the same measures for transformers' DeepseekV4ForCausalLM (eager, bf16) on the
+same weights when torch and transformers are importable.
+
+    PYTHONPATH=. python3 tools/bench_engine.py --layers sliding,csa,hca,csa --ctx 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+from bench_flash import (
+    FlashStack,
+    bytes_read_per_token,
+    flash_config,
+    matrix_flops,
+    prefill_floor,
+)
+
+KINDS = {"sliding": "sliding_attention", "csa": "compressed_sparse_attention",
+         "hca": "heavily_compressed_attention"}
+
+
+def timed(cp, fn, repeat: int = 20, warmup: int = 3) -> float:
+    """Median seconds of fn() measured with device events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+    return float(np.median(times))
+
+
+def ceilings(cp) -> dict:
+    """Device copy bandwidth (bytes read + written per second) and fp16 GEMM FLOP/s."""
+    a = cp.empty(1 << 30, dtype=cp.float32)  # 4 GiB, far past the 60 MB L2
+    b = cp.empty_like(a)
+    a.fill(1.0)
+    copy = timed(cp, lambda: cp.copyto(b, a), repeat=10)
+    a = b = None
+    n = 8192
+    x = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    gemm = timed(cp, lambda: x @ x, repeat=10)
+    return {"copy_bytes_per_s": 2 * 4 * (1 << 30) / copy, "gemm_flop_per_s": 2 * n ** 3 / gemm}
+
+
+def graph_time(cp, stream, fn, repeat: int = 50) -> float:
+    """Median seconds of one replay of fn captured as a CUDA graph."""
+    with stream:
+        stream.begin_capture()
+        fn()
+        graph = stream.end_capture()
+    cp.cuda.Device().synchronize()
+
+    def replays():
+        for _ in range(10):
+            graph.launch(stream)
+
+    with stream:
+        return timed(cp, replays, repeat=max(3, repeat // 10)) / 10
+
+
+def decode_bench(cp, stack: FlashStack, ctx: int) -> dict:
+    """Per-layer decode times (graph replays), a stage profile, eager vs graph full steps."""
+    dec, state = stack.decoder(), stack.filled_state(ctx)
+    dec.pos_token.set(np.array([state.n, 7], dtype=np.int32))
+    dec.run(state)  # compiles and loads every kernel outside capture
+    cp.cuda.Device().synchronize()
+    stream = dec.stream
+    out = {"layers": [], "ctx": ctx}
+    for i, ls in enumerate(state.layers):
+        t = dec.layers[i]
+        row = {"kind": ls.kind, "s": graph_time(cp, stream, lambda i=i, ls=ls: dec.run_layer(i, ls)),
+               "bytes": bytes_read_per_token(stack.cfg, t, ls, state.n)}
+        row["stages"] = {
+            "mhc+norm (x2)": 2 * graph_time(cp, stream, lambda t=t: dec._block(
+                t, "attn_hc", "input_layernorm.weight")),
+            "attention": graph_time(cp, stream, lambda i=i, t=t, ls=ls: dec._attention(i, t, ls)),
+            "moe": graph_time(cp, stream, lambda i=i, t=t: dec._moe(i, t))}
+        out["layers"].append(row)
+    out["graph_step_s"] = graph_time(cp, stream, lambda: dec.run(state))
+    with stream:
+        out["eager_step_s"] = timed(cp, lambda: dec.run(state), repeat=5, warmup=1)
+    out["gemv"] = gemv_profile(cp, stream, dec)
+    return out
+
+
+def gemv_profile(cp, stream, dec) -> dict:
+    """Achieved bytes/s of the GEMV kernel on each distinct matrix shape of a layer."""
+    from ds4.kernels.gemv import gemv
+
+    seen, out = set(), {}
+    for t in dec.layers:
+        for name, w in t.items():
+            if w.ndim != 2 or w.dtype != cp.uint16 or w.shape in seen or w.shape[0] < 64:
+                continue
+            seen.add(w.shape)
+            x = cp.random.standard_normal(w.shape[1], dtype=cp.float32)
+            y = cp.empty(w.shape[0], dtype=cp.float32)
+            s = graph_time(cp, stream, lambda w=w, x=x, y=y: gemv(w, x, y))
+            out[f"{name} {w.shape[0]}x{w.shape[1]}"] = w.nbytes / s
+    return out
+
+
+def prefill_bench(cp, stack: FlashStack, chunks: list[int]) -> dict:
+    """Seconds per layer to prefill `chunk` tokens through the engine's model code on CuPy."""
+    out = {}
+    for i, kind in enumerate(stack.kinds):
+        if kind in out:
+            continue
+        model = stack.engine_model(i)  # fp32 copy of layer i alone
+        out[kind] = {}
+        for chunk in chunks:
+            ids = np.random.default_rng(chunk).integers(2, stack.cfg.vocab_size, chunk).tolist()
+            state = stack.empty_state(model.cfg, chunk)
+
+            def run(model=model, state=state, ids=ids):
+                state.reset()
+                model.forward(state, ids)
+
+            out[kind][chunk] = timed(cp, run, repeat=3, warmup=1)
+        model = None
+        cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def hf_bench(stack: FlashStack, chunks: list[int], decode_tokens: int = 8) -> dict:
+    """transformers' eager bf16 model on the same weights: prefill per chunk, then decode."""
+    import torch
+    from transformers import DynamicCache
+
+    model, n_layers, out = stack.hf, len(stack.kinds), {"prefill_s": {}}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.inference_mode():
+        for chunk in [64] + chunks:  # the first, small run only warms up
+            ids = torch.randint(2, stack.cfg.vocab_size, (1, chunk), device="cuda", generator=gen)
+            cache = DynamicCache(config=model.config)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            end.record()
+            torch.cuda.synchronize()
+            out["prefill_s"][chunk] = start.elapsed_time(end) / 1e3 / n_layers
+        steps = []
+        for _ in range(decode_tokens):
+            tok = torch.randint(2, stack.cfg.vocab_size, (1, 1), device="cuda", generator=gen)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            model(input_ids=tok, past_key_values=cache, use_cache=True)
+            end.record()
+            torch.cuda.synchronize()
+            steps.append(start.elapsed_time(end) / 1e3)
+        out["decode_s"] = float(np.median(steps[1:])) / n_layers
+        out["decode_ctx"] = chunks[-1]
+    out["prefill_s"].pop(64)
+    return out
+
+
+def report(res: dict) -> None:
+    """Print the results as short tables."""
+    c = res["ceilings"]
+    bw = c["copy_bytes_per_s"]
+    print(f"\ndevice copy {bw / 1e12:.2f} TB/s (read+write), fp16 GEMM "
+          f"{c['gemm_flop_per_s'] / 1e12:.0f} TFLOP/s")
+    d = res["decode"]
+    print(f"\ndecode at context {d['ctx']} (CUDA graph replay, per layer-token):")
+    print(f"{'layer':10} {'ms':>8} {'MB read':>9} {'floor ms':>9} {'ratio':>6}   stages (ms)")
+    for row in d["layers"]:
+        floor = row["bytes"] / (bw / 2)  # a read-only stream runs at the copy's byte rate
+        stages = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in row["stages"].items())
+        print(f"{row['kind'][:10]:10} {row['s'] * 1e3:8.3f} {row['bytes'] / 1e6:9.1f} "
+              f"{floor * 1e3:9.3f} {row['s'] / floor:6.2f}   {stages}")
+    print(f"whole step (embed + {len(d['layers'])} layers + head): graph "
+          f"{d['graph_step_s'] * 1e3:.3f} ms, eager launches {d['eager_step_s'] * 1e3:.3f} ms")
+    print("GEMV kernel alone: " + ", ".join(f"{k}: {v / 1e12:.2f} TB/s" for k, v in d["gemv"].items()))
+    print("\nprefill through the engine's model code on CuPy (fp32 weights, per layer):")
+    for kind, per in res["prefill"].items():
+        for chunk, s in per.items():
+            flops = matrix_flops(res["cfg"], kind, chunk)
+            floor = prefill_floor(res["cfg"], kind, chunk, c)
+            print(f"{kind[:10]:10} chunk {chunk:5}: {s * 1e3:8.2f} ms, {chunk / s:9.0f} tok/s, "
+                  f"{flops / s / 1e12:6.1f} TFLOP/s, floor {floor * 1e3:.2f} ms ({s / floor:.1f}x)")
+    hf = res.get("hf")
+    if isinstance(hf, dict):
+        print(f"\ntransformers DeepseekV4ForCausalLM eager bf16, same weights (per layer, "
+              f"embed/head included): decode {hf['decode_s'] * 1e3:.3f} ms at context "
+              f"{hf['decode_ctx']}")
+        for chunk, s in hf["prefill_s"].items():
+            print(f"  prefill chunk {chunk:5}: {s * 1e3:8.2f} ms, {chunk / s:9.0f} tok/s")
+    else:
+        print(f"\ntransformers reference not run: {hf}")
+
+
+def main(argv=None) -> int:
+    """Run the benchmark; print the tables and optionally write JSON."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", default="sliding,csa,hca,csa")
+    ap.add_argument("--ctx", type=int, default=4096, help="decode position")
+    ap.add_argument("--chunks", default="512,2048")
+    ap.add_argument("--small", action="store_true", help="tiny dims: a smoke test of this tool")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    import cupy as cp
+
+    kinds = [KINDS[k] for k in args.layers.split(",")]
+    chunks = [int(c) for c in args.chunks.split(",")]
+    res = {"ceilings": ceilings(cp)}
+    stack = FlashStack(cp, flash_config(kinds, small=args.small), kinds, use_hf=not args.no_hf)
+    res["cfg"] = stack.cfg
+    res["decode"] = decode_bench(cp, stack, args.ctx)
+    res["hf"] = hf_bench(stack, chunks) if stack.hf is not None else stack.hf_reason
+    stack.release_hf_cache()
+    res["prefill"] = prefill_bench(cp, stack, chunks)
+    report(res)
+    if args.json:
+        res["cfg"] = str(res["cfg"])
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
