@@ -160,6 +160,10 @@ class Session:
     # ---- internals
 
     def _run(self, ids: list[int]) -> None:
+        vocab = self.engine.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})")
         logits = self.engine.model.forward(self.state, ids)
         self.tokens.extend(ids)
         self.logits = np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32)

@@ -120,6 +120,8 @@ def test_context_overflow(engine):
     with pytest.raises(ContextOverflow):
         s.decode(3)
     assert len(s.tokens) == 40
+    with pytest.raises(ValueError, match="token id 512 is outside"):
+        engine.new_session(8).sync([0, 512])
 
 
 def test_memory_report(engine):
