@@ -17,6 +17,12 @@ from ds4.chat import parse_output
 from ds4.jobs.trace import read_trace
 
 
+def replayable(record: dict) -> bool:
+    """Jobs that ended on their own (not cancelled, not failed) and whose request was kept."""
+    return bool(record.get("raw_request") and record.get("endpoint")) and \
+        record.get("finish_reason") in ("stop", "length", "tool_calls")
+
+
 def deterministic(record: dict) -> bool:
     """Greedy jobs, and jobs whose request carried its own seed, must reproduce exactly."""
     if record["sampling"].get("temperature", 1.0) <= 0:
@@ -70,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--api-key")
     a = p.parse_args(argv)
-    records = [r for r in read_trace(a.trace) if r.get("raw_request") and r.get("endpoint")]
+    records = [r for r in read_trace(a.trace) if replayable(r)]
     problems = replay(records, a.url, a.api_key)
     for line in problems:
         print(line)

@@ -55,11 +55,23 @@ def config_from(argv: list[str] | None) -> ServerConfig:
                         ssd_streaming=a.ssd_streaming, tokens=a.tokens)
 
 
-def report_memory(engine: object) -> None:
-    """Print the engine's memory figures."""
+def figure(name: str, value: object) -> str:
+    """One memory figure; byte counts also in MiB."""
+    if name.endswith("_bytes") and isinstance(value, (int, float)):
+        return f"  {name}: {value:.0f} ({value / 2**20:.1f} MiB)"
+    return f"  {name}: {value}"
+
+
+def report_memory(engine: object, config: ServerConfig) -> None:
+    """Print the engine's memory figures and what the slots' contexts take."""
     report = engine.memory_report()
-    lines = [f"  {k}: {v}" for k, v in report.items()] if isinstance(report, dict) else [
-        f"  {report}"]
+    items = report.items() if isinstance(report, dict) else [("memory", report)]
+    lines = [figure(k, v) for k, v in items]
+    per_token = report.get("state_bytes_per_token") if isinstance(report, dict) else None
+    if per_token:
+        slot = report.get("state_fixed_bytes", 0) + per_token * config.ctx
+        lines.append(f"  context per slot ({config.ctx} tokens): {slot / 2**20:.1f} MiB; "
+                     f"{config.parallel} slot(s): {slot * config.parallel / 2**20:.1f} MiB")
     print("ds4-server: model memory\n" + "\n".join(lines), flush=True)
 
 
@@ -73,7 +85,7 @@ def load_and_report(runtime) -> None:
     cfg = runtime.config
     print(f"ds4-server: model loaded from {runtime.model_dir()} "
           f"({cfg.parallel} slot(s) of {cfg.ctx} tokens)", flush=True)
-    report_memory(runtime.engine)
+    report_memory(runtime.engine, cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,94 @@
+"""Several clients at once over real HTTP: interleaved streams equal isolated runs, a client
+that disconnects frees its slot, queued streams get keep-alives, and a trace replays."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from ds4.cli.replay import deterministic, replay, replayable
+from ds4.jobs.trace import read_trace
+from test_server_http import GREEDY, live_server
+
+PROMPTS = ["Tell me a story about a fox.", "List three prime numbers and explain."]
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    trace = tmp_path_factory.mktemp("trace") / "jobs.jsonl"
+    with live_server(parallel=2, ctx=4096, trace=str(trace)) as (url, runtime):
+        yield url, trace
+
+
+def stream_text(url: str, prompt: str, max_tokens: int) -> str:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    chunks = client.chat.completions.create(
+        model=GREEDY, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+        temperature=0, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def busy_slots(url: str) -> list[int]:
+    return [s["id"] for s in httpx.get(url + "/slots").json()["slots"] if s["busy"]]
+
+
+def test_two_streaming_clients_each_equal_their_isolated_greedy_run(live):
+    url, _ = live
+    isolated = [stream_text(url, p, 40) for p in PROMPTS]
+    together: dict[int, str] = {}
+    threads = [threading.Thread(target=lambda i=i: together.__setitem__(
+        i, stream_text(url, PROMPTS[i], 40))) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [together[0], together[1]] == isolated
+    assert isolated[0] != isolated[1]
+
+
+def test_disconnect_mid_stream_frees_the_slot(live):
+    url, _ = live
+    body = {"model": GREEDY, "messages": [{"role": "user", "content": "Count forever"}],
+            "max_tokens": 3000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        while sum('"content"' in next(lines) for _ in range(2)) == 0:
+            pass
+        assert busy_slots(url) != []
+    # closing the response drops the connection; 3000 tokens take far longer than this wait,
+    # so only the cancel can free the slot in time
+    deadline = time.monotonic() + 10
+    while busy_slots(url) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert busy_slots(url) == []
+    assert stream_text(url, PROMPTS[0], 3)  # the server keeps serving
+
+
+def test_queued_streams_get_keep_alive_pings():
+    with live_server(parallel=1, ctx=4096, ping_interval_s=0.2) as (url, _):
+        long = {"model": GREEDY, "messages": [{"role": "user", "content": "Go on"}],
+                "max_tokens": 3000, "temperature": 0, "stream": True}
+        short = {"model": GREEDY, "max_tokens": 4, "temperature": 0, "stream": True,
+                 "messages": [{"role": "user", "content": "Hi"}]}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=long) as first:
+            next(first.iter_lines())
+            with httpx.stream("POST", url + "/v1/chat/completions", json=short) as queued:
+                lines = queued.iter_lines()
+                assert json.loads(next(lines)[6:])["choices"][0]["delta"] == {"role": "assistant"}
+                assert [next(lines) for _ in range(2)] == ["", ": ping"]
+            with httpx.stream("POST", url + "/v1/messages", json=short) as queued:
+                frames = [next(queued.iter_lines()) for _ in range(6)]
+                assert frames[0] == "event: message_start" and "event: ping" in frames[3:]
+
+
+def test_trace_replays_with_the_same_text(live):
+    url, trace = live
+    records = [r for r in read_trace(trace) if replayable(r) and deterministic(r)]
+    assert len(records) >= 4
+    assert replay(records[:4], url) == []
+    assert all(r["endpoint"] == "/v1/chat/completions" and r["raw_request"] for r in records)
