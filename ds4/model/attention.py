@@ -27,10 +27,11 @@ def attention(xp, ctx, lw, layer_state, h, step):
     if ctx.kv_fp8 is not None:
         kv = ctx.kv_fp8(kv)
     keys, bias = _raw_keys(xp, ctx, layer_state, kv, step)
+    picked = None
     if layer_state.compressor is not None:
-        keys, bias = _with_compressed(xp, ctx, lw, layer_state, h, qlat, step, keys, bias)
+        keys, bias, picked = _with_compressed(xp, ctx, lw, layer_state, h, qlat, step, keys, bias)
     _store_raw(layer_state, kv, step.start)
-    out = _softmax_with_sink(xp, q, keys, bias, lw["self_attn.sinks"], d ** -0.5)
+    out = _softmax_with_sink(xp, q, keys, bias, picked, lw["self_attn.sinks"], d ** -0.5)
     out = rope.apply(out, cos, sin, inverse=True)
     return _grouped_output(xp, cfg, lw, out)
 
@@ -72,29 +73,38 @@ def _with_compressed(xp, ctx, lw, layer_state, h, qlat, step, keys, bias):
         picks = select_entries(xp, lw, cfg, layer_state, h, qlat, step.positions, step.start, rope,
                                cos_q, sin_q, ctx.indexer_qat)
     if count == 0:
-        return keys, bias
+        return keys, bias, None
     rows = comp.rows[:count]
     if layer_state.kind != CSA:
         usable = (step.positions + 1) // comp.ratio
         extra = xp.where(xp.arange(count)[None, :] < usable[:, None], 0.0, -xp.inf)
-        return xp.concatenate([keys, rows]), xp.concatenate([bias, extra.astype(xp.float32)], axis=1)
-    if h.shape[0] == 1:  # decode: gather only the picked rows
-        chosen = rows[xp.maximum(picks[0], 0)]
-        extra = xp.where(picks >= 0, 0.0, -xp.inf).astype(xp.float32)
-        return xp.concatenate([keys, chosen]), xp.concatenate([bias, extra], axis=1)
-    extra = xp.full((h.shape[0], count + 1), -xp.inf, dtype=xp.float32)
-    safe = xp.where(picks >= 0, picks, count)
-    extra[xp.arange(h.shape[0])[:, None], safe] = 0.0
-    return xp.concatenate([keys, rows]), xp.concatenate([bias, extra[:, :count]], axis=1)
+        return xp.concatenate([keys, rows]), xp.concatenate([bias, extra.astype(xp.float32)], axis=1), None
+    # each query gathers its own picks: memory S x topk x d, never S x (all rows)
+    picked_rows = rows[xp.maximum(picks, 0)]
+    picked_bias = xp.where(picks >= 0, 0.0, -xp.inf).astype(xp.float32)
+    return keys, bias, (picked_rows, picked_bias)
 
 
-def _softmax_with_sink(xp, q, keys, bias, sinks, scale: float):
-    """o_h = sum_j p_j k_j with p = exp(l) / (exp(sink_h) + sum exp(l)) (V = K), fp32."""
-    logits = xp.matmul(q, keys.T) * scale + bias[:, None, :]  # [S, H, K]
-    top = xp.maximum(logits.max(axis=-1), sinks[None, :])  # [S, H]
-    p = xp.exp(logits - top[:, :, None])
-    denom = p.sum(axis=-1) + xp.exp(sinks[None, :] - top)
-    return xp.matmul(p, keys) / denom[:, :, None]
+def _softmax_with_sink(xp, q, keys, bias, picked, sinks, scale: float):
+    """o_h = sum_j p_j k_j with p = exp(l) / (exp(sink_h) + sum exp(l)) (V = K), fp32.
+
+    Keys come as rows shared by all queries ([K, d] with bias [S, K]) plus, for CSA, rows
+    picked per query ([S, k, d] with bias [S, k]).
+    """
+    blocks = [(keys, xp.matmul(q, keys.T) * scale + bias[:, None, :])]  # [S, H, K]
+    if picked is not None and picked[0].shape[1]:
+        rows, picked_bias = picked
+        blocks.append((rows, xp.matmul(q, rows.transpose(0, 2, 1)) * scale + picked_bias[:, None, :]))
+    top = sinks[None, :]
+    for _, logits in blocks:
+        top = xp.maximum(top, logits.max(axis=-1))  # [S, H]
+    denom = xp.exp(sinks[None, :] - top)
+    out = 0.0
+    for rows, logits in blocks:
+        p = xp.exp(logits - top[:, :, None])
+        denom = denom + p.sum(axis=-1)
+        out = out + xp.matmul(p, rows)
+    return out / denom[:, :, None]
 
 
 def _grouped_output(xp, cfg, lw, out):
