@@ -45,6 +45,8 @@ class OutputParser:
         self._hash = dsml.id_hash(id_seed)
         self._offset = 0  # bytes consumed
         self._raw: list[str] | None = None  # consumed block text, once a block opened
+        self._reasoning_parts: list[str] = []  # pieces, joined on result(): no quadratic copying
+        self._content_parts: list[str] = []
         self._events: list[ParserEvent] = []
         self._dialect = dsml.DIALECTS[0]
         self._call: ToolCall | None = None
@@ -74,7 +76,8 @@ class OutputParser:
 
     def result(self) -> ParsedOutput:
         """The parse so far (final after finish()); equals parse_output(whole text)."""
-        return replace(self.out, tool_calls=list(self.out.tool_calls))
+        return replace(self.out, reasoning="".join(self._reasoning_parts),
+                       content="".join(self._content_parts), tool_calls=list(self.out.tool_calls))
 
     @property
     def reasoning_done(self) -> bool:
@@ -122,13 +125,13 @@ class OutputParser:
     def _emit_reasoning(self, n: int) -> None:
         text = self._take(n)
         if text:
-            self.out.reasoning += text
+            self._reasoning_parts.append(text)
             self._events.append(ReasoningDelta(text))
 
     def _emit_text(self, n: int) -> None:
         text = self._take(n)
         if text:
-            self.out.content += text
+            self._content_parts.append(text)
             self._events.append(TextDelta(text))
 
     def _emit_args(self, text: str) -> None:
