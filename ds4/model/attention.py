@@ -38,16 +38,21 @@ def attention(xp, ctx, lw, layer_state, h, step):
 
 def _raw_keys(xp, ctx, layer_state, kv, step):
     """Ring rows (positions < start) then this chunk's rows, with the sliding-window mask."""
-    W, S, n = layer_state.raw.shape[0], kv.shape[0], step.start
+    W, S = layer_state.raw.shape[0], kv.shape[0]
     keys = ctx.scratch.view("raw_keys", (W + S, kv.shape[1]))
     keys[:W] = layer_state.raw
     keys[W:] = kv
-    slots = xp.arange(W)
-    ring_pos = n - 1 - (n - 1 - slots) % W  # newest position held by each slot (< 0: empty)
-    key_pos = xp.concatenate([ring_pos, step.positions])
-    t = step.positions[:, None]
-    visible = (key_pos[None, :] <= t) & (key_pos[None, :] > t - W) & (key_pos[None, :] >= 0)
-    return keys, xp.where(visible, 0.0, -xp.inf).astype(xp.float32)
+    return keys, step.window_bias
+
+
+def window_bias(xp, start: int, positions, window: int):
+    """[S, W + S] additive mask over (ring slots, chunk rows): 0 where t - W < p <= t, else -inf."""
+    slots = xp.arange(window)
+    ring_pos = start - 1 - (start - 1 - slots) % window  # newest position in each slot (< 0: empty)
+    key_pos = xp.concatenate([ring_pos, positions])[None, :]
+    t = positions[:, None]
+    visible = (key_pos <= t) & (key_pos > t - window) & (key_pos >= 0)
+    return xp.where(visible, 0.0, -xp.inf).astype(xp.float32)
 
 
 def _store_raw(layer_state, kv, start: int) -> None:

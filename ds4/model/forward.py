@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from ds4.model import quant
-from ds4.model.attention import attention
+from ds4.model.attention import attention, window_bias
 from ds4.model.config import ModelConfig
 from ds4.model.gpu_decode import kernel_decoder_for
 from ds4.model.hyper_connection import hc_collapse, hc_expand, hc_weights, hyper_head, rms_scale
@@ -25,6 +25,7 @@ class Step:
     positions: object  # xp int64 [S]
     token_ids: object  # xp int64 [S]
     cos_sin: dict  # rope kind -> (cos, sin) at the chunk's positions
+    window_bias: object  # xp f32 [S, window + S]: raw-row mask, the same for every layer
 
 
 class Model:
@@ -61,7 +62,8 @@ class Model:
         xp = self.xp
         positions = xp.arange(start, start + len(token_ids), dtype=xp.int64)
         cos_sin = {kind: rope.cos_sin(positions) for kind, rope in self.ropes.items()}
-        return Step(start, positions, xp.asarray(token_ids, dtype=xp.int64), cos_sin)
+        bias = window_bias(xp, start, positions, self.cfg.sliding_window)
+        return Step(start, positions, xp.asarray(token_ids, dtype=xp.int64), cos_sin, bias)
 
     def _layer(self, i: int, layer_state, X, step: Step):
         xp, cfg = self.xp, self.cfg
