@@ -133,6 +133,12 @@ class Session:
         arrays = self.state.export(self.engine.backend.to_numpy)
         meta = {"version": SNAPSHOT_VERSION, "fingerprint": self.engine.fingerprint(), "n": self.state.n,
                 "tokens": self.tokens}
+        if self._frontier is not None:  # so a restored session can still regenerate for free
+            tokens, logits, n, copies = self._frontier
+            meta["frontier"] = {"tokens": len(tokens), "n": n}
+            arrays.update({f"frontier/{k}": self.engine.backend.to_numpy(v) for k, v in copies.items()})
+            if logits is not None:
+                arrays["__frontier_logits__"] = logits
         arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
         if self.logits is not None:
             arrays["__logits__"] = self.logits
@@ -155,6 +161,12 @@ class Session:
         self.tokens = list(meta["tokens"])
         self.logits = arrays.get("__logits__")
         self._save_frontier()
+        if "frontier" in meta:
+            f = meta["frontier"]
+            copies = self._frontier[3]
+            for name in copies:
+                copies[name][...] = self.engine.backend.asarray(arrays[f"frontier/{name}"])
+            self._frontier = (self.tokens[: f["tokens"]], arrays.get("__frontier_logits__"), f["n"], copies)
         return self
 
     # ---- internals

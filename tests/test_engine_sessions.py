@@ -66,6 +66,10 @@ def test_snapshot_restore_mid_decode_gives_identical_logits(engine):
     np.testing.assert_array_equal(r.logits, s.logits)
     for token in (5, 77, 300, 2, 9, 41, 100, 7):  # crosses HCA closing at 63 and CSA windows
         np.testing.assert_array_equal(r.decode(token), s.decode(token))
+    p = s.tokens[:50]  # the restored session still rolls back to the synced prompt for free
+    assert r.reusable_prefix(p) == 50
+    np.testing.assert_array_equal(r.sync(p), s.sync(p))
+    np.testing.assert_array_equal(r.decode(11), s.decode(11))
 
 
 def test_rollback_to_prompt_end_equals_fresh_run(engine):
