@@ -140,7 +140,7 @@ class ExpertBank:
         return int(self._gate_up.nbytes + self._down.nbytes) if self.resident else 0
 
     def gather(self, ids) -> tuple:
-        """(gate_up [k, 2I, D], down [k, D, I]) fp32 for expert ids [k] (a host int array)."""
+        """(gate_up [k, 2I, D], down [k, D, I]) fp32 for expert ids [k] (streaming reads them on host)."""
         if self.resident:
             return self._gate_up[ids], self._down[ids]
         ids = (ids.get() if hasattr(ids, "get") else np.asarray(ids)).tolist()
