@@ -135,3 +135,12 @@ def test_memory_report(engine):
     assert report["state_bytes_per_token"] == 4 * (2 * (32 / 4 + 16 / 4) + 2 * (32 / 16))
     assert report["weight_bytes"] > 0 and report["scratch_bytes"] > 0
     assert report["state_fixed_bytes"] >= cfg.num_hidden_layers * cfg.sliding_window * cfg.head_dim * 4
+
+
+def test_indexer_query_blocks_do_not_change_results(engine, monkeypatch):
+    from ds4.model import indexer
+
+    p = prompt(13, 120)
+    want = engine.new_session(128).sync(p)
+    monkeypatch.setattr(indexer, "SCORE_BLOCK", 16 * 30 * 3)  # 16 heads x ~30 rows: 3 queries a block
+    np.testing.assert_array_equal(engine.new_session(128).sync(p), want)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from ds4.model.compressor import compress
 
+SCORE_BLOCK = 1 << 26  # floats in one [queries, heads, entries] block of indexer scores
+
 
 def select_entries(xp, lw, cfg, layer_state, h, qlat, positions, start: int, rope, cos_q, sin_q,
                    qat=None):
@@ -23,11 +25,19 @@ def select_entries(xp, lw, cfg, layer_state, h, qlat, positions, start: int, rop
     if count <= topk:  # every usable entry is selected; no scoring needed
         ids = xp.broadcast_to(xp.arange(count), (h.shape[0], count))
         return xp.where(ids < usable[:, None], ids, -1)
-    total = index_scores(xp, weight, cfg, h, qlat, comp.rows[:count], rope, cos_q, sin_q, qat)
-    future = xp.arange(count)[None, :] >= usable[:, None]
-    total = xp.where(future, -xp.inf, total)
-    order = xp.argsort(-total, axis=-1, kind="stable")[:, :topk]
-    return xp.where(order < usable[:, None], order, -1)
+    keys = comp.rows[:count]
+    # bound the [queries, heads, entries] score block: long prompts score a slice of queries at a time
+    block = max(1, SCORE_BLOCK // (cfg.index_n_heads * count))
+    picks = []
+    for b in range(0, h.shape[0], block):
+        q_slice = slice(b, b + block)
+        total = index_scores(xp, weight, cfg, h[q_slice], qlat[q_slice], keys, rope, cos_q[q_slice],
+                             sin_q[q_slice], qat)
+        seen = usable[q_slice, None]
+        total = xp.where(xp.arange(count)[None, :] >= seen, -xp.inf, total)
+        order = xp.argsort(-total, axis=-1, kind="stable")[:, :topk]
+        picks.append(xp.where(order < seen, order, -1))
+    return picks[0] if len(picks) == 1 else xp.concatenate(picks)
 
 
 def index_scores(xp, weight, cfg, h, qlat, keys, rope, cos_q, sin_q, qat=None):
