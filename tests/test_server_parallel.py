@@ -62,11 +62,24 @@ def test_disconnect_mid_stream_frees_the_slot(live):
         assert busy_slots(url) != []
     # closing the response drops the connection; 3000 tokens take far longer than this wait,
     # so only the cancel can free the slot in time
-    deadline = time.monotonic() + 10
+    assert wait_idle(url) == []
+    assert stream_text(url, PROMPTS[0], 3)  # the server keeps serving
+
+
+def wait_idle(url: str, seconds: float = 10) -> list[int]:
+    deadline = time.monotonic() + seconds
     while busy_slots(url) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert busy_slots(url) == []
-    assert stream_text(url, PROMPTS[0], 3)  # the server keeps serving
+    return busy_slots(url)
+
+
+def test_non_streamed_client_that_gives_up_frees_the_slot(live):
+    url, _ = live
+    body = {"model": GREEDY, "messages": [{"role": "user", "content": "Write a book"}],
+            "max_tokens": 3000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/chat/completions", json=body, timeout=1.0)
+    assert wait_idle(url) == []
 
 
 def test_queued_streams_get_keep_alive_pings():
@@ -76,13 +89,15 @@ def test_queued_streams_get_keep_alive_pings():
         short = {"model": GREEDY, "max_tokens": 4, "temperature": 0, "stream": True,
                  "messages": [{"role": "user", "content": "Hi"}]}
         with httpx.stream("POST", url + "/v1/chat/completions", json=long) as first:
-            next(first.iter_lines())
+            first_lines = first.iter_lines()  # kept: a dropped iterator closes the connection
+            next(first_lines)
             with httpx.stream("POST", url + "/v1/chat/completions", json=short) as queued:
                 lines = queued.iter_lines()
                 assert json.loads(next(lines)[6:])["choices"][0]["delta"] == {"role": "assistant"}
                 assert [next(lines) for _ in range(2)] == ["", ": ping"]
             with httpx.stream("POST", url + "/v1/messages", json=short) as queued:
-                frames = [next(queued.iter_lines()) for _ in range(6)]
+                lines = queued.iter_lines()
+                frames = [next(lines) for _ in range(6)]
                 assert frames[0] == "event: message_start" and "event: ping" in frames[3:]
 
 

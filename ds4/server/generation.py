@@ -15,7 +15,7 @@ from ds4.server.sse import SSE_HEADERS
 from ds4.server.turn import Turn
 from ds4.server.wire import json_response
 
-DISCONNECT_POLL_S = 1.0
+DISCONNECT_POLL_S = 0.5
 
 
 class Shape(Protocol):
@@ -48,20 +48,26 @@ async def generate(request: Request, runtime: Runtime, turn: Turn, make_shape) -
 
 
 async def collect(request: Request, running: Running) -> Finished | None:
-    """Wait for the end of a non-streamed job, cancelling it if the client goes away."""
+    """Wait for the end of a non-streamed job; a client that goes away cancels it."""
+    watcher = asyncio.create_task(cancel_on_disconnect(request, running))
     try:
-        while True:
+        while not running.cancelled:
             event = await running.next(DISCONNECT_POLL_S)
             if isinstance(event, Finished):
                 return event
             if isinstance(event, Failed):
                 raise failure_error(event)
-            if event is None and await request.is_disconnected():
-                running.cancel()
-                return None
-    except asyncio.CancelledError:
+        return None
+    finally:
+        watcher.cancel()
         running.cancel()
-        raise
+
+
+async def cancel_on_disconnect(request: Request, running: Running) -> None:
+    """After the body is read, the next ASGI message is http.disconnect: cancel the job then."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    running.cancel()
 
 
 async def open_stream(runtime: Runtime, running: Running, shape: Shape) -> Response:

@@ -28,6 +28,7 @@ class Running:
         self.events = JobEvents(asyncio.get_running_loop())
         self.job = None
         self.ended = False
+        self.cancelled = False
 
     async def next(self, timeout: float) -> object | None:
         """The next job event (None on timeout), with counters and tool memory kept up to date."""
@@ -39,7 +40,7 @@ class Running:
     def cancel(self) -> None:
         """Stop the job (client gone); safe to call more than once."""
         if not self.ended:
-            self.ended = True
+            self.ended = self.cancelled = True
             self.runtime.metrics.requests.labels(self.turn.endpoint, "cancelled").inc()
             self.runtime.scheduler.cancel(self.job)
 
