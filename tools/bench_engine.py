@@ -84,11 +84,7 @@ def decode_bench(cp, stack: FlashStack, ctx: int) -> dict:
         t = dec.layers[i]
         row = {"kind": ls.kind, "s": graph_time(cp, stream, lambda i=i, ls=ls: dec.run_layer(i, ls)),
                "bytes": bytes_read_per_token(stack.cfg, t, ls, state.n)}
-        row["stages"] = {
-            "mhc+norm (x2)": 2 * graph_time(cp, stream, lambda t=t: dec._block(
-                t, "attn_hc", "input_layernorm.weight")),
-            "attention": graph_time(cp, stream, lambda i=i, t=t, ls=ls: dec._attention(i, t, ls)),
-            "moe": graph_time(cp, stream, lambda i=i, t=t: dec._moe(i, t))}
+        row["stages"] = stage_times(cp, stream, dec, i, t, ls)
         out["layers"].append(row)
     out["graph_step_s"] = graph_time(cp, stream, lambda: dec.run(state))
     with stream:
@@ -97,9 +93,36 @@ def decode_bench(cp, stack: FlashStack, ctx: int) -> dict:
     return out
 
 
+def stage_times(cp, stream, dec, i: int, t: dict, ls) -> dict:
+    """Graph-replay seconds of the parts of one layer step (compressor/indexer/attention kernel
+    are also inside "attention")."""
+    from ds4.kernels import attention as at
+
+    b, cfg = dec.buf, dec.cfg
+    freqs = dec.freqs["main" if ls.compressor is None else "compress"]
+    out = {"mhc+norm x2": 2 * graph_time(cp, stream, lambda: dec._block(
+               t, "attn_hc", "input_layernorm.weight")),
+           "attention": graph_time(cp, stream, lambda: dec._attention(i, t, ls)),
+           "moe": graph_time(cp, stream, lambda: dec._moe(i, t))}
+    if ls.compressor is not None:
+        out["compressor"] = graph_time(cp, stream, lambda: dec._compress(
+            t, "self_attn.compressor.", ls.compressor, freqs))
+    if ls.indexer is not None:
+        out["indexer+topk"] = graph_time(cp, stream, lambda: dec._index(t, ls.indexer, freqs))
+    comp = None if ls.compressor is None else ls.compressor.rows
+    sel = b["sel"] if ls.indexer is not None else None
+    keys = ls.raw.shape[0] + (0 if comp is None else min(comp.shape[0], cfg.index_topk)
+                              if sel is not None else comp.shape[0])
+    out["attention kernel"] = graph_time(cp, stream, lambda: at.attention_decode(
+        b["q"], ls.raw, dec.pos, comp, sel, b["sel_count"], 0 if comp is None else ls.compressor.ratio,
+        t["self_attn.sinks"], b["o"], keys))
+    return out
+
+
 def gemv_profile(cp, stream, dec) -> dict:
-    """Achieved bytes/s of the GEMV kernel on each distinct matrix shape of a layer."""
-    from ds4.kernels.gemv import gemv
+    """Achieved bytes/s of the GEMV kernel on each distinct matrix shape of a layer, with the
+    launcher's column-split choice and with each power-of-two split."""
+    from ds4.kernels.gemv import gemv, pick_splits
 
     seen, out = set(), {}
     for t in dec.layers:
@@ -109,8 +132,13 @@ def gemv_profile(cp, stream, dec) -> dict:
             seen.add(w.shape)
             x = cp.random.standard_normal(w.shape[1], dtype=cp.float32)
             y = cp.empty(w.shape[0], dtype=cp.float32)
-            s = graph_time(cp, stream, lambda w=w, x=x, y=y: gemv(w, x, y))
-            out[f"{name} {w.shape[0]}x{w.shape[1]}"] = w.nbytes / s
+            rates = {}
+            for splits in (1, 2, 4, 8, 16):
+                if w.shape[1] % (256 * splits) == 0:
+                    s = graph_time(cp, stream, lambda w=w, x=x, y=y, k=splits: gemv(w, x, y, splits=k))
+                    rates[splits] = w.nbytes / s
+            out[f"{name} {w.shape[0]}x{w.shape[1]}"] = {
+                "chosen": pick_splits(*w.shape), "bytes_per_s": rates}
     return out
 
 
@@ -179,13 +207,17 @@ def report(res: dict) -> None:
     print(f"\ndecode at context {d['ctx']} (CUDA graph replay, per layer-token):")
     print(f"{'layer':10} {'ms':>8} {'MB read':>9} {'floor ms':>9} {'ratio':>6}   stages (ms)")
     for row in d["layers"]:
-        floor = row["bytes"] / (bw / 2)  # a read-only stream runs at the copy's byte rate
+        floor = row["bytes"] / bw  # HBM moves bw bytes/s whether they are read or written
         stages = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in row["stages"].items())
         print(f"{row['kind'][:10]:10} {row['s'] * 1e3:8.3f} {row['bytes'] / 1e6:9.1f} "
               f"{floor * 1e3:9.3f} {row['s'] / floor:6.2f}   {stages}")
     print(f"whole step (embed + {len(d['layers'])} layers + head): graph "
           f"{d['graph_step_s'] * 1e3:.3f} ms, eager launches {d['eager_step_s'] * 1e3:.3f} ms")
-    print("GEMV kernel alone: " + ", ".join(f"{k}: {v / 1e12:.2f} TB/s" for k, v in d["gemv"].items()))
+    print("GEMV kernel alone, TB/s by column splits (* = launcher's choice):")
+    for name, g in d["gemv"].items():
+        cells = " ".join(f"{k}{'*' if k == g['chosen'] else ''}:{v / 1e12:.2f}"
+                         for k, v in g["bytes_per_s"].items())
+        print(f"  {name:60} {cells}")
     print("\nprefill through the engine's model code on CuPy (fp32 weights, per layer):")
     for kind, per in res["prefill"].items():
         for chunk, s in per.items():

@@ -231,7 +231,7 @@ def from_hf(cp, cfg, model) -> DeviceWeights:
     named = {}
     for name, shape in expected_shapes(cfg).items():
         t = state[name]
-        if _is_bf16(name, shape):
+        if _is_bf16(name, shape) and t.dtype == torch.bfloat16:
             named[name] = cp.from_dlpack(t.detach().contiguous().view(torch.int16)).view(cp.uint16)
         elif name.endswith("tid2eid"):
             named[name] = cp.from_dlpack(t.contiguous())

@@ -59,17 +59,23 @@ extern "C" __global__ void attention_store_kv(const float* __restrict__ kv_in,
     }
 }
 
-__device__ __forceinline__ const float* key_row(int j, int n_raw, const float* raw,
-                                                const float* comp, const int* sel, int width) {
-    if (j < n_raw) return raw + (size_t)j * width;
+// Key j's row: ring row j for j < n_raw, else compressed row sel[j - n_raw] (or j - n_raw).
+__device__ __forceinline__ int key_code(int j, int n_raw, const int* sel) {
+    if (j < n_raw) return -(j + 1);
     j -= n_raw;
-    return comp + (size_t)(sel ? sel[j] : j) * width;
+    return sel ? sel[j] : j;
+}
+
+__device__ __forceinline__ const float* key_ptr(int code, const float* raw, const float* comp,
+                                                int width) {
+    return code < 0 ? raw + (size_t)(-code - 1) * width : comp + (size_t)code * width;
 }
 
 // out[h] = sum_j p_j k_j, p = softmax over the keys with the sink's exp(sinks[h]) in the
 // denominator. Raw keys: min(pos + 1, cap) ring rows. Compressed keys: none when ratio == 0,
-// else sel[0..sel_count) when sel is given, else rows 0..(pos + 1) / ratio. One block per head;
-// dynamic shared memory holds max_keys scores.
+// else sel[0..sel_count) when sel is given, else rows 0..(pos + 1) / ratio. One block per head
+// (width <= 1024); dynamic shared memory holds max_keys scores and max_keys row codes. The value
+// pass keeps 8 key rows in flight per thread: it is L2-latency bound otherwise.
 extern "C" __global__ void attention_decode(const float* __restrict__ q,
                                             const float* __restrict__ raw,
                                             const int* __restrict__ pos, int cap,
@@ -79,7 +85,9 @@ extern "C" __global__ void attention_decode(const float* __restrict__ q,
                                             const float* __restrict__ sinks, float* out,
                                             int width, float scale, int max_keys) {
     __shared__ float red[32];
-    extern __shared__ float scores[];
+    extern __shared__ float smem[];
+    float* scores = smem;
+    int* codes = (int*)(smem + max_keys);
     int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int nw = blockDim.x >> 5;
     int t = pos[0];
@@ -87,12 +95,18 @@ extern "C" __global__ void attention_decode(const float* __restrict__ q,
     int n_comp = ratio == 0 ? 0 : (sel ? sel_count[0] : (t + 1) / ratio);
     int n = min(n_raw + n_comp, max_keys);
     const float* qh = q + (size_t)h * width;
+    float qr[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) qr[i] = lane + 32 * i < width ? qh[lane + 32 * i] : 0.f;
     for (int j = warp; j < n; j += nw) {
-        const float* k = key_row(j, n_raw, raw, comp, sel, width);
+        int code = key_code(j, n_raw, sel);
+        const float* k = key_ptr(code, raw, comp, width);
         float acc = 0.f;
-        for (int c = lane; c < width; c += 32) acc += qh[c] * k[c];
+#pragma unroll
+        for (int i = 0; i < 32; i++)
+            if (lane + 32 * i < width) acc += qr[i] * k[lane + 32 * i];
         acc = warp_sum(acc);
-        if (lane == 0) scores[j] = acc * scale;
+        if (lane == 0) { scores[j] = acc * scale; codes[j] = code; }
     }
     __syncthreads();
     float m = sinks[h];
@@ -103,8 +117,16 @@ extern "C" __global__ void attention_decode(const float* __restrict__ q,
     float denom = block_reduce(s, red, 0) + expf(sinks[h] - m);
     float inv = 1.f / denom;
     for (int c = threadIdx.x; c < width; c += blockDim.x) {
-        float acc = 0.f;
-        for (int j = 0; j < n; j++) acc += scores[j] * key_row(j, n_raw, raw, comp, sel, width)[c];
-        out[(size_t)h * width + c] = acc * inv;
+        float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        int j = 0;
+        for (; j + 8 <= n; j += 8) {
+            float k[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) k[u] = key_ptr(codes[j + u], raw, comp, width)[c];
+#pragma unroll
+            for (int u = 0; u < 8; u++) a[u] += scores[j + u] * k[u];
+        }
+        for (; j < n; j++) a[0] += scores[j] * key_ptr(codes[j], raw, comp, width)[c];
+        out[(size_t)h * width + c] = (((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))) * inv;
     }
 }

@@ -34,7 +34,8 @@ def attention_decode(q, raw, pos, comp, sel, sel_count, ratio: int, sinks, out, 
     cap = raw.shape[0]
     args = (ptr(q), ptr(raw), ptr(pos), i32(cap), ptr(comp), ptr(sel), ptr(sel_count),
             i32(ratio), ptr(sinks), ptr(out), i32(width), f32(width ** -0.5), i32(max_keys))
-    launch("attention", "attention_decode", (heads,), (256,), args, shared=4 * max_keys)
+    assert width <= 1024
+    launch("attention", "attention_decode", (heads,), (512,), args, shared=8 * max_keys)
     return out
 
 

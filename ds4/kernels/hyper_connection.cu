@@ -99,6 +99,35 @@ __device__ void hc_weights(const float* mix, const float* scale, const float* ba
     }
 }
 
+// The same weights computed by one warp, lane i*n + j holding comb[i][j] (n a power of two,
+// n*n <= 32): row sums reduce over lane bits below n, column sums over the bits above. A serial
+// Sinkhorn costs ~20 us of divisions in one thread; this costs ~1 us.
+__device__ void hc_weights_warp(const float* mix, const float* scale, const float* base, int n,
+                                int iters, float eps, float* pre, float* post, float* comb) {
+    int lane = threadIdx.x & 31, nn = n * n;
+    if (lane < n) {
+        pre[lane] = sigmoidf(mix[lane] * scale[0] + base[lane]) + eps;
+        post[lane] = 2.f * sigmoidf(mix[n + lane] * scale[1] + base[n + lane]);
+    }
+    float v = lane < nn ? mix[2 * n + lane] * scale[2] + base[2 * n + lane] : 0.f;
+    float m = v;
+    for (int o = 1; o < n; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float e = expf(v - m), s = e;
+    for (int o = 1; o < n; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    float c = e / s + eps;
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) {  // rows, then columns; the first pass normalises columns only
+            float r = c;
+            for (int o = 1; o < n; o <<= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
+            c = c / (r + eps);
+        }
+        float col = c;
+        for (int o = n; o < nn; o <<= 1) col += __shfl_xor_sync(0xffffffffu, col, o);
+        c = c / (col + eps);
+    }
+    if (lane < nn) comb[lane] = c;
+}
+
 // u = sum_i pre[i] X[i]. Every block derives the (tiny) weights itself; block 0 also stores
 // post (n values) then comb (n*n) into post_comb for hc_post. head != 0: the output head's
 // collapse, whose mix has only the n pre values (no post, no comb).
@@ -107,18 +136,19 @@ extern "C" __global__ void hc_pre(const float* __restrict__ mix, const float* __
                                   float* u, float* post_comb, int D, int n, int iters, float eps,
                                   int head) {
     __shared__ float pre[MAX_STREAMS], post[MAX_STREAMS], comb[MAX_STREAMS * MAX_STREAMS];
-    if (threadIdx.x == 0) {
-        if (head) {
-            for (int i = 0; i < n; i++) pre[i] = sigmoidf(mix[i] * scale[0] + base[i]) + eps;
-        } else {
-            hc_weights(mix, scale, base, n, iters, eps, pre, post, comb);
-            if (blockIdx.x == 0) {
-                for (int i = 0; i < n; i++) post_comb[i] = post[i];
-                for (int i = 0; i < n * n; i++) post_comb[n + i] = comb[i];
-            }
-        }
+    bool warp_path = (n & (n - 1)) == 0 && n * n <= 32;
+    if (head) {
+        if (threadIdx.x < n) pre[threadIdx.x] = sigmoidf(mix[threadIdx.x] * scale[0] + base[threadIdx.x]) + eps;
+    } else if (warp_path) {
+        if (threadIdx.x < 32) hc_weights_warp(mix, scale, base, n, iters, eps, pre, post, comb);
+    } else if (threadIdx.x == 0) {
+        hc_weights(mix, scale, base, n, iters, eps, pre, post, comb);
     }
     __syncthreads();
+    if (!head && blockIdx.x == 0) {
+        for (int i = threadIdx.x; i < n + n * n; i += blockDim.x)
+            post_comb[i] = i < n ? post[i] : comb[i - n];
+    }
     int d = blockIdx.x * blockDim.x + threadIdx.x;
     if (d >= D) return;
     float acc = 0.f;
