@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from ds4.cli.replay import deterministic, replay, replayable
+from ds4.cli.replay import deterministic, main as replay_main, replay, replayable
 from ds4.jobs.trace import read_trace
 from test_server_http import GREEDY, live_server
 
@@ -101,9 +101,12 @@ def test_queued_streams_get_keep_alive_pings():
                 assert frames[0] == "event: message_start" and "event: ping" in frames[3:]
 
 
-def test_trace_replays_with_the_same_text(live):
+def test_trace_replays_with_the_same_text(live, capsys):
     url, trace = live
-    records = [r for r in read_trace(trace) if replayable(r) and deterministic(r)]
-    assert len(records) >= 4
-    assert replay(records[:4], url) == []
-    assert all(r["endpoint"] == "/v1/chat/completions" and r["raw_request"] for r in records)
+    records = [r for r in read_trace(trace) if replayable(r)]
+    assert len(records) >= 5 and all(deterministic(r) for r in records)
+    assert {r["endpoint"] for r in records} == {"/v1/chat/completions"}
+    assert replay_main([str(trace), "--url", url]) == 0
+    assert f"{len(records)} job(s), 0 problem(s)" in capsys.readouterr().out
+    tampered = dict(records[0], text="something else")
+    assert len(replay([tampered], url)) == 1
