@@ -75,11 +75,10 @@ class PendingQueue:
         self._jobs: deque[Job] = deque()
         self._lock = threading.Lock()
 
-    def push(self, job: Job) -> int:
-        """Append a job; returns how many jobs are ahead of it."""
+    def push(self, job: Job) -> None:
+        """Append a job."""
         with self._lock:
             self._jobs.append(job)
-            return len(self._jobs) - 1
 
     def jobs(self) -> list[Job]:
         """The waiting jobs, oldest first (a copy)."""
@@ -177,12 +176,13 @@ class Scheduler:
             self._seq += 1
             job = Job(request, sink, self._seq, self.clock, self.stats)
             refused = self._stopping.is_set()
-            ahead = -1 if refused else self.pending.push(job)
+            if not refused:
+                sink(Queued(len(self.pending)))  # before the scheduler can see it: in order
+                self.pending.push(job)
         if refused:
             job.fail_with_message("server shutting down", 503)
             return job
         self.stats.queue_depth = len(self.pending)
-        sink(Queued(ahead))
         self._wakeup.set()
         return job
 
