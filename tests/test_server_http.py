@@ -154,7 +154,7 @@ def test_chat_with_tools_and_tool_results_in_history(oai, live):
 
 def test_anthropic_messages_stream_and_count_tokens(claude, live):
     # this anthropic client no longer takes `temperature` as an argument; the API does
-    args = dict(model=GREEDY, max_tokens=8, messages=HI, extra_body={"temperature": 0})
+    args = {"model": GREEDY, "max_tokens": 8, "messages": HI, "extra_body": {"temperature": 0}}
     msg = claude.messages.create(**args)
     assert msg.type == "message" and msg.role == "assistant" and msg.model == GREEDY
     assert msg.id.startswith("msg_") and msg.stop_sequence is None
@@ -176,7 +176,7 @@ def test_anthropic_messages_stream_and_count_tokens(claude, live):
 
 
 def test_responses_non_stream_and_stream_agree(oai):
-    args = dict(model=GREEDY, input="Say hi", max_output_tokens=8, temperature=0)
+    args = {"model": GREEDY, "input": "Say hi", "max_output_tokens": 8, "temperature": 0}
     done = oai.responses.create(**args)
     assert done.id.startswith("resp_") and done.object == "response"
     assert done.status in ("completed", "incomplete")

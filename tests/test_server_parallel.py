@@ -10,10 +10,11 @@ import time
 import httpx
 import openai
 import pytest
-
-from ds4.cli.replay import deterministic, main as replay_main, replay, replayable
-from ds4.jobs.trace import read_trace
 from test_server_http import GREEDY, live_server
+
+from ds4.cli.replay import deterministic, replay, replayable
+from ds4.cli.replay import main as replay_main
+from ds4.jobs.trace import read_trace
 
 PROMPTS = ["Tell me a story about a fox.", "List three prime numbers and explain."]
 
@@ -21,7 +22,7 @@ PROMPTS = ["Tell me a story about a fox.", "List three prime numbers and explain
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     trace = tmp_path_factory.mktemp("trace") / "jobs.jsonl"
-    with live_server(parallel=2, ctx=4096, trace=str(trace)) as (url, runtime):
+    with live_server(parallel=2, ctx=4096, trace=str(trace)) as (url, _runtime):
         yield url, trace
 
 

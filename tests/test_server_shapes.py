@@ -56,8 +56,8 @@ def parse_frames(frames):
     for frame in frames:
         text = frame.decode()
         assert text.endswith("\n\n")
-        name = re.search(r"^event: (.*)$", text, re.M)
-        data = re.search(r"^data: (.*)$", text, re.M).group(1)
+        name = re.search(r"^event: (.*)$", text, re.MULTILINE)
+        data = re.search(r"^data: (.*)$", text, re.MULTILINE).group(1)
         out.append((name and name.group(1), data if data == "[DONE]" else json.loads(data)))
     return out
 

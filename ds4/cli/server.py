@@ -77,10 +77,8 @@ def report_memory(engine: object, config: ServerConfig) -> None:
 
 def load_and_report(runtime) -> None:
     """Load the model (the server already answers /health with 503), then print figures."""
-    try:
-        runtime.load()
-    except Exception as exc:
-        print(f"ds4-server: model failed to load: {exc}", file=sys.stderr, flush=True)
+    if not runtime.load():
+        print(f"ds4-server: model failed to load: {runtime.error}", file=sys.stderr, flush=True)
         return
     cfg = runtime.config
     print(f"ds4-server: model loaded from {runtime.model_dir()} "

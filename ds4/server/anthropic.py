@@ -38,7 +38,7 @@ def render_for(body: dict, runtime: Runtime, thinking: str):
     tools = rf.field(body, "tools", rf.ARRAY, default=[])
     choice = rf.field(body, "tool_choice", rf.OBJECT)
     memory = runtime.tool_memory
-    render = lambda: render_anthropic(messages, system=system, tools=tools or None,  # noqa: E731
+    render = lambda: render_anthropic(messages, system=system, tools=tools or None,
                                       thinking=thinking, tool_choice=choice, tool_memory=memory)
     return render, tools, choice
 

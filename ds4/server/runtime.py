@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -16,12 +17,13 @@ from ds4.server.sse import JobEvents
 from ds4.server.turn import Prompt, Turn
 
 LOADING, SERVING, BROKEN = "loading", "serving", "broken"
+log = logging.getLogger("ds4.server")
 
 
 class Running:
     """A submitted job: its scheduler handle, its event queue and its timings."""
 
-    def __init__(self, runtime: "Runtime", turn: Turn, prompt: Prompt):
+    def __init__(self, runtime: Runtime, turn: Turn, prompt: Prompt):
         self.runtime = runtime
         self.turn = turn
         self.prompt = prompt
@@ -73,39 +75,35 @@ class Runtime:
         self.tool_memory = ToolMemory()
         self.metrics = Metrics(self.queue_depth, self.busy_slots)
 
-    def load(self) -> None:
-        """Open the engine and start the scheduler (blocking; run it on a thread)."""
-        try:
-            from ds4.engine import Engine
-            from ds4.jobs import Scheduler, SchedulerConfig
+    def load(self) -> bool:
+        """Open the engine and start the scheduler (blocking); False when that failed."""
+        from ds4.engine import Engine
+        from ds4.jobs import Scheduler, SchedulerConfig
 
-            cfg = self.config
+        cfg = self.config
+        try:
             self.engine = Engine.open(self.model_dir(), backend=cfg.backend,
                                       prefill_chunk=cfg.prefill_chunk)
             sched_cfg = SchedulerConfig.from_env(parallel=cfg.parallel, ctx_size=cfg.ctx,
                                                  trace_path=cfg.trace,
                                                  ssd_streaming=cfg.ssd_streaming)
             self.scheduler = Scheduler(self.engine, sched_cfg, time.monotonic)
-            self.scheduler.stats.ttft_observers.append(self.metrics.ttft.observe)
-            self.scheduler.stats.inter_token_observers.append(self.metrics.inter_token.observe)
-            self.scheduler.start()
-            self.state = SERVING
-        except Exception as exc:  # the server stays up and /health says why
+        except Exception as exc:  # any load failure: the server stays up, /health says why
+            log.exception("model failed to load")
             self.error = f"{type(exc).__name__}: {exc}"
             self.state = BROKEN
-            raise
+            return False
+        self.scheduler.stats.ttft_observers.append(self.metrics.ttft.observe)
+        self.scheduler.stats.inter_token_observers.append(self.metrics.inter_token.observe)
+        self.scheduler.start()
+        self.state = SERVING
+        return True
 
     def load_in_background(self) -> threading.Thread:
         """Start loading; /health answers 503 until it is done."""
-        thread = threading.Thread(target=self._load_quietly, name="ds4-load", daemon=True)
+        thread = threading.Thread(target=self.load, name="ds4-load", daemon=True)
         thread.start()
         return thread
-
-    def _load_quietly(self) -> None:
-        try:
-            self.load()
-        except Exception:
-            pass
 
     def model_dir(self) -> str:
         """The model directory: --model, else the built-in tiny model."""

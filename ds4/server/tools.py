@@ -29,9 +29,9 @@ def anthropic_result_ids(messages: list) -> list[str]:
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
         for block in content if isinstance(content, list) else []:
-            if isinstance(block, dict) and block.get("type") == "tool_result":
-                if isinstance(block.get("tool_use_id"), str):
-                    ids.append(block["tool_use_id"])
+            if (isinstance(block, dict) and block.get("type") == "tool_result"
+                    and isinstance(block.get("tool_use_id"), str)):
+                ids.append(block["tool_use_id"])
     return ids
 
 
