@@ -241,6 +241,24 @@ def test_bad_requests_get_their_status_and_protocol_shape(live):
     assert ok.status_code == 200  # the server keeps serving
 
 
+def metric(url: str, name: str) -> float:
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name))
+
+
+def test_metrics_and_slots_after_generation(live):
+    url = live[0]
+    assert metric(url, "ds4_generated_tokens_total") > 0
+    assert metric(url, "ds4_prompt_tokens_total") > 0
+    assert metric(url, "ds4_time_to_first_token_seconds_count") > 0
+    assert metric(url, "ds4_inter_token_seconds_count") > 0
+    assert metric(url, 'ds4_requests_total{endpoint="/v1/messages"') > 0
+    slots = httpx.get(url + "/slots").json()["slots"]
+    used = [s for s in slots if s["last_used"] is not None]
+    assert used and all(abs(s["last_used"] - time.time()) < 600 and s["tokens"] > 0 for s in used)
+    assert not any(s["busy"] for s in slots)
+
+
 def test_api_key_body_limit_cors_and_health_while_loading():
     with live_server(load=False, api_key="sekrit", max_body_bytes=1000, cors=True) as (url, _):
         assert httpx.get(url + "/health").status_code == 503  # model not loaded yet

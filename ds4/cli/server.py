@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=load_and_report, args=(runtime,), daemon=True).start()
     print(f"ds4-server: listening on http://{config.host}:{config.port} "
           "(GET /health is 503 until the model is loaded)", flush=True)
-    uvicorn.run(app, host=config.host, port=config.port, workers=1, log_level="warning")
+    # a stream may run for minutes: on Ctrl-C give open requests 5 s, then cancel their jobs
+    uvicorn.run(app, host=config.host, port=config.port, workers=1, log_level="warning",
+                timeout_graceful_shutdown=5)
     return 0
 
 

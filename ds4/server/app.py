@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import time
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -132,6 +133,9 @@ async def metrics(request: Request, runtime: Runtime) -> Response:
 
 
 async def slots(request: Request, runtime: Runtime) -> Response:
-    """Per slot: busy, tokens held, last used."""
+    """Per slot: busy, tokens held, last used (Unix seconds; null before its first job)."""
     runtime.require_serving()
-    return json_response({"slots": runtime.scheduler.slots_info()})
+    to_wall = time.time() - time.monotonic()  # the scheduler runs on the monotonic clock
+    info = [{**s, "last_used": round(s["last_used"] + to_wall, 3) if s["last_used"] else None}
+            for s in runtime.scheduler.slots_info()]
+    return json_response({"slots": info})
