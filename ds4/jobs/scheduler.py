@@ -252,7 +252,7 @@ class Scheduler:
                 self._end_queued(job, lambda job=job, exc=exc: job.fail_with(exc))
                 acted = True
                 continue
-            if slot is not None:
+            if slot is not None:  # a job waiting for its busy bound slot lets later ones by
                 self.pending.remove(job)
                 self._assign(job, slot)
         self.stats.queue_depth = len(self.pending)
