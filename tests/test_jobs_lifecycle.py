@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -196,6 +197,34 @@ def test_background_thread_runs_jobs_and_stop_ends_the_rest(engine):
     late = Recorder()
     sched.submit(request(engine), late)
     assert isinstance(late.final(), Failed) and late.final().status == 503
+    assert_all_idle(sched)
+
+
+def test_jobs_from_many_threads_all_end_once_and_leak_nothing(engine):
+    sched = Scheduler(engine, SchedulerConfig(parallel=2, ctx_size=512, decode_tokens=2))
+    sched.start()
+    recs = [Recorder() for _ in range(8)]
+
+    def client(i):
+        doomed = i % 3 == 0  # long enough that the cancel always comes first
+        job = sched.submit(request(engine, f"client {i} says hello",
+                                   max_tokens=400 if doomed else 6), recs[i])
+        if doomed:
+            sched.cancel(job)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rec in recs:
+        assert rec.ended.wait(60)
+    sched.stop()
+    for i, rec in enumerate(recs):
+        end = rec.finished()  # exactly one final event each
+        assert end.finish_reason == ("cancelled" if i % 3 == 0 else "length")
+        assert len(rec.tokens()) == end.usage.completion_tokens
+    assert sched.stats.jobs_finished + sched.stats.jobs_cancelled == 8
     assert_all_idle(sched)
 
 
