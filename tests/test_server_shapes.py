@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from types import SimpleNamespace
 
 import pytest
 
-from ds4.chat import OutputParser
+from ds4.chat import OutputParser, render_chat
 from ds4.jobs.events import Failed, Finished, SamplingOptions, TokenEvents, Usage
 from ds4.server.anthropic import MessageShape
 from ds4.server.completions import CompletionShape
+from ds4.server.config import ServerConfig
 from ds4.server.openai_chat import ChatShape
 from ds4.server.responses import ResponseShape
+from ds4.server.runtime import Running, Runtime
 from ds4.server.turn import Prompt, Turn
 from ds4.tokenizer import Tokenizer
 
@@ -196,3 +199,25 @@ def test_failure_inside_a_stream_is_an_error_frame(shape):
     else:
         assert data["error"]["message"] == "eval failed"
         assert data["error"]["type"] == "server_error" and frames[-1][1] == "[DONE]"
+
+
+def test_finished_tool_turn_is_replayed_exactly_in_the_next_prompt():
+    runtime = Runtime(ServerConfig())
+    _, finished = job_events(TOOL_TURN, "tool_calls")
+
+    async def deliver():
+        job = Running(runtime, running().turn, Prompt("", [1]))
+        job.events.sink(finished)
+        return await job.next(1.0)
+
+    assert asyncio.run(deliver()) is finished
+    [call] = finished.output.tool_calls
+    raw = finished.output.raw_block
+    assert raw and runtime.tool_memory.lookup(call.id) == raw
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": call.id, "type": "function",
+                    "function": {"name": call.name, "arguments": '{"days":2,"city":"Paris"}'}}]},
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    assert raw in render_chat(history, tools=tools, tool_memory=runtime.tool_memory)

@@ -58,7 +58,8 @@ class Running:
         metrics.generated_tokens.inc(event.usage.completion_tokens)
         calls = event.output.tool_calls
         if calls and event.output.raw_block:
-            self.runtime.tool_memory.remember([c.id for c in calls], event.output.raw_block)
+            self.runtime.tool_memory.remember([c.id for c in calls], event.output.raw_block,
+                                              event.output.reasoning)
 
 
 class Runtime:
