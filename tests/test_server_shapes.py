@@ -9,14 +9,23 @@ from types import SimpleNamespace
 
 import pytest
 
-from ds4.chat import OutputParser, render_chat
-from ds4.jobs.events import Failed, Finished, SamplingOptions, TokenEvents, Usage
+from ds4.chat import OutputParser, ParsedOutput, render_chat
+from ds4.jobs.events import (
+    Failed,
+    Finished,
+    Progress,
+    SamplingOptions,
+    TokenEvents,
+    Usage,
+)
 from ds4.server.anthropic import MessageShape
 from ds4.server.completions import CompletionShape
 from ds4.server.config import ServerConfig
+from ds4.server.generation import stream_frames
 from ds4.server.openai_chat import ChatShape
 from ds4.server.responses import ResponseShape
 from ds4.server.runtime import Running, Runtime
+from ds4.server.sse import COMMENT_PING, DONE
 from ds4.server.turn import Prompt, Turn
 from ds4.tokenizer import Tokenizer
 
@@ -221,3 +230,32 @@ def test_finished_tool_turn_is_replayed_exactly_in_the_next_prompt():
                {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
     assert raw in render_chat(history, tools=tools, tool_memory=runtime.tool_memory)
+
+
+def test_pings_keep_coming_while_the_job_only_reports_progress():
+    class ProgressOnly:
+        """A job that reports a prefill slice every 20 ms, then finishes."""
+
+        def __init__(self):
+            self.slices = 0
+
+        async def next(self, timeout):
+            if timeout < 0.02:
+                await asyncio.sleep(timeout)
+                return None
+            await asyncio.sleep(0.02)
+            self.slices += 1
+            if self.slices == 40:
+                return Finished("length", ParsedOutput(), "", Usage(10, 0, 0))
+            return Progress(self.slices, 100)
+
+        def cancel(self):
+            pass
+
+    runtime = SimpleNamespace(config=SimpleNamespace(ping_interval_s=0.1))
+
+    async def frames():
+        return [f async for f in stream_frames(runtime, ProgressOnly(), ChatShape(running()), [])]
+
+    got = asyncio.run(frames())
+    assert got.count(COMMENT_PING) >= 3 and got[-1] == DONE

@@ -39,9 +39,13 @@ def failure_error(failed: Failed) -> ApiError:
 async def generate(request: Request, runtime: Runtime, turn: Turn, make_shape) -> Response:
     """Queue the turn and answer with a JSON body or an SSE stream."""
     running = await runtime.start(turn)
-    shape = make_shape(running)
-    if turn.stream:
-        return await open_stream(runtime, running, shape)
+    try:
+        shape = make_shape(running)
+        if turn.stream:
+            return await open_stream(runtime, running, shape)
+    except BaseException:
+        running.cancel()  # the job must not outlive a handler that failed to answer
+        raise
     finished = await collect(request, running)
     if finished is None:
         return Response(status_code=499)  # nobody is listening any more
@@ -91,22 +95,27 @@ async def open_stream(runtime: Runtime, running: Running, shape: Shape) -> Respo
 
 async def stream_frames(runtime: Runtime, running: Running, shape: Shape,
                         early: list[object]) -> AsyncIterator[bytes]:
-    """SSE frames of a job; a ping after each silent interval; disconnect cancels the job."""
+    """SSE frames of a job; a ping after each interval with no frame sent (queued, prefilling
+    or descheduled, whatever events the job sends meanwhile); disconnect cancels the job."""
+    loop = asyncio.get_running_loop()
+    interval = runtime.config.ping_interval_s
     try:
         for frame in shape.opening():
             yield frame
-        pending = early
+        last_sent, pending = loop.time(), early
         while True:
             for event in pending:
                 frames, done = frames_of(shape, event)
                 for frame in frames:
                     yield frame
+                last_sent = loop.time() if frames else last_sent
                 if done:
                     return
-            event = await running.next(runtime.config.ping_interval_s)
+            event = await running.next(max(0.0, last_sent + interval - loop.time()))
             pending = [] if event is None else [event]
             if event is None:
                 yield shape.ping()
+                last_sent = loop.time()
     finally:
         running.cancel()
 
