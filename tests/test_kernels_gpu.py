@@ -115,8 +115,9 @@ def test_attention(cp, rng, t, ratio, use_sel):
     sel = rng.choice(t // 4, 512, replace=False).astype(np.int32) if use_sel else None
     count = np.array([512], np.int32) if use_sel else None
     out = np.full((heads, width), np.nan, np.float32)
+    part = np.full(at.partial_size(heads, width, 1200), np.nan, np.float32)
     g, n = both(cp, at.attention_decode, at.attention_decode_numpy, q, raw, pos,
-                comp if ratio else None, sel, count, ratio, sinks, out, 1024, out_index=8)
+                comp if ratio else None, sel, count, ratio, sinks, out, 1200, part, out_index=8)
     assert rel_err(g, n) < RTOL
     kv, w = randn(rng, width), randn(rng, width)
     freqs = 160000.0 ** (-np.arange(32) * 2 / 64)

@@ -97,6 +97,7 @@ def stage_times(cp, stream, dec, i: int, t: dict, ls) -> dict:
     """Graph-replay seconds of the parts of one layer step (compressor/indexer/attention kernel
     are also inside "attention")."""
     from ds4.kernels import attention as at
+    from ds4.kernels.sampling import topk_select
 
     b, cfg = dec.buf, dec.cfg
     freqs = dec.freqs["main" if ls.compressor is None else "compress"]
@@ -109,13 +110,14 @@ def stage_times(cp, stream, dec, i: int, t: dict, ls) -> dict:
             t, "self_attn.compressor.", ls.compressor, freqs))
     if ls.indexer is not None:
         out["indexer+topk"] = graph_time(cp, stream, lambda: dec._index(t, ls.indexer, freqs))
+        out["topk"] = graph_time(cp, stream, lambda: topk_select(
+            b["scores"][:ls.indexer.rows.shape[0]], cfg.index_topk, b["sel"], b["sel_count"],
+            dec.pos, ls.indexer.ratio))
     comp = None if ls.compressor is None else ls.compressor.rows
     sel = b["sel"] if ls.indexer is not None else None
-    keys = ls.raw.shape[0] + (0 if comp is None else min(comp.shape[0], cfg.index_topk)
-                              if sel is not None else comp.shape[0])
     out["attention kernel"] = graph_time(cp, stream, lambda: at.attention_decode(
         b["q"], ls.raw, dec.pos, comp, sel, b["sel_count"], 0 if comp is None else ls.compressor.ratio,
-        t["self_attn.sinks"], b["o"], keys))
+        t["self_attn.sinks"], b["o"], dec._max_keys(ls), b["attn_part"]))
     return out
 
 

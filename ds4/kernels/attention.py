@@ -28,14 +28,29 @@ def attention_store_kv_numpy(kv_in, w, freqs, pos, raw, rope_dim: int, eps: floa
     return raw
 
 
-def attention_decode(q, raw, pos, comp, sel, sel_count, ratio: int, sinks, out, max_keys: int):
-    """out[h] = softmax-with-sink attention of q[h] over the raw ring and compressed rows."""
+KEYS_PER_BLOCK = 64  # keys one attention_partial block handles
+
+
+def partial_size(heads: int, width: int, max_keys: int) -> int:
+    """Floats of the partials buffer attention_decode needs for up to max_keys keys."""
+    return heads * -(-max_keys // KEYS_PER_BLOCK) * (width + 2)
+
+
+def attention_decode(q, raw, pos, comp, sel, sel_count, ratio: int, sinks, out, max_keys: int,
+                     part):
+    """out[h] = softmax-with-sink attention of q[h] over the raw ring and compressed rows.
+    part: a float32 scratch of at least partial_size(heads, width, max_keys) values."""
     heads, width = q.shape
     cap = raw.shape[0]
+    splits = -(-max_keys // KEYS_PER_BLOCK)
+    assert width <= 1024 and part.size >= partial_size(heads, width, max_keys)
     args = (ptr(q), ptr(raw), ptr(pos), i32(cap), ptr(comp), ptr(sel), ptr(sel_count),
-            i32(ratio), ptr(sinks), ptr(out), i32(width), f32(width ** -0.5), i32(max_keys))
-    assert width <= 1024
-    launch("attention", "attention_decode", (heads,), (512,), args, shared=8 * max_keys)
+            i32(ratio), ptr(part), i32(width), f32(width ** -0.5), i32(max_keys),
+            i32(KEYS_PER_BLOCK))
+    launch("attention", "attention_partial", (heads, splits), (256,), args,
+           shared=8 * KEYS_PER_BLOCK)
+    launch("attention", "attention_combine", (heads,), (256,),
+           (ptr(part), ptr(sinks), ptr(out), i32(width), i32(splits)))
     return out
 
 
@@ -52,7 +67,7 @@ def decode_keys_numpy(raw, pos, comp, sel, sel_count, ratio: int):
 
 
 def attention_decode_numpy(q, raw, pos, comp, sel, sel_count, ratio: int, sinks, out,
-                           max_keys: int):
+                           max_keys: int, part=None):
     """NumPy twin of attention_decode."""
     keys = decode_keys_numpy(raw, pos, comp, sel, sel_count, ratio)[:max_keys]
     logits = (q @ keys.T) * np.float32(q.shape[1] ** -0.5)

@@ -60,7 +60,7 @@ class KernelDecoder:
                  "cg": (2 * d,), "iq": (cfg.index_n_heads, cfg.index_head_dim),
                  "head_w": (cfg.index_n_heads,), "router": (cfg.n_routed_experts,),
                  "wts": (k,), "act": (k, inter), "shared_act": (1, inter),
-                 "logits": (cfg.vocab_size,), "scores": (1,)}
+                 "logits": (cfg.vocab_size,), "scores": (1,), "attn_part": (1,)}
         buf = {name: cp.zeros(shape, dtype=f) for name, shape in sizes.items()}
         buf["idx"] = cp.zeros(k, dtype=cp.int32)
         buf["sel"] = cp.zeros(max(cfg.index_topk, 1), dtype=cp.int32)
@@ -68,11 +68,23 @@ class KernelDecoder:
         return buf
 
     def _fit_scores(self, state) -> None:
-        """Grow the indexer score buffer to this session's capacity (drops captured graphs)."""
-        need = max([ls.indexer.rows.shape[0] for ls in state.layers if ls.indexer] + [1])
-        if self.buf["scores"].shape[0] < need:
-            self.buf["scores"] = self.cp.zeros(need, dtype=self.cp.float32)
-            self.graphs.clear()
+        """Grow the indexer-score and attention-partial buffers to this session's capacity
+        (a regrown buffer moves, so captured graphs are dropped)."""
+        cfg = self.cfg
+        need = {"scores": max([ls.indexer.rows.shape[0] for ls in state.layers if ls.indexer] + [1]),
+                "attn_part": max(at.partial_size(cfg.num_attention_heads, cfg.head_dim,
+                                                 self._max_keys(ls)) for ls in state.layers)}
+        for name, size in need.items():
+            if self.buf[name].shape[0] < size:
+                self.buf[name] = self.cp.zeros(size, dtype=self.cp.float32)
+                self.graphs.clear()
+
+    def _max_keys(self, ls) -> int:
+        """Most keys a query of this layer state can attend: window + compressed rows used."""
+        if ls.compressor is None:
+            return ls.raw.shape[0]
+        rows = ls.compressor.rows.shape[0]
+        return ls.raw.shape[0] + (min(rows, self.cfg.index_topk) if ls.indexer else rows)
 
     def decode(self, state, token: int):
         """Append token at position state.n; return a fresh device array of its logits."""
@@ -159,11 +171,8 @@ class KernelDecoder:
         if ls.kind == CSA:
             self._index(t, ls.indexer, freqs)
             sel, count = b["sel"], b["sel_count"]
-        window = ls.raw.shape[0]
-        max_keys = window + (0 if comp is None else
-                             min(comp.shape[0], cfg.index_topk) if sel is not None else comp.shape[0])
         at.attention_decode(b["q"], ls.raw, self.pos, comp, sel, count, ratio,
-                            t["self_attn.sinks"], b["o"], max_keys)
+                            t["self_attn.sinks"], b["o"], self._max_keys(ls), b["attn_part"])
         rope_tail(b["o"], self.pos, freqs, r, rows_per_pos=H, sign=-1.0)
         gemv(t["self_attn.o_a_proj.weight"], b["o"].reshape(-1), b["z"],
              rows_per_group=cfg.o_lora_rank)
