@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ds4.chat import events as ev
+from ds4.chat import render_anthropic
 from ds4.jobs.events import Failed, Finished, TokenEvents, Usage
 from ds4.server import request_fields as rf
 from ds4.server.errors import ANTHROPIC, error_body
@@ -31,8 +32,6 @@ def usage(u: Usage) -> dict:
 
 def render_for(body: dict, runtime: Runtime, thinking: str):
     """(render callable, tools, choice) of a messages body."""
-    from ds4.chat import render_anthropic
-
     messages = rf.required(body, "messages", rf.ARRAY)
     system = rf.field(body, "system", rf.STRING, rf.ARRAY)
     tools = rf.field(body, "tools", rf.ARRAY, default=[])

@@ -7,6 +7,7 @@ import codecs
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ds4.chat import render_completion
 from ds4.chat.events import TextDelta
 from ds4.jobs.events import Failed, Finished, TokenEvents
 from ds4.jobs.stop import StopText
@@ -35,8 +36,6 @@ def prompt_text(body: dict) -> str:
 
 def parse(body: dict, raw: str, runtime: Runtime) -> Turn:
     """A completions request body as a Turn."""
-    from ds4.chat import render_completion
-
     cfg = runtime.config
     model, alias = rf.resolve_model(body)
     prompt = prompt_text(body)

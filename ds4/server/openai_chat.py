@@ -6,6 +6,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ds4.chat import events as ev
+from ds4.chat import render_chat
 from ds4.jobs.events import Failed, Finished, TokenEvents, Usage
 from ds4.server import request_fields as rf
 from ds4.server.errors import OPENAI, error_body
@@ -33,8 +34,6 @@ def openai_usage(usage: Usage) -> dict:
 
 def parse(body: dict, raw: str, runtime: Runtime) -> Turn:
     """A chat request body as a Turn (400 on missing or wrong-typed fields)."""
-    from ds4.chat import render_chat
-
     cfg = runtime.config
     model, alias = rf.resolve_model(body)
     messages = rf.required(body, "messages", rf.ARRAY)

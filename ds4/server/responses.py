@@ -5,6 +5,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ds4.chat import render_responses
 from ds4.jobs.events import Failed, Finished, TokenEvents, Usage
 from ds4.server import request_fields as rf
 from ds4.server.errors import OPENAI, ApiError
@@ -39,8 +40,6 @@ def refuse_server_state(body: dict) -> None:
 
 def parse(body: dict, raw: str, runtime: Runtime) -> tuple[Turn, bool]:
     """A responses request body as a Turn, and whether reasoning summaries were asked for."""
-    from ds4.chat import render_responses
-
     cfg = runtime.config
     refuse_server_state(body)
     model, alias = rf.resolve_model(body)

@@ -9,6 +9,7 @@ import time
 
 from starlette.concurrency import run_in_threadpool
 
+from ds4.chat import ChatError, ToolMemory
 from ds4.jobs.events import Failed, Finished, JobRequest
 from ds4.server.config import ServerConfig
 from ds4.server.errors import ApiError
@@ -66,8 +67,6 @@ class Runtime:
     """Loads the model in the background and runs jobs through the scheduler."""
 
     def __init__(self, config: ServerConfig):
-        from ds4.chat import ToolMemory
-
         self.config = config
         self.state = LOADING
         self.error: str | None = None
@@ -137,8 +136,6 @@ class Runtime:
 
     async def tokenize(self, turn: Turn) -> Prompt:
         """Render and tokenize off the event loop; bad chat input becomes a 400."""
-        from ds4.chat import ChatError
-
         self.require_serving()
 
         def work() -> Prompt:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from ds4.chat import ChatError, forced_text, tools_active
 from ds4.server.errors import ApiError
 
 
 def forced_prefix(tools: list, choice: object) -> tuple[bool, str]:
     """(tools active?, DSML text forced after reasoning); a bad forced tool is a 400."""
-    from ds4.chat import ChatError, forced_text, tools_active
-
     try:
         active = tools_active(tools, choice)
         return active, forced_text(tools, choice) if active else ""
