@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -275,3 +277,26 @@ def test_api_key_body_limit_cors_and_health_while_loading():
         assert r.status_code == 503 and r.headers["access-control-allow-origin"] == "*"
         r = httpx.options(url + CHAT)
         assert r.status_code == 204 and "POST" in r.headers["access-control-allow-methods"]
+
+
+def test_ds4_server_command_prints_address_and_memory_and_serves():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ds4.cli.server", "--port", str(port),
+                             "--ctx", "1024", "--parallel", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out = []
+        for line in proc.stdout:
+            out.append(line)
+            if "context per slot" in line:
+                break
+        text = "".join(out)
+        assert f"listening on http://127.0.0.1:{port}" in text
+        assert "weight_bytes" in text and "2 slot(s)" in text
+        deadline = time.monotonic() + 30
+        while httpx.get(f"http://127.0.0.1:{port}/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
