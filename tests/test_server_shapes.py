@@ -27,7 +27,7 @@ from ds4.server.responses import ResponseShape
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sse import COMMENT_PING, DONE
 from ds4.server.turn import Prompt, Turn
-from ds4.tokenizer import Tokenizer
+from ds4.tokenizer import EOS_ID, Tokenizer
 
 D = "｜DSML｜"
 TOOL_TURN = (f'I need the get_weather tool.</think>\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\n'
@@ -189,7 +189,7 @@ def test_responses_length_is_incomplete():
 def test_completion_stream_never_shows_a_stop_sequence():
     tok = Tokenizer.for_model()
     ids = tok.encode("Hello world STOP and more")
-    events = [TokenEvents(i, ()) for i in ids]
+    events = [TokenEvents(i, ()) for i in ids] + [TokenEvents(EOS_ID, ())]
     finished = Finished("stop", None, "Hello world ", Usage(10, 0, len(ids)))
     frames = parse_frames(stream(CompletionShape(running(stop=["STOP"])), events, finished))
     texts = [d["choices"][0]["text"] for _, d in frames[:-1] if d["choices"]]
@@ -259,3 +259,11 @@ def test_pings_keep_coming_while_the_job_only_reports_progress():
 
     got = asyncio.run(frames())
     assert got.count(COMMENT_PING) >= 3 and got[-1] == DONE
+
+
+def test_completion_stream_shows_no_end_of_sentence_marker():
+    ids = Tokenizer.for_model().encode("Hello there")
+    events = [TokenEvents(i, ()) for i in ids] + [TokenEvents(EOS_ID, ())]
+    finished = Finished("stop", ParsedOutput(), "Hello there", Usage(10, 0, len(ids)))
+    frames = parse_frames(stream(CompletionShape(running()), events, finished))
+    assert "".join(d["choices"][0]["text"] for _, d in frames[:-1] if d["choices"]) == "Hello there"

@@ -19,6 +19,7 @@ from ds4.server.runtime import Running, Runtime
 from ds4.server.sse import COMMENT_PING, DONE, Channel, data_frame
 from ds4.server.turn import Turn
 from ds4.server.wire import new_id, now
+from ds4.tokenizer import EOS_ID
 
 ENDPOINT = "/v1/completions"
 
@@ -84,6 +85,8 @@ class CompletionShape:
 
     def tokens(self, event: TokenEvents) -> list[bytes]:
         """The token's own text, held back while it may still become a stop sequence."""
+        if event.token_id == EOS_ID:  # EOS only carries the parser's held tail; it is no text
+            return []
         piece = self.utf8.decode(self.tokenizer.token_bytes(event.token_id))
         text = "".join(e.text for e in self.stop.filter([TextDelta(piece)]))
         return [self.chunk(self.text.push(text))] if text else []
