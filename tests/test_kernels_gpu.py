@@ -49,14 +49,18 @@ def both(cp, fn_gpu, fn_np, *args, out_index, **kw):
 @pytest.mark.parametrize("rows,cols,group,bf16", [(512, 4096, None, True), (8192, 1024, None, True),
                                                   (8192, 4096, 1024, True), (96, 64, None, True),
                                                   (512, 4096, None, False), (96, 40, 32, False)])
-def test_gemv(cp, rng, rows, cols, group, bf16):
+@pytest.mark.parametrize("per_warp", [1, 2])
+def test_gemv(cp, rng, rows, cols, group, bf16, per_warp):
     from ds4.kernels import gemv, to_bf16
 
+    if group is None:
+        rows += per_warp - 1  # an odd row count for the 2-rows-per-warp kernel
     w = randn(rng, rows, cols, scale=0.05)
     w = to_bf16(w) if bf16 else w
     x = randn(rng, (rows // group if group else 1) * cols)
     out = np.full(rows, np.nan, np.float32)
-    g, n = both(cp, gemv.gemv, gemv.gemv_numpy, w, x, out, group, out_index=2)
+    g, n = both(cp, gemv.gemv, gemv.gemv_numpy, w, x, out, group, out_index=2,
+                splits=None if per_warp == 1 else 1, rows_per_warp=per_warp)
     assert np.isfinite(g).all() and rel_err(g, n) < RTOL
 
 

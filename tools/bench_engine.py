@@ -124,7 +124,7 @@ def stage_times(cp, stream, dec, i: int, t: dict, ls) -> dict:
 def gemv_profile(cp, stream, dec) -> dict:
     """Achieved bytes/s of the GEMV kernel on each distinct matrix shape of a layer, with the
     launcher's column-split choice and with each power-of-two split."""
-    from ds4.kernels.gemv import gemv, pick_splits
+    from ds4.kernels.gemv import gemv, pick_rows_per_warp, pick_splits
 
     seen, out = set(), {}
     for t in dec.layers:
@@ -139,8 +139,11 @@ def gemv_profile(cp, stream, dec) -> dict:
                 if w.shape[1] % (256 * splits) == 0:
                     s = graph_time(cp, stream, lambda w=w, x=x, y=y, k=splits: gemv(w, x, y, splits=k))
                     rates[splits] = w.nbytes / s
-            out[f"{name} {w.shape[0]}x{w.shape[1]}"] = {
-                "chosen": pick_splits(*w.shape), "bytes_per_s": rates}
+            s = graph_time(cp, stream, lambda w=w, x=x, y=y: gemv(w, x, y, splits=1, rows_per_warp=2))
+            rates["2rows"] = w.nbytes / s
+            splits = pick_splits(*w.shape)
+            chosen = "2rows" if pick_rows_per_warp(*w.shape, splits) == 2 else splits
+            out[f"{name} {w.shape[0]}x{w.shape[1]}"] = {"chosen": chosen, "bytes_per_s": rates}
     return out
 
 

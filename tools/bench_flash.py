@@ -301,5 +301,5 @@ def prefill_floor(cfg, kind: str, chunk: int, ceilings: dict) -> float:
     hit = E * (1.0 - (1.0 - k / E) ** chunk)
     expert_bytes = 2 * 3 * cfg.moe_intermediate_size * cfg.hidden_size
     dense = 2 * (layer_params(cfg, kind) - k * expert_bytes // 2)
-    read_s = (dense + hit * expert_bytes) / (ceilings["copy_bytes_per_s"] / 2)
+    read_s = (dense + hit * expert_bytes) / ceilings["copy_bytes_per_s"]
     return max(matrix_flops(cfg, kind, chunk) / ceilings["gemm_flop_per_s"], read_s)

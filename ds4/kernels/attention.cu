@@ -71,12 +71,15 @@ __device__ __forceinline__ const float* key_ptr(int code, const float* raw, cons
     return code < 0 ? raw + (size_t)(-code - 1) * width : comp + (size_t)code * width;
 }
 
-// Flash-decoding split: block (h, s) takes keys [s * chunk, (s + 1) * chunk) of head h and
-// writes its partial max m, sum l = sum exp(l_j - m) and o = sum exp(l_j - m) k_j into
-// part[(h * splits + s) * (width + 2)] as [m, l, o...]. Raw keys: min(pos + 1, cap) ring rows;
-// compressed keys: none when ratio == 0, else sel[0..sel_count) when sel is given, else rows
-// 0..(pos + 1) / ratio. Dynamic shared memory: chunk scores and chunk row codes. Splitting the
-// keys over blocks keeps the whole GPU busy; one block per head was L2-latency bound.
+// Flash-decoding split: block (g, s) takes heads [g * hpb, (g + 1) * hpb) (hpb <= 8) and keys
+// [s * 32, (s + 1) * 32), stages those key rows once in shared memory (all heads share the one
+// K=V head), and writes per head its partial max m, sum l = sum exp(l_j - m) and
+// o = sum exp(l_j - m) k_j into part[(h * splits + s) * (width + 2)] as [m, l, o...].
+// Raw keys: min(pos + 1, cap) ring rows; compressed keys: none when ratio == 0, else
+// sel[0..sel_count) when sel is given, else rows 0..(pos + 1) / ratio. 256 threads; dynamic
+// shared memory: 32 * (width + 1) key floats (padded: conflict-free column reads), then
+// hpb * width query floats, hpb * 32 weights and 32 row codes.
+#define KEYS 32
 extern "C" __global__ void attention_partial(const float* __restrict__ q,
                                              const float* __restrict__ raw,
                                              const int* __restrict__ pos, int cap,
@@ -84,53 +87,57 @@ extern "C" __global__ void attention_partial(const float* __restrict__ q,
                                              const int* __restrict__ sel,
                                              const int* __restrict__ sel_count, int ratio,
                                              float* part, int width, float scale, int max_keys,
-                                             int chunk) {
-    __shared__ float red[32];
+                                             int hpb) {
     extern __shared__ float smem[];
-    float* scores = smem;
-    int* codes = (int*)(smem + chunk);
-    int h = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int stride = width + 1;
+    float* ks = smem;
+    float* qs = ks + KEYS * stride;
+    float* ps = qs + hpb * width;
+    int* codes = (int*)(ps + hpb * KEYS);
+    int h0 = blockIdx.x * hpb, split = blockIdx.y, splits = gridDim.y;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int t = pos[0];
     int n_raw = min(t + 1, cap);
     int n_comp = ratio == 0 ? 0 : (sel ? sel_count[0] : (t + 1) / ratio);
     int n = min(n_raw + n_comp, max_keys);
-    int first = split * chunk, count = max(0, min(chunk, n - first));
-    float* dst = part + ((size_t)h * splits + split) * (width + 2);
-    const float* qh = q + (size_t)h * width;
-    float qr[32];
-#pragma unroll
-    for (int i = 0; i < 32; i++) qr[i] = lane + 32 * i < width ? qh[lane + 32 * i] : 0.f;
-    for (int j = warp; j < count; j += nw) {
-        int code = key_code(first + j, n_raw, sel);
-        const float* k = key_ptr(code, raw, comp, width);
-        float acc = 0.f;
-#pragma unroll
-        for (int i = 0; i < 32; i++)
-            if (lane + 32 * i < width) acc += qr[i] * k[lane + 32 * i];
-        acc = warp_sum(acc);
-        if (lane == 0) { scores[j] = acc * scale; codes[j] = code; }
+    int first = split * KEYS, count = max(0, min(KEYS, n - first));
+    if (threadIdx.x < count) codes[threadIdx.x] = key_code(first + threadIdx.x, n_raw, sel);
+    for (int i = threadIdx.x; i < hpb * width; i += blockDim.x) qs[i] = q[(size_t)h0 * width + i];
+    __syncthreads();
+    int w4 = width >> 2;
+    for (int i = threadIdx.x; i < count * w4; i += blockDim.x) {
+        int e = i / w4, c = (i % w4) * 4;
+        float4 v = *(const float4*)(key_ptr(codes[e], raw, comp, width) + c);
+        float* d = ks + e * stride + c;
+        d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w;
     }
     __syncthreads();
-    float m = -INFINITY;
-    for (int j = threadIdx.x; j < count; j += blockDim.x) m = fmaxf(m, scores[j]);
-    m = block_reduce(m, red, 1);
-    float s = 0.f;
-    for (int j = threadIdx.x; j < count; j += blockDim.x) s += (scores[j] = expf(scores[j] - m));
-    s = block_reduce(s, red, 0);
-    if (threadIdx.x == 0) { dst[0] = m; dst[1] = s; }
-    for (int c = threadIdx.x; c < width; c += blockDim.x) {
-        float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        int j = 0;
-        for (; j + 8 <= count; j += 8) {
-            float k[8];
-#pragma unroll
-            for (int u = 0; u < 8; u++) k[u] = key_ptr(codes[j + u], raw, comp, width)[c];
-#pragma unroll
-            for (int u = 0; u < 8; u++) a[u] += scores[j + u] * k[u];
+    if (warp < hpb) {  // warp = head, lane = key
+        float s = -INFINITY;
+        if (lane < count) {
+            const float* qh = qs + warp * width;
+            const float* k = ks + lane * stride;
+            float acc = 0.f;
+            for (int c = 0; c < width; c++) acc += qh[c] * k[c];
+            s = acc * scale;
         }
-        for (; j < count; j++) a[0] += scores[j] * key_ptr(codes[j], raw, comp, width)[c];
-        dst[2 + c] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+        float m = warp_max(s);
+        float p = lane < count ? expf(s - m) : 0.f;
+        float l = warp_sum(p);
+        ps[warp * KEYS + lane] = p;
+        if (lane == 0) {
+            float* dst = part + ((size_t)(h0 + warp) * splits + split) * (width + 2);
+            dst[0] = m;
+            dst[1] = l;
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < hpb * width; i += blockDim.x) {
+        int hh = i / width, c = i % width;
+        const float* p = ps + hh * KEYS;
+        float acc = 0.f;
+        for (int e = 0; e < count; e++) acc += p[e] * ks[e * stride + c];
+        part[((size_t)(h0 + hh) * splits + split) * (width + 2) + 2 + c] = acc;
     }
 }
 

@@ -28,7 +28,7 @@ def attention_store_kv_numpy(kv_in, w, freqs, pos, raw, rope_dim: int, eps: floa
     return raw
 
 
-KEYS_PER_BLOCK = 64  # keys one attention_partial block handles
+KEYS_PER_BLOCK = 32  # keys one attention_partial block stages (KEYS in attention.cu)
 
 
 def partial_size(heads: int, width: int, max_keys: int) -> int:
@@ -44,11 +44,11 @@ def attention_decode(q, raw, pos, comp, sel, sel_count, ratio: int, sinks, out, 
     cap = raw.shape[0]
     splits = -(-max_keys // KEYS_PER_BLOCK)
     assert width <= 1024 and part.size >= partial_size(heads, width, max_keys)
+    hpb = next(g for g in (8, 4, 2, 1) if heads % g == 0)  # heads sharing one staged key tile
     args = (ptr(q), ptr(raw), ptr(pos), i32(cap), ptr(comp), ptr(sel), ptr(sel_count),
-            i32(ratio), ptr(part), i32(width), f32(width ** -0.5), i32(max_keys),
-            i32(KEYS_PER_BLOCK))
-    launch("attention", "attention_partial", (heads, splits), (256,), args,
-           shared=8 * KEYS_PER_BLOCK)
+            i32(ratio), ptr(part), i32(width), f32(width ** -0.5), i32(max_keys), i32(hpb))
+    shared = 4 * (KEYS_PER_BLOCK * (width + 1) + hpb * width + hpb * KEYS_PER_BLOCK + KEYS_PER_BLOCK)
+    launch("attention", "attention_partial", (heads // hpb, splits), (256,), args, shared=shared)
     launch("attention", "attention_combine", (heads,), (256,),
            (ptr(part), ptr(sinks), ptr(out), i32(width), i32(splits)))
     return out

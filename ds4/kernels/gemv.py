@@ -27,21 +27,35 @@ def weight_kind(w) -> str:
     return "f32"
 
 
-def gemv(w, x, out, rows_per_group: int | None = None, splits: int | None = None):
+def pick_rows_per_warp(rows: int, cols: int, splits: int) -> int:
+    """2 rows per warp for short rows (more loads in flight), else 1."""
+    return 2 if splits == 1 and cols <= 2048 and rows >= 2 * TARGET_WARPS else 1
+
+
+def gemv(w, x, out, rows_per_group: int | None = None, splits: int | None = None,
+         rows_per_warp: int | None = None):
     """out = W x (W [rows, cols] bf16 words or fp32); row r reads x[(r // rows_per_group) * cols:]."""
     rows, cols = w.shape
     assert cols % 8 == 0 and w.flags.c_contiguous
     group = rows if rows_per_group is None else rows_per_group
     splits = pick_splits(rows, cols) if splits is None else splits
+    per_warp = pick_rows_per_warp(rows, cols, splits) if rows_per_warp is None else rows_per_warp
+    threads = 32 * WARPS_PER_BLOCK
+    if per_warp == 2:
+        grid = ((rows + 2 * WARPS_PER_BLOCK - 1) // (2 * WARPS_PER_BLOCK),)
+        args = (ptr(w), ptr(x), ptr(out), i32(rows), i32(cols), i32(group))
+        launch("gemv", "gemv2_" + weight_kind(w), grid, (threads,), args)
+        return out
     if splits > 1:
         out.fill(0)
     grid = ((rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, splits)
     args = (ptr(w), ptr(x), ptr(out), i32(rows), i32(cols), i32(group), i32(splits))
-    launch("gemv", "gemv_" + weight_kind(w), grid, (32 * WARPS_PER_BLOCK,), args)
+    launch("gemv", "gemv_" + weight_kind(w), grid, (threads,), args)
     return out
 
 
-def gemv_numpy(w, x, out, rows_per_group: int | None = None, splits: int | None = None):
+def gemv_numpy(w, x, out, rows_per_group: int | None = None, splits: int | None = None,
+               rows_per_warp: int | None = None):
     """NumPy twin of gemv."""
     rows, cols = w.shape
     group = rows if rows_per_group is None else rows_per_group

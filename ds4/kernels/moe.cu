@@ -146,23 +146,27 @@ __device__ void down(const W* down_base, long long expert_stride, const int* idx
     int lane = threadIdx.x & 31;
     if (r >= rows) return;
     int n8 = inter >> 3;
-    float acc = 0.f;
+    float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
     for (int k = 0; k < n_sel; k++) {
         long long e = idx ? idx[k] : k;
         const W* w = down_base + e * expert_stride + (size_t)r * inter;
         const float4* a = (const float4*)(act + (size_t)k * inter);
         int i = lane;
-        for (; i + 32 < n8; i += 64) {
-            Pack<W> w0, w1;
-            w0.load(w, i); w1.load(w, i + 32);
-            acc += w0.dot(a + 2 * i) + w1.dot(a + 2 * (i + 32));
+        for (; i + 96 < n8; i += 128) {  // four loads in flight per lane
+            Pack<W> w0, w1, w2, w3;
+            w0.load(w, i); w1.load(w, i + 32); w2.load(w, i + 64); w3.load(w, i + 96);
+            acc0 += w0.dot(a + 2 * i);
+            acc1 += w1.dot(a + 2 * (i + 32));
+            acc2 += w2.dot(a + 2 * (i + 64));
+            acc3 += w3.dot(a + 2 * (i + 96));
         }
         for (; i < n8; i += 32) {
             Pack<W> w0;
             w0.load(w, i);
-            acc += w0.dot(a + 2 * i);
+            acc0 += w0.dot(a + 2 * i);
         }
     }
+    float acc = (acc0 + acc1) + (acc2 + acc3);
     acc = warp_sum(acc);
     if (lane == 0) y[r] = accumulate ? y[r] + acc : acc;
 }
