@@ -164,13 +164,6 @@ class FlashStack:
             bank.stacked[1][e] = widen(cp, down[e])
         return Model(cfg, Weights(tensors, [bank], {}, False), get_backend("cupy"), quantize=False)
 
-    def release_hf_cache(self) -> None:
-        """Return torch's cached activation memory (the weights stay: the kernels read them)."""
-        if self.hf is not None:
-            import torch
-
-            torch.cuda.empty_cache()
-
 
 def _is_bf16(name: str, shape) -> bool:
     return len(shape) == 2 and name.endswith(BF16_SUFFIXES)
