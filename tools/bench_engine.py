@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 
 import numpy as np
@@ -223,8 +224,12 @@ def report(res: dict) -> None:
         cells = " ".join(f"{k}{'*' if k == g['chosen'] else ''}:{v / 1e12:.2f}"
                          for k, v in g["bytes_per_s"].items())
         print(f"  {name:60} {cells}")
-    print("\nprefill through the engine's model code on CuPy (fp32 weights, per layer):")
+    print("\nprefill through the engine's model code on CuPy (fp32 weights, per layer, own process):")
+    if "error" in res["prefill"]:
+        print(res["prefill"]["error"])
     for kind, per in res["prefill"].items():
+        if kind == "error":
+            continue
         for chunk, s in per.items():
             flops = matrix_flops(res["cfg"], kind, chunk)
             floor = prefill_floor(res["cfg"], kind, chunk, c)
@@ -241,6 +246,18 @@ def report(res: dict) -> None:
         print(f"\ntransformers reference not run: {hf}")
 
 
+def prefill_in_child(args) -> dict:
+    """prefill_bench in a fresh process without torch (random weights of the same shapes):
+    with torch loaded in the process, CuPy's launch-bound eager prefill ran 3-6x slower."""
+    cmd = [sys.executable, __file__, "--prefill-only", "--layers", args.layers,
+           "--chunks", args.chunks] + (["--small"] if args.small else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:]}
+    per = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {kind: {int(c): s for c, s in v.items()} for kind, v in per.items()}
+
+
 def main(argv=None) -> int:
     """Run the benchmark; print the tables and optionally write JSON."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -249,17 +266,23 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", default="512,2048")
     ap.add_argument("--small", action="store_true", help="tiny dims: a smoke test of this tool")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--prefill-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     import cupy as cp
 
     kinds = [KINDS[k] for k in args.layers.split(",")]
     chunks = [int(c) for c in args.chunks.split(",")]
+    config = flash_config(kinds, small=args.small)
+    if args.prefill_only:
+        print(json.dumps(prefill_bench(cp, FlashStack(cp, config, kinds, use_hf=False), chunks)))
+        return 0
     res = {"ceilings": ceilings(cp)}
-    stack = FlashStack(cp, flash_config(kinds, small=args.small), kinds, use_hf=not args.no_hf)
+    cp.get_default_memory_pool().free_all_blocks()
+    res["prefill"] = prefill_in_child(args)
+    stack = FlashStack(cp, config, kinds, use_hf=not args.no_hf)
     res["cfg"] = stack.cfg
     res["decode"] = decode_bench(cp, stack, args.ctx)
-    res["prefill"] = prefill_bench(cp, stack, chunks)
     cp.get_default_memory_pool().free_all_blocks()  # leave torch the room its eager run needs
     res["hf"] = hf_bench(stack, chunks) if stack.hf is not None else stack.hf_reason
     report(res)

@@ -104,12 +104,24 @@ extern "C" __global__ void attention_partial(const float* __restrict__ q,
     if (threadIdx.x < count) codes[threadIdx.x] = key_code(first + threadIdx.x, n_raw, sel);
     for (int i = threadIdx.x; i < hpb * width; i += blockDim.x) qs[i] = q[(size_t)h0 * width + i];
     __syncthreads();
-    int w4 = width >> 2;
-    for (int i = threadIdx.x; i < count * w4; i += blockDim.x) {
-        int e = i / w4, c = (i % w4) * 4;
-        float4 v = *(const float4*)(key_ptr(codes[e], raw, comp, width) + c);
-        float* d = ks + e * stride + c;
-        d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w;
+    int w4 = width >> 2, total = count * w4;
+    // Eight 16-byte loads in flight per thread before any store: the staging is latency bound.
+    for (int base = threadIdx.x; base < total; base += 8 * blockDim.x) {
+        float4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int i = base + u * blockDim.x;
+            if (i < total)
+                v[u] = *(const float4*)(key_ptr(codes[i / w4], raw, comp, width) + (i % w4) * 4);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int i = base + u * blockDim.x;
+            if (i < total) {
+                float* d = ks + (i / w4) * stride + (i % w4) * 4;
+                d[0] = v[u].x; d[1] = v[u].y; d[2] = v[u].z; d[3] = v[u].w;
+            }
+        }
     }
     __syncthreads();
     if (warp < hpb) {  // warp = head, lane = key

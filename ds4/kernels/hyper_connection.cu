@@ -57,6 +57,7 @@ extern "C" __global__ void hc_mix(const float* __restrict__ fn, const float* __r
     const float4* f = (const float4*)(fn + (size_t)blockIdx.x * width);
     const float4* x = (const float4*)X;
     float dot = 0.f, ss = 0.f;
+#pragma unroll 4
     for (int i = threadIdx.x; i < width / 4; i += blockDim.x) {
         float4 a = f[i], b = x[i];
         dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;

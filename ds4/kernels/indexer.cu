@@ -18,10 +18,26 @@ extern "C" __global__ void indexer_scores(const float* __restrict__ q,
     int stride = hd + 1;
     float* qs = smem;
     float* ks = smem + heads * stride;
-    for (int i = threadIdx.x; i < heads * hd; i += blockDim.x) qs[(i / hd) * stride + i % hd] = q[i];
-    for (int i = threadIdx.x; i < ENTRIES * hd; i += blockDim.x) {
-        int e = i / hd;
-        ks[e * stride + i % hd] = first + e < n ? keys[(size_t)(first + e) * hd + i % hd] : 0.f;
+    // 16-byte loads, several in flight per thread before the stores (hd % 4 == 0).
+    int h4 = hd >> 2, nq = heads * h4, nk = ENTRIES * h4;
+    const float4* q4 = (const float4*)q;
+    const float4* k4 = (const float4*)(keys + (size_t)first * hd);
+    for (int base = threadIdx.x; base < nq + nk; base += 8 * blockDim.x) {
+        float4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int i = base + u * blockDim.x;
+            if (i < nq) v[u] = q4[i];
+            else if (i < nq + nk) v[u] = first + (i - nq) / h4 < n ? k4[i - nq] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int i = base + u * blockDim.x;
+            if (i >= nq + nk) continue;
+            float* d = i < nq ? qs + (i / h4) * stride + (i % h4) * 4
+                              : ks + ((i - nq) / h4) * stride + ((i - nq) % h4) * 4;
+            d[0] = v[u].x; d[1] = v[u].y; d[2] = v[u].z; d[3] = v[u].w;
+        }
     }
     __syncthreads();
     int e = threadIdx.x >> 3, sub = threadIdx.x & 7;

@@ -26,6 +26,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* __restrict__ w,
     const float* xr = x + (size_t)blockIdx.x * n;
     float* yr = out + (size_t)blockIdx.x * n;
     float ss = 0.f;
+#pragma unroll 4
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
     float r = rsqrtf(block_sum(ss, shared) / n + eps);
     for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * r * (w ? w[i] : 1.f);

@@ -84,12 +84,23 @@ extern "C" __global__ void topk_select(const float* __restrict__ x, const int* _
             if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1);
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            int need = remaining_s, d = 255;
-            while (hist[d] < need) { need -= hist[d]; d--; }
-            remaining_s = need;  // how many of the keys in bucket d we still take
-            prefix_s = prefix | ((unsigned int)d << shift);
-            mask_s = mask | (255u << shift);
+        if (threadIdx.x < 32) {  // one warp finds the bucket holding the need-th largest key
+            int lane = threadIdx.x, need = remaining_s, own = 0;
+            for (int b = 0; b < 8; b++) own += hist[255 - 8 * lane - b];  // lane 0: top buckets
+            int incl = own;
+            for (int o = 1; o < 32; o <<= 1) {
+                int up = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += up;
+            }
+            unsigned int hit = __ballot_sync(0xffffffffu, incl >= need);
+            int owner = __ffs(hit) - 1;
+            if (lane == owner) {
+                int left = need - (incl - own), d = 255 - 8 * lane;
+                while (hist[d] < left) { left -= hist[d]; d--; }
+                remaining_s = left;  // how many of the keys in bucket d we still take
+                prefix_s = prefix | ((unsigned int)d << shift);
+                mask_s = mask | (255u << shift);
+            }
         }
         __syncthreads();
     }
