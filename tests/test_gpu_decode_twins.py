@@ -12,8 +12,17 @@ import numpy as np
 import pytest
 
 from ds4.backend import get_backend
-from ds4.kernels import attention, compressor, gemv, hyper_connection, indexer, moe, norm, rope
-from ds4.kernels import sampling
+from ds4.kernels import (
+    attention,
+    compressor,
+    gemv,
+    hyper_connection,
+    indexer,
+    moe,
+    norm,
+    rope,
+    sampling,
+)
 from ds4.model import gpu_decode
 from ds4.model.config import ModelConfig
 from ds4.model.forward import Model
@@ -32,6 +41,7 @@ def twins(monkeypatch):
             if name.endswith("_numpy") and hasattr(mod, name[:-6]):
                 monkeypatch.setattr(mod, name[:-6], getattr(mod, name))
     monkeypatch.setattr(gpu_decode, "gemv", gemv.gemv_numpy)
+    monkeypatch.setattr(gpu_decode, "gemv_many", gemv.gemv_many_numpy)
     monkeypatch.setattr(gpu_decode, "rms_norm", norm.rms_norm_numpy)
     monkeypatch.setattr(gpu_decode, "rope_tail", rope.rope_tail_numpy)
 

@@ -99,6 +99,10 @@ def test_hyper_connection(cp, rng):
     y, Xout = randn(rng, D), np.full_like(X, np.nan)
     g, h = both(cp, hc.hc_post, hc.hc_post_numpy, X, y, n_pc, Xout, out_index=3)
     assert rel_err(g, h) < 1e-5
+    norm_w, hbuf = randn(rng, D), np.full(D, np.nan, np.float32)
+    g, h = both(cp, hc.hc_pre_norm, hc.hc_pre_norm_numpy, n_mix, scale, base, X, norm_w, hbuf,
+                pc, out_index=5)
+    assert rel_err(g, h) < 1e-5
     g, h = both(cp, hc.hc_pre, hc.hc_pre_numpy, n_mix, scale, base, X, u, pc, out_index=4,
                 head=True)
     assert rel_err(g, h) < 1e-5
@@ -217,3 +221,19 @@ def test_moe(cp, rng, hashed, bf16):
     g, n = both(cp, moe.moe_down, moe.moe_down_numpy, down, n_idx, act, y, out_index=3,
                 accumulate=True)
     assert rel_err(g, n) < RTOL
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_gemv_many(cp, rng, bf16):
+    from ds4.kernels import gemv, to_bf16
+
+    shapes = [(1024, 512), (512, 512), (256, 512), (64, 512), (3, 512)]
+    conv = to_bf16 if bf16 else (lambda a: a)
+    ws = [conv(randn(rng, r, c, scale=0.05)) for r, c in shapes]
+    x = randn(rng, 512)
+    outs = [np.full(r, np.nan, np.float32) for r, _ in shapes]
+    d_ws, d_outs = [cp.asarray(w) for w in ws], [cp.asarray(y) for y in outs]
+    gemv.gemv_many(gemv.gemv_table(cp, d_ws, d_outs), d_ws, cp.asarray(x), d_outs)
+    gemv.gemv_many_numpy(None, ws, x, outs)
+    for g, n in zip(d_outs, outs):
+        assert rel_err(cp.asnumpy(g), n) < RTOL

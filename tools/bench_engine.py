@@ -102,13 +102,14 @@ def stage_times(cp, stream, dec, i: int, t: dict, ls) -> dict:
 
     b, cfg = dec.buf, dec.cfg
     freqs = dec.freqs["main" if ls.compressor is None else "compress"]
-    out = {"mhc+norm x2": 2 * graph_time(cp, stream, lambda: dec._block(
+    out = {"h projections": graph_time(cp, stream, lambda: dec._project(i)),
+           "mhc+norm x2": 2 * graph_time(cp, stream, lambda: dec._block(
                t, "attn_hc", "input_layernorm.weight")),
            "attention": graph_time(cp, stream, lambda: dec._attention(i, t, ls)),
            "moe": graph_time(cp, stream, lambda: dec._moe(i, t))}
     if ls.compressor is not None:
         out["compressor"] = graph_time(cp, stream, lambda: dec._compress(
-            t, "self_attn.compressor.", ls.compressor, freqs))
+            t, "self_attn.compressor.", ls.compressor, freqs, "ckv", "cg"))
     if ls.indexer is not None:
         out["indexer+topk"] = graph_time(cp, stream, lambda: dec._index(t, ls.indexer, freqs))
         out["topk"] = graph_time(cp, stream, lambda: topk_select(

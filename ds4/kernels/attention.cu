@@ -102,7 +102,12 @@ extern "C" __global__ void attention_partial(const float* __restrict__ q,
     int n = min(n_raw + n_comp, max_keys);
     int first = split * KEYS, count = max(0, min(KEYS, n - first));
     if (threadIdx.x < count) codes[threadIdx.x] = key_code(first + threadIdx.x, n_raw, sel);
-    for (int i = threadIdx.x; i < hpb * width; i += blockDim.x) qs[i] = q[(size_t)h0 * width + i];
+    const float4* q4 = (const float4*)(q + (size_t)h0 * width);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < hpb * width / 4; i += blockDim.x) {
+        float4 v = q4[i];
+        qs[4 * i] = v.x; qs[4 * i + 1] = v.y; qs[4 * i + 2] = v.z; qs[4 * i + 3] = v.w;
+    }
     __syncthreads();
     int w4 = width >> 2, total = count * w4;
     // Eight 16-byte loads in flight per thread before any store: the staging is latency bound.
@@ -154,26 +159,34 @@ extern "C" __global__ void attention_partial(const float* __restrict__ q,
 }
 
 // out[h] = (sum_s exp(m_s - M) o_s) / (exp(sink_h - M) + sum_s exp(m_s - M) l_s), M the largest
-// of sink_h and the m_s: softmax over all keys with the sink's mass in the denominator.
+// of sink_h and the m_s: softmax over all keys with the sink's mass in the denominator. The
+// split weights go through shared memory (2 * splits floats of dynamic shared memory) so the
+// value pass issues its loads back to back.
 extern "C" __global__ void attention_combine(const float* __restrict__ part,
                                              const float* __restrict__ sinks, float* out,
                                              int width, int splits) {
+    __shared__ float red[32];
+    extern __shared__ float wsm[];
     int h = blockIdx.x;
     const float* p = part + (size_t)h * splits * (width + 2);
-    float M = sinks[h];
-    for (int s = 0; s < splits; s++) M = fmaxf(M, p[(size_t)s * (width + 2)]);
-    float L = expf(sinks[h] - M);
-    for (int s = 0; s < splits; s++) {
-        float ms = p[(size_t)s * (width + 2)];
-        if (ms > -INFINITY) L += expf(ms - M) * p[(size_t)s * (width + 2) + 1];
+    float m = -INFINITY;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+        wsm[s] = p[(size_t)s * (width + 2)];
+        wsm[splits + s] = p[(size_t)s * (width + 2) + 1];
+        m = fmaxf(m, wsm[s]);
     }
-    float inv = 1.f / L;
+    float M = fmaxf(block_reduce(m, red, 1), sinks[h]);
+    float l = 0.f;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+        float w = wsm[s] > -INFINITY ? expf(wsm[s] - M) : 0.f;
+        l += w * wsm[splits + s];
+        wsm[s] = w;
+    }
+    float inv = 1.f / (block_reduce(l, red, 0) + expf(sinks[h] - M));
     for (int c = threadIdx.x; c < width; c += blockDim.x) {
         float acc = 0.f;
-        for (int s = 0; s < splits; s++) {
-            const float* ps = p + (size_t)s * (width + 2);
-            if (ps[0] > -INFINITY) acc += expf(ps[0] - M) * ps[2 + c];
-        }
+#pragma unroll 8
+        for (int s = 0; s < splits; s++) acc += wsm[s] * p[(size_t)s * (width + 2) + 2 + c];
         out[(size_t)h * width + c] = acc * inv;
     }
 }

@@ -50,7 +50,7 @@ def attention_decode(q, raw, pos, comp, sel, sel_count, ratio: int, sinks, out, 
     shared = 4 * (KEYS_PER_BLOCK * (width + 1) + hpb * width + hpb * KEYS_PER_BLOCK + KEYS_PER_BLOCK)
     launch("attention", "attention_partial", (heads // hpb, splits), (256,), args, shared=shared)
     launch("attention", "attention_combine", (heads,), (256,),
-           (ptr(part), ptr(sinks), ptr(out), i32(width), i32(splits)))
+           (ptr(part), ptr(sinks), ptr(out), i32(width), i32(splits)), shared=8 * splits)
     return out
 
 

@@ -139,3 +139,29 @@ extern "C" __global__ void gemv_f32(const float* __restrict__ W, const float* __
                                     int splits) {
     gemv(W, x, y, rows, cols, rows_per_group, splits);
 }
+
+// Several matrices that multiply the same x, in one launch: table[3 * k] = W_k pointer,
+// table[3 * k + 1] = y_k pointer, table[3 * k + 2] = rows of W_k (all with `cols` columns).
+// Warp g computes row g of the stacked rows. Decode reads a handful of small projections of one
+// input (q_a, kv, both compressors, the indexer weights); apart, each is too small to fill the GPU.
+template <typename W>
+__device__ void gemv_many(const long long* __restrict__ table, int count, const float* x,
+                          int cols) {
+    int g = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int k = 0;
+    while (k < count && g >= table[3 * k + 2]) { g -= (int)table[3 * k + 2]; k++; }
+    if (k >= count) return;
+    const W* w = (const W*)table[3 * k] + (size_t)g * cols;
+    float acc = row_dot(w, (const float4*)x, cols >> 3);
+    if ((threadIdx.x & 31) == 0) ((float*)table[3 * k + 1])[g] = acc;
+}
+
+extern "C" __global__ void gemv_many_bf16(const long long* __restrict__ table, int count,
+                                          const float* __restrict__ x, int cols) {
+    gemv_many<unsigned short>(table, count, x, cols);
+}
+
+extern "C" __global__ void gemv_many_f32(const long long* __restrict__ table, int count,
+                                         const float* __restrict__ x, int cols) {
+    gemv_many<float>(table, count, x, cols);
+}

@@ -175,3 +175,40 @@ extern "C" __global__ void hc_post(const float* X, const float* __restrict__ y,
         Xout[(size_t)j * D + d] = acc;
     }
 }
+
+// hc_pre and the sub-block's RMSNorm in one block of 1024 threads (D <= 8192):
+// u = sum_i pre_i X_i, h = u * rsqrt(mean(u^2) + norm_eps) * norm_w; post/comb as hc_pre.
+extern "C" __global__ void hc_pre_norm(const float* __restrict__ mix,
+                                       const float* __restrict__ scale,
+                                       const float* __restrict__ base, const float* __restrict__ X,
+                                       const float* __restrict__ norm_w, float* h,
+                                       float* post_comb, int D, int n, int iters, float eps,
+                                       float norm_eps) {
+    __shared__ float pre[MAX_STREAMS], post[MAX_STREAMS], comb[MAX_STREAMS * MAX_STREAMS];
+    __shared__ float red[32];
+    if ((n & (n - 1)) == 0 && n * n <= 32) {
+        if (threadIdx.x < 32) hc_weights_warp(mix, scale, base, n, iters, eps, pre, post, comb);
+    } else if (threadIdx.x == 0) {
+        hc_weights(mix, scale, base, n, iters, eps, pre, post, comb);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n + n * n; i += blockDim.x)
+        post_comb[i] = i < n ? post[i] : comb[i - n];
+    float u[8];
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        int d = threadIdx.x + k * blockDim.x;
+        u[k] = 0.f;
+        if (d < D) {
+            for (int i = 0; i < n; i++) u[k] += pre[i] * X[(size_t)i * D + d];
+            ss += u[k] * u[k];
+        }
+    }
+    float r = rsqrtf(block_sum(ss, red) / D + norm_eps);
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        int d = threadIdx.x + k * blockDim.x;
+        if (d < D) h[d] = u[k] * r * norm_w[d];
+    }
+}

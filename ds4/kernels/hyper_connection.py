@@ -90,3 +90,22 @@ def hc_post_numpy(X, y, post_comb, out):
     comb = np.asarray(post_comb[n:n + n * n]).reshape(n, n)
     out[...] = post_comb[:n, None] * y[None, :] + comb.T @ X
     return out
+
+
+def hc_pre_norm(mix, scale, base, X, norm_w, h, post_comb, iters: int = 20, eps: float = 1e-6,
+                norm_eps: float = 1e-6):
+    """h = RMSNorm_w(sum_i pre_i X[i]) in one launch; post_comb as hc_pre (D <= 8192)."""
+    streams, D = X.shape
+    assert D <= 8 * 1024
+    args = (ptr(mix), ptr(scale), ptr(base), ptr(X), ptr(norm_w), ptr(h), ptr(post_comb), i32(D),
+            i32(streams), i32(iters), f32(eps), f32(norm_eps))
+    launch("hyper_connection", "hc_pre_norm", (1,), (1024,), args)
+    return h
+
+
+def hc_pre_norm_numpy(mix, scale, base, X, norm_w, h, post_comb, iters: int = 20,
+                      eps: float = 1e-6, norm_eps: float = 1e-6):
+    """NumPy twin of hc_pre_norm."""
+    u = hc_pre_numpy(mix, scale, base, X, np.empty(X.shape[1], np.float32), post_comb, iters, eps)
+    h[...] = u / np.sqrt((u * u).mean() + np.float32(norm_eps)) * norm_w
+    return h

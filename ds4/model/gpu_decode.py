@@ -19,7 +19,7 @@ from ds4.kernels import compressor as cm
 from ds4.kernels import hyper_connection as hc
 from ds4.kernels import indexer as ix
 from ds4.kernels import moe, sampling
-from ds4.kernels.gemv import gemv
+from ds4.kernels.gemv import gemv, gemv_many, gemv_table
 from ds4.kernels.norm import rms_norm
 from ds4.kernels.rope import rope_tail
 from ds4.model import gpu_weights
@@ -36,6 +36,7 @@ class KernelDecoder:
         self.pos_token = xp.zeros(2, dtype=xp.int32)  # [position, token]
         self.pos, self.token = self.pos_token[:1], self.pos_token[1:]
         self.buf = self._buffers(cfg)
+        self.projections = [self._projection_plan(t) for t in layers]
         self.graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._seen: weakref.WeakSet = weakref.WeakSet()  # states that ran one eager step
         self._stream = None
@@ -57,7 +58,8 @@ class KernelDecoder:
         sizes = {"X": (n, D), "mix": (2 * n + n * n,), "post_comb": (n + n * n,), "u": (D,),
                  "h": (D,), "y": (D,), "qlat": (1, cfg.q_lora_rank), "q": (H, d), "kv": (d,),
                  "o": (H, d), "z": (cfg.o_groups * cfg.o_lora_rank,), "ckv": (2 * d,),
-                 "cg": (2 * d,), "iq": (cfg.index_n_heads, cfg.index_head_dim),
+                 "cg": (2 * d,), "ickv": (2 * cfg.index_head_dim,),
+                 "icg": (2 * cfg.index_head_dim,), "iq": (cfg.index_n_heads, cfg.index_head_dim),
                  "head_w": (cfg.index_n_heads,), "router": (cfg.n_routed_experts,),
                  "wts": (k,), "act": (k, inter), "shared_act": (1, inter),
                  "logits": (cfg.vocab_size,), "scores": (1,), "attn_part": (1,)}
@@ -66,6 +68,31 @@ class KernelDecoder:
         buf["sel"] = cp.zeros(max(cfg.index_topk, 1), dtype=cp.int32)
         buf["sel_count"] = cp.zeros(1, dtype=cp.int32)
         return buf
+
+    def _projection_plan(self, t: dict) -> tuple:
+        """(weights, outputs, device table or None) of the layer's projections of h that the
+        attention side needs; with one dtype they run as a single gemv_many launch."""
+        b, p, ip = self.buf, "self_attn.compressor.", "self_attn.compressor.indexer."
+        pairs = [(t["self_attn.q_a_proj.weight"], b["qlat"][0]), (t["self_attn.kv_proj.weight"], b["kv"])]
+        for prefix, kv, g in ((p, "ckv", "cg"), (ip, "ickv", "icg")):
+            if prefix + "kv_proj.weight" in t:
+                cw = t[prefix + "kv_proj.weight"].shape[0]
+                pairs += [(t[prefix + "kv_proj.weight"], b[kv][:cw]),
+                          (t[prefix + "gate_proj.weight"], b[g][:cw])]
+        if ip + "scorer.weights_proj.weight" in t:
+            pairs.append((t[ip + "scorer.weights_proj.weight"], b["head_w"]))
+        weights, outs = [w for w, _ in pairs], [y for _, y in pairs]
+        fusable = self.cp is not np and len({w.dtype for w in weights}) == 1
+        return weights, outs, gemv_table(self.cp, weights, outs) if fusable else None
+
+    def _project(self, i: int) -> None:
+        """The attention side's projections of h (see _projection_plan)."""
+        weights, outs, table = self.projections[i]
+        if table is not None:
+            gemv_many(table, weights, self.buf["h"], outs)
+        else:
+            for w, y in zip(weights, outs):
+                gemv(w, self.buf["h"], y)
 
     def _fit_scores(self, state) -> None:
         """Grow the indexer-score and attention-partial buffers to this session's capacity
@@ -147,26 +174,24 @@ class KernelDecoder:
         """h = RMSNorm_w(sum_i pre_i X_i) of one mHC unit; post/comb kept for hc_post."""
         cfg, b = self.cfg, self.buf
         hc.hc_mix(t[unit + ".fn"], b["X"], b["mix"], cfg.rms_norm_eps)
-        hc.hc_pre(b["mix"], t[unit + ".scale"], t[unit + ".base"], b["X"], b["u"],
-                  b["post_comb"], cfg.hc_sinkhorn_iters, cfg.hc_eps)
-        rms_norm(b["u"][None], t[norm], b["h"][None], cfg.rms_norm_eps)
+        hc.hc_pre_norm(b["mix"], t[unit + ".scale"], t[unit + ".base"], b["X"], t[norm], b["h"],
+                       b["post_comb"], cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
 
     def _attention(self, i: int, t: dict, ls) -> None:
         """y = attention output of layer i for h (spec 3.4), updating the layer's state."""
         cfg, b, eps, r = self.cfg, self.buf, self.cfg.rms_norm_eps, self.cfg.qk_rope_head_dim
         H = cfg.num_attention_heads
         freqs = self.freqs["main" if ls.kind == SLIDING else "compress"]
-        gemv(t["self_attn.q_a_proj.weight"], b["h"], b["qlat"][0])
+        self._project(i)
         rms_norm(b["qlat"], t["self_attn.q_a_norm.weight"], b["qlat"], eps)
         gemv(t["self_attn.q_b_proj.weight"], b["qlat"][0], b["q"].reshape(-1))
         rms_norm(b["q"], None, b["q"], eps)
         rope_tail(b["q"], self.pos, freqs, r, rows_per_pos=H)
-        gemv(t["self_attn.kv_proj.weight"], b["h"], b["kv"])
         at.attention_store_kv(b["kv"], t["self_attn.kv_norm.weight"], freqs, self.pos, ls.raw,
                               r, eps)
         comp, sel, count, ratio = None, None, None, 0
         if ls.compressor is not None:
-            self._compress(t, "self_attn.compressor.", ls.compressor, freqs)
+            self._compress(t, "self_attn.compressor.", ls.compressor, freqs, "ckv", "cg")
             comp, ratio = ls.compressor.rows, ls.compressor.ratio
         if ls.kind == CSA:
             self._index(t, ls.indexer, freqs)
@@ -178,12 +203,11 @@ class KernelDecoder:
              rows_per_group=cfg.o_lora_rank)
         gemv(t["self_attn.o_b_proj.weight"], b["z"], b["y"])
 
-    def _compress(self, t: dict, prefix: str, cs, freqs) -> None:
-        """Feed h to one compressor; pool its window into cs.rows when this token closes it."""
+    def _compress(self, t: dict, prefix: str, cs, freqs, kv: str, gate: str) -> None:
+        """Feed the projected row (buffers kv, gate) to one compressor; pool its window into
+        cs.rows when this token closes it."""
         b, cw = self.buf, cs.pending_kv.shape[1]
-        ckv, cg = b["ckv"][:cw], b["cg"][:cw]
-        gemv(t[prefix + "kv_proj.weight"], b["h"], ckv)
-        gemv(t[prefix + "gate_proj.weight"], b["h"], cg)
+        ckv, cg = b[kv][:cw], b[gate][:cw]
         cm.compressor_push(ckv, cg, t[prefix + "position_bias"], self.pos, cs.pending_kv,
                            cs.pending_score)
         overlap = cs.overlap_kv if cs.overlap else None
@@ -193,12 +217,12 @@ class KernelDecoder:
                            self.cfg.qk_rope_head_dim, self.cfg.rms_norm_eps)
 
     def _index(self, t: dict, cs, freqs) -> None:
-        """Indexer keys for this token, then the top-k entries the query attends (b["sel"])."""
+        """Indexer keys for this token, then the top-k entries the query attends (b["sel"]);
+        its projections of h are already in ickv/icg/head_w."""
         cfg, b, p = self.cfg, self.buf, "self_attn.compressor.indexer."
-        self._compress(t, p, cs, freqs)
+        self._compress(t, p, cs, freqs, "ickv", "icg")
         gemv(t[p + "q_b_proj.weight"], b["qlat"][0], b["iq"].reshape(-1))
         rope_tail(b["iq"], self.pos, freqs, cfg.qk_rope_head_dim, rows_per_pos=cfg.index_n_heads)
-        gemv(t[p + "scorer.weights_proj.weight"], b["h"], b["head_w"])
         scores = b["scores"][:cs.rows.shape[0]]
         ix.indexer_scores(b["iq"], b["head_w"], cs.rows, self.pos, cs.ratio, scores)
         sampling.topk_select(scores, cfg.index_topk, b["sel"], b["sel_count"], self.pos, cs.ratio)
