@@ -89,6 +89,7 @@ class Finished:
     output: ParsedOutput
     text: str  # the whole generated text (raw, for /v1/completions and traces)
     usage: Usage
+    stop_sequence: str | None = None  # the stop string that ended the answer, if one did
 
 
 @dataclass(frozen=True)

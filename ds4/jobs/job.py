@@ -190,7 +190,8 @@ class Job:
 
     def report_finished(self, _event: Any = None) -> None:
         """Done: the parsed turn, the raw text and usage go to the sink."""
-        self._emit(Finished(self.finish_reason, self.output(), self.text(), self.usage()))
+        self._emit(Finished(self.finish_reason, self.output(), self.text(), self.usage(),
+                            stop_sequence=self.stop_hit()))
 
     def report_failed(self, _event: Any = None) -> None:
         """Failed: the slot's bindings can no longer be trusted; the sink gets the error."""
@@ -215,6 +216,10 @@ class Job:
     def text(self) -> str:
         """The generated text so far."""
         return self.attempt.text() if self.attempt else ""
+
+    def stop_hit(self) -> str | None:
+        """The stop string that ended the answer (None for any other ending)."""
+        return self.attempt.stop.hit if self.attempt and self.finish_reason == "stop" else None
 
     def generated(self) -> list[int]:
         """Generated token ids (EOS excluded)."""

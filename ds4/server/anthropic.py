@@ -22,6 +22,15 @@ from ds4.server.wire import json_response, new_id
 ENDPOINT = "/v1/messages"
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_use": "tool_use",
                "tool_calls": "tool_use", "cancelled": "end_turn"}
+NOT_STOPPED = {"stop_reason": None, "stop_sequence": None}
+
+
+def stop_fields(finished: Finished) -> dict:
+    """stop_reason and stop_sequence: a matched stop string is reported as Anthropic does."""
+    if finished.stop_sequence is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": finished.stop_sequence}
+    return {"stop_reason": STOP_REASON.get(finished.finish_reason, "end_turn"),
+            "stop_sequence": None}
 
 
 def usage(u: Usage) -> dict:
@@ -94,15 +103,14 @@ class MessageShape:
         self.saw = set()  # block types sent
         self.streamed_calls: set[int] = set()
 
-    def message(self, content: list, stop_reason: str | None, u: dict) -> dict:
-        """The message object."""
+    def message(self, content: list, stop: dict, u: dict) -> dict:
+        """The message object; `stop` holds stop_reason and stop_sequence."""
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.turn.model,
-                "content": content, "stop_reason": stop_reason, "stop_sequence": None, "usage": u}
+                "content": content, **stop, "usage": u}
 
     def body(self, finished: Finished) -> dict:
         """The non-streamed message."""
-        reason = STOP_REASON.get(finished.finish_reason, "end_turn")
-        return self.message(content_blocks(finished.output, self.id), reason,
+        return self.message(content_blocks(finished.output, self.id), stop_fields(finished),
                             usage(finished.usage))
 
     def opening(self) -> list[bytes]:
@@ -110,7 +118,7 @@ class MessageShape:
         u = {"input_tokens": self.prompt_tokens, "output_tokens": 0,
              "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
         return [event_frame("message_start", {"type": "message_start",
-                                              "message": self.message([], None, u)})]
+                                              "message": self.message([], NOT_STOPPED, u)})]
 
     def start_block(self, block: dict) -> list[bytes]:
         """Close the open block and open a new one."""
@@ -183,9 +191,8 @@ class MessageShape:
         if "text" not in self.saw and "tool_use" not in self.saw:
             frames += self.start_block({"type": "text", "text": ""})
         frames += self.stop_block()
-        reason = STOP_REASON.get(finished.finish_reason, "end_turn")
         frames.append(event_frame("message_delta", {
-            "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None},
+            "type": "message_delta", "delta": stop_fields(finished),
             "usage": usage(finished.usage)}))
         return frames + [event_frame("message_stop", {"type": "message_stop"})]
 
