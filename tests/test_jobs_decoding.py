@@ -119,7 +119,21 @@ def test_recovery_gives_up_after_two_redecodes():
     end = rec.finished()
     assert job.redecodes == 2
     assert end.finish_reason == "stop" and not end.output.tool_calls
-    assert end.output.malformed
+    assert end.output.malformed and end.output.content == end.text  # all of it, as text
+
+
+def test_a_block_recovery_cannot_repair_becomes_the_answer_text():
+    # a complete call, then a broken one: no call survives, the text after the reasoning is
+    # the content, the reasoning keeps its field (a stream already sent it as reasoning)
+    first = CALL.removesuffix("</｜DSML｜tool_calls>")
+    bad = TOK.encode("Hmm.</think>Checking." + first + INVOKE + "<｜DSML｜bogus>oops") + [EOS]
+    _, job, rec = run([bad, bad, bad], tools_active=True, thinking=True)
+    end = rec.finished()
+    assert job.redecodes == 2 and end.finish_reason == "stop" and not end.output.tool_calls
+    assert end.output.reasoning == "Hmm."
+    assert end.output.content == end.text.split("</think>", 1)[1]
+    assert end.output.content.startswith("Checking." + first + INVOKE + "<｜DSML｜b")  # cut there
+    assert any(isinstance(e, ToolCallStart) for te in rec.token_events() for e in te.events)
 
 
 def test_an_unterminated_block_fails_the_turn():

@@ -84,3 +84,89 @@ def test_other_endings_keep_stop_sequence_null_and_chat_says_stop(live, stop_cas
                                         "messages": HI, "stop": stop}, timeout=60).json()
     choice = chat["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] == before
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+CLAUDE_WEATHER = {"name": "get_weather", "description": "Weather of a city.",
+                  "input_schema": WEATHER["function"]["parameters"]}
+BLOCK = "\n\n<｜DSML｜tool_calls>\n"
+INVOKE = '<｜DSML｜invoke name="get_weather">\n'
+# The random tiny model never writes valid DSML after the forced prefix, and greedy redecodes
+# repeat its choice: every forced call below is rejected once recovery gives up.
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def chat_body(choice, **extra) -> dict:
+    return {"model": GREEDY, "max_tokens": 24, "temperature": 0, "messages": HI,
+            "tools": [WEATHER], "tool_choice": choice, **extra}
+
+
+@pytest.mark.parametrize("choice, forced", [("required", BLOCK), (NAMED, BLOCK + INVOKE)])
+def test_rejected_forced_call_comes_back_as_the_raw_text(live, choice, forced):
+    done = httpx.post(live[0] + CHAT, json=chat_body(choice), timeout=60).json()
+    [choice_out] = done["choices"]
+    message = choice_out["message"]
+    assert choice_out["finish_reason"] == "stop" and "tool_calls" not in message
+    # the whole generated text: the forced bytes, then what the model wrote after them
+    assert message["content"].startswith(forced) and len(message["content"]) > len(forced)
+    assert done["usage"]["completion_tokens"] > 0
+
+
+def test_streamed_required_call_without_a_header_ends_with_the_same_text(live):
+    url = live[0]
+    done = httpx.post(url + CHAT, json=chat_body("required"), timeout=60).json()
+    frames = sse(httpx.post(url + CHAT, json=chat_body("required", stream=True),
+                            timeout=60).text)
+    chunks = [d for _, d in frames if d != "[DONE]"]
+    assert not any("tool_calls" in c["choices"][0]["delta"] for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == done["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and frames[-1][1] == "[DONE]"
+
+
+def test_streamed_named_call_whose_block_is_rejected_ends_with_an_error(live):
+    frames = sse(httpx.post(live[0] + CHAT, json=chat_body(NAMED, stream=True),
+                            timeout=60).text)
+    calls = [c["choices"][0]["delta"]["tool_calls"] for _, c in frames
+             if c != "[DONE]" and c.get("choices") and "tool_calls" in c["choices"][0]["delta"]]
+    assert calls[0][0]["function"]["name"] == "get_weather"  # the header went out
+    final, error, done = frames[-3:]
+    assert final[1]["choices"][0]["finish_reason"] == "error"
+    assert error[1]["error"]["type"] == "server_error"
+    assert error[1]["error"]["message"].startswith("invalid tool call")
+    assert done[1] == "[DONE]"
+
+
+def test_anthropic_forced_tool_text_or_error_event(live):
+    url = live[0]
+    body = claude_body(max_tokens=24, tools=[CLAUDE_WEATHER],
+                       tool_choice={"type": "tool", "name": "get_weather"})
+    msg = httpx.post(url + MSG, json=body, timeout=60).json()
+    assert msg["stop_reason"] == "end_turn"
+    [block] = msg["content"]
+    assert block["type"] == "text" and block["text"].startswith(BLOCK + INVOKE)
+
+    frames = sse(httpx.post(url + MSG, json={**body, "stream": True}, timeout=60).text)
+    names = [n for n, _ in frames]
+    starts = [d["content_block"] for n, d in frames if n == "content_block_start"]
+    assert starts[-1]["type"] == "tool_use" and starts[-1]["name"] == "get_weather"
+    assert names[-1] == "error" and "message_stop" not in names
+    assert frames[-1][1]["error"]["type"] == "api_error"
+    assert frames[-1][1]["error"]["message"].startswith("invalid tool call")
+
+
+def test_responses_forced_call_rejected_after_its_item_was_added_fails(live):
+    body = {"model": GREEDY, "input": "Say hi", "max_output_tokens": 24, "temperature": 0,
+            "tools": [{"type": "function", **WEATHER["function"]}],
+            "tool_choice": {"type": "function", "name": "get_weather"}}
+    done = httpx.post(live[0] + "/v1/responses", json=body, timeout=60).json()
+    assert done["status"] == "completed"
+    assert [i["type"] for i in done["output"]] == ["message"]
+    assert done["output"][0]["content"][0]["text"].startswith(BLOCK + INVOKE)
+    frames = sse(httpx.post(live[0] + "/v1/responses", json={**body, "stream": True},
+                            timeout=60).text)
+    kinds = [d["type"] for _, d in frames]
+    assert "response.output_item.added" in kinds and kinds[-1] == "response.failed"
+    assert frames[-1][1]["response"]["error"]["message"].startswith("invalid tool call")

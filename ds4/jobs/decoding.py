@@ -8,6 +8,7 @@ from typing import Any
 
 from ds4.chat import OutputParser
 from ds4.chat.events import ParsedOutput, ParserEvent
+from ds4.chat.final_parse import split_reasoning
 from ds4.jobs.events import JobRequest, SamplingOptions, TokenEvents
 from ds4.jobs.stop import StopText
 from ds4.sampling import sample
@@ -94,11 +95,25 @@ class DecodeAttempt:
         return self.finish_reason == "malformed" or self.result().unterminated
 
     def result(self) -> ParsedOutput:
-        """The parsed turn, with the answer cut before a stop string."""
+        """The parsed turn, with the answer cut before a stop string; a rejected DSML block
+        makes the whole answer plain text (encoding.md §5.5)."""
         out = self.parser.result()
+        if self.finish_reason == "malformed":
+            return self._as_text(out)
         if self.stop.hit is not None:
             out = replace(out, content=self.stop.emitted)
         return out
+
+    def _as_text(self, out: ParsedOutput) -> ParsedOutput:
+        """No calls; the content is every byte after the reasoning, DSML included.
+
+        The reasoning keeps its own field: a stream has already sent it as reasoning, and the
+        answer text it sent is a prefix of this content, so stream and body still agree.
+        """
+        text = self.raw.decode("utf-8", errors="replace")
+        _, start = split_reasoning(text, self.request.thinking)
+        return ParsedOutput(reasoning=out.reasoning, content=text[start or 0:],
+                            malformed=out.malformed)
 
     def text(self) -> str:
         """The whole generated text (raw, cut before a stop string)."""

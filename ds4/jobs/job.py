@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -29,6 +30,7 @@ from ds4.sampling import make_rng
 from ds4.tokenizer import EOS_ID
 
 MAX_REDECODES = 2
+log = logging.getLogger("ds4.jobs")
 
 
 @dataclass
@@ -174,7 +176,11 @@ class Job:
         """Settle the finish reason; a closed tool-call turn binds its ids to the slot."""
         out = self.attempt.result()
         reason = self.attempt.finish_reason
-        self.finish_reason = "stop" if reason == "malformed" else reason
+        if reason == "malformed":  # recovery gave up: the turn is plain text (§5.5)
+            log.warning("job %d: invalid tool call (%s); returned as text", self.seq,
+                        out.malformed)
+            reason = "length" if len(self.attempt.tokens) >= self.attempt.cap else "stop"
+        self.finish_reason = reason
         if out.tool_calls and self.finish_reason != "length":
             self.finish_reason = "tool_calls"
             self.slot.bind_call_ids([c.id for c in out.tool_calls])

@@ -12,7 +12,7 @@ from ds4.chat import render_anthropic
 from ds4.jobs.events import Failed, Finished, TokenEvents, Usage
 from ds4.server import request_fields as rf
 from ds4.server.errors import ANTHROPIC, error_body
-from ds4.server.generation import failure_error, generate
+from ds4.server.generation import failure_error, generate, retracted_calls
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sse import Channel, event_frame
 from ds4.server.tools import anthropic_result_ids, forced_prefix
@@ -179,6 +179,8 @@ class MessageShape:
 
     def closing(self, finished: Finished) -> list[bytes]:
         """Held-back text, calls not streamed live, message_delta and message_stop."""
+        if (failed := retracted_calls(finished, self.streamed_calls)) is not None:
+            return self.failure(failed)
         out = finished.output
         frames = self.text_frames("thinking", self.thinking.finish(out.reasoning))
         frames += self.text_frames("text", self.text.finish(out.content))

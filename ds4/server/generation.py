@@ -36,6 +36,18 @@ def failure_error(failed: Failed) -> ApiError:
     return ApiError(failed.status, failed.message, code=code)
 
 
+def retracted_calls(finished: Finished, streamed: set[int]) -> Failed | None:
+    """The failure a stream must end with when it announced calls the final turn lacks.
+
+    A DSML block rejected after a call header went out comes back as plain text (encoding
+    §5.5); a client that saw the header cannot take it back, so success would be a lie.
+    """
+    if not streamed - set(range(len(finished.output.tool_calls))):
+        return None
+    why = finished.output.malformed or "the tool-call block was not completed"
+    return Failed(f"invalid tool call: {why}", 500, "server_error")
+
+
 async def generate(request: Request, runtime: Runtime, turn: Turn, make_shape) -> Response:
     """Queue the turn and answer with a JSON body or an SSE stream."""
     running = await runtime.start(turn)

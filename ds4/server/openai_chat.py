@@ -10,7 +10,7 @@ from ds4.chat import render_chat
 from ds4.jobs.events import Failed, Finished, TokenEvents, Usage
 from ds4.server import request_fields as rf
 from ds4.server.errors import OPENAI, error_body
-from ds4.server.generation import failure_error, generate
+from ds4.server.generation import failure_error, generate, retracted_calls
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sse import COMMENT_PING, DONE, Channel, data_frame
 from ds4.server.tools import forced_prefix, tool_result_ids
@@ -125,6 +125,8 @@ class ChatShape:
 
     def closing(self, finished: Finished) -> list[bytes]:
         """Held-back text, calls not streamed live, the finish chunk, usage and [DONE]."""
+        if (failed := retracted_calls(finished, self.streamed_calls)) is not None:
+            return self.failure(failed)
         out = finished.output
         frames = []
         if text := self.reasoning.finish(out.reasoning):
@@ -144,8 +146,9 @@ class ChatShape:
         return frames + [DONE]
 
     def failure(self, failed: Failed) -> list[bytes]:
-        """An in-stream error object, then [DONE]."""
-        return [data_frame(error_body(failure_error(failed), OPENAI)), DONE]
+        """A final chunk with finish_reason "error", the error object, then [DONE]."""
+        return [self.chunk({}, "error"), data_frame(error_body(failure_error(failed), OPENAI)),
+                DONE]
 
     def ping(self) -> bytes:
         """SSE comment keep-alive."""

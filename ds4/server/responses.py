@@ -9,7 +9,7 @@ from ds4.chat import render_responses
 from ds4.jobs.events import Failed, Finished, TokenEvents, Usage
 from ds4.server import request_fields as rf
 from ds4.server.errors import OPENAI, ApiError
-from ds4.server.generation import generate
+from ds4.server.generation import generate, retracted_calls
 from ds4.server.responses_items import OutputItems
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sse import COMMENT_PING, data_frame
@@ -117,6 +117,8 @@ class ResponseShape:
 
     def closing(self, finished: Finished) -> list[bytes]:
         """Close open items, then the terminal event with the whole response."""
+        if (failed := retracted_calls(finished, set(self.items.calls))) is not None:
+            return self.failure(failed)
         frames = self.frames(self.items.settle(finished))
         final = self.final(finished)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
