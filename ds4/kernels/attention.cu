@@ -134,9 +134,14 @@ extern "C" __global__ void attention_partial(const float* __restrict__ q,
         if (lane < count) {
             const float* qh = qs + warp * width;
             const float* k = ks + lane * stride;
-            float acc = 0.f;
-            for (int c = 0; c < width; c++) acc += qh[c] * k[c];
-            s = acc * scale;
+            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;  // four chains: loads overlap
+            for (int c = 0; c < width; c += 4) {
+                a0 += qh[c] * k[c];
+                a1 += qh[c + 1] * k[c + 1];
+                a2 += qh[c + 2] * k[c + 2];
+                a3 += qh[c + 3] * k[c + 3];
+            }
+            s = ((a0 + a1) + (a2 + a3)) * scale;
         }
         float m = warp_max(s);
         float p = lane < count ? expf(s - m) : 0.f;
@@ -149,12 +154,19 @@ extern "C" __global__ void attention_partial(const float* __restrict__ q,
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < hpb * width; i += blockDim.x) {
-        int hh = i / width, c = i % width;
-        const float* p = ps + hh * KEYS;
-        float acc = 0.f;
-        for (int e = 0; e < count; e++) acc += p[e] * ks[e * stride + c];
-        part[((size_t)(h0 + hh) * splits + split) * (width + 2) + 2 + c] = acc;
+    // One channel for all hpb heads per thread: each staged key value is read once and feeds
+    // hpb independent accumulators.
+    for (int c = threadIdx.x; c < width; c += blockDim.x) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int e = 0; e < count; e++) {
+            float k = ks[e * stride + c];
+#pragma unroll
+            for (int hh = 0; hh < 8; hh++)
+                if (hh < hpb) acc[hh] += ps[hh * KEYS + e] * k;
+        }
+#pragma unroll
+        for (int hh = 0; hh < 8; hh++)
+            if (hh < hpb) part[((size_t)(h0 + hh) * splits + split) * (width + 2) + 2 + c] = acc[hh];
     }
 }
 

@@ -113,13 +113,14 @@ __device__ void gate_up(const W* gate_base, const W* up_base, long long expert_s
     const float4* xv = (const float4*)x;
     float ga = 0.f, gb = 0.f, ua = 0.f, ub = 0.f;
     int n8 = cols >> 3, i = lane;
-    for (; i + 32 < n8; i += 64) {
-        Pack<W> g0, g1, u0, u1;
-        g0.load(g, i); g1.load(g, i + 32); u0.load(u, i); u1.load(u, i + 32);
-        ga += g0.dot(xv + 2 * i);
-        gb += g1.dot(xv + 2 * (i + 32));
-        ua += u0.dot(xv + 2 * i);
-        ub += u1.dot(xv + 2 * (i + 32));
+    for (; i + 96 < n8; i += 128) {  // eight 16-byte loads in flight per lane
+        Pack<W> g0, g1, g2, g3, u0, u1, u2, u3;
+        g0.load(g, i); g1.load(g, i + 32); g2.load(g, i + 64); g3.load(g, i + 96);
+        u0.load(u, i); u1.load(u, i + 32); u2.load(u, i + 64); u3.load(u, i + 96);
+        ga += g0.dot(xv + 2 * i) + g2.dot(xv + 2 * (i + 64));
+        gb += g1.dot(xv + 2 * (i + 32)) + g3.dot(xv + 2 * (i + 96));
+        ua += u0.dot(xv + 2 * i) + u2.dot(xv + 2 * (i + 64));
+        ub += u1.dot(xv + 2 * (i + 32)) + u3.dot(xv + 2 * (i + 96));
     }
     for (; i < n8; i += 32) {
         Pack<W> g0, u0;
