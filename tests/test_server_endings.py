@@ -4,6 +4,7 @@ does, and forced tool calls the random model cannot complete (encoding.md §4.5,
 from __future__ import annotations
 
 import json
+import time
 
 import anthropic
 import httpx
@@ -17,7 +18,8 @@ MSG, CHAT = "/v1/messages", "/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def live():
-    with live_server(ctx=2048, ping_interval_s=1.0) as (url, runtime):
+    # a turn without max_tokens may run to the end of this context: minutes on the tiny model
+    with live_server(ctx=32768, ping_interval_s=1.0) as (url, runtime):
         yield url, runtime
 
 
@@ -170,3 +172,40 @@ def test_responses_forced_call_rejected_after_its_item_was_added_fails(live):
     kinds = [d["type"] for _, d in frames]
     assert "response.output_item.added" in kinds and kinds[-1] == "response.failed"
     assert frames[-1][1]["response"]["error"]["message"].startswith("invalid tool call")
+
+
+def busy_slots(url: str) -> list[int]:
+    return [s["id"] for s in httpx.get(url + "/slots").json()["slots"] if s["busy"]]
+
+
+def wait_idle(url: str, seconds: float = 10) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while busy_slots(url) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return busy_slots(url)
+
+
+UNLIMITED = [  # no max tokens: each would generate until the 32768-token context is full
+    (CHAT, {"model": GREEDY, "messages": HI, "temperature": 0, "stream": True}),
+    (MSG, {"model": GREEDY, "messages": HI, "temperature": 0, "stream": True}),
+    ("/v1/responses", {"model": GREEDY, "input": "Say hi", "temperature": 0, "stream": True}),
+]
+
+
+@pytest.mark.parametrize("path, body", UNLIMITED, ids=["chat", "messages", "responses"])
+def test_disconnect_stops_a_stream_without_a_token_limit(live, path, body):
+    url = live[0]
+    with httpx.stream("POST", url + path, json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        while sum("delta" in next(lines) for _ in range(4)) < 2:
+            pass
+        assert busy_slots(url) != []
+    assert wait_idle(url) == []  # only the cancel can end it this soon
+
+
+def test_non_streamed_client_without_a_token_limit_that_gives_up_stops_its_job(live):
+    url = live[0]
+    body = {"model": GREEDY, "input": "Say hi", "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/responses", json=body, timeout=1.0)
+    assert wait_idle(url) == []
