@@ -100,6 +100,15 @@ def test_queued_streams_get_keep_alive_pings():
                 lines = queued.iter_lines()
                 frames = [next(lines) for _ in range(6)]
                 assert frames[0] == "event: message_start" and "event: ping" in frames[3:]
+            responses = {"model": GREEDY, "input": "Hi", "max_output_tokens": 4,
+                         "temperature": 0, "stream": True}
+            with httpx.stream("POST", url + "/v1/responses", json=responses) as queued:
+                data = (json.loads(ln[6:]) for ln in queued.iter_lines() if ln.startswith("data: "))
+                events = [next(data) for _ in range(3)]
+            # real events, not comments: Codex times a stream out on parsed events only
+            assert [e["type"] for e in events] == ["response.created", "response.in_progress",
+                                                   "response.in_progress"]
+            assert [e["sequence_number"] for e in events] == [0, 1, 2]
 
 
 def test_trace_replays_with_the_same_text(live, capsys):

@@ -12,7 +12,7 @@ from ds4.server.errors import OPENAI, ApiError
 from ds4.server.generation import generate, retracted_calls
 from ds4.server.responses_items import OutputItems
 from ds4.server.runtime import Running, Runtime
-from ds4.server.sse import COMMENT_PING, data_frame
+from ds4.server.sse import data_frame
 from ds4.server.tools import forced_prefix, responses_result_ids
 from ds4.server.turn import Turn
 from ds4.server.wire import new_id, now
@@ -131,8 +131,9 @@ class ResponseShape:
                              {"response": self.response("failed", error=error)})])
 
     def ping(self) -> bytes:
-        """SSE comment keep-alive."""
-        return COMMENT_PING
+        """Keep-alive as a `response.in_progress` event: clients such as Codex time a stream out
+        on parsed events only, so an SSE comment would not keep a queued request alive."""
+        return self.event("response.in_progress", {"response": self.response("in_progress")})
 
 
 async def handle(request: Request, runtime: Runtime) -> Response:
