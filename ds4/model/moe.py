@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4.model.gpu_moe import routed_grouped
 from ds4.model.hyper_connection import sigmoid
 
 
@@ -45,10 +44,8 @@ def moe(xp, cfg, lw, x, token_ids, hashed: bool, to_host):
     ids, weights = route(xp, cfg, lw, x, token_ids, hashed)
     if x.shape[0] == 1:
         routed = _routed_one(xp, cfg, lw.experts, x[0], ids[0], weights[0])[None, :]
-    else:  # GPU: all experts as two batched products (None: use the per-expert loop)
-        routed = routed_grouped(xp, cfg, lw.experts, x, ids, weights) if xp.__name__ == "cupy" else None
-        if routed is None:
-            routed = _routed_many(xp, cfg, lw.experts, x, ids, weights, to_host(ids))
+    else:
+        routed = _routed_many(xp, cfg, lw.experts, x, ids, weights, to_host(ids))
     if "mlp.shared_experts.gate_proj.weight" not in lw:
         return routed
     gate = x @ lw["mlp.shared_experts.gate_proj.weight"].T
