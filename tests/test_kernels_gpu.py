@@ -221,6 +221,16 @@ def test_moe(cp, rng, hashed, bf16):
     g, n = both(cp, moe.moe_down, moe.moe_down_numpy, down, n_idx, act, y, out_index=3,
                 accumulate=True)
     assert rel_err(g, n) < RTOL
+    # the shared expert as one more row of the same launches
+    sg, su, sd = conv(randn(rng, inter, D, scale=0.1)), conv(randn(rng, inter, D, scale=0.1)), \
+        conv(randn(rng, D, inter, scale=0.05))
+    act7 = np.full((top_k + 1, inter), np.nan, np.float32)
+    g, n = both(cp, moe.moe_gate_up, moe.moe_gate_up_numpy, gate_up[:, :inter],
+                gate_up[:, inter:], n_idx, n_w, x, act7, 10.0, sg, su, out_index=5)
+    assert rel_err(g, n) < RTOL
+    g, n = both(cp, moe.moe_down, moe.moe_down_numpy, down, n_idx, n, y, out_index=3,
+                shared_down=sd)
+    assert rel_err(g, n) < RTOL
 
 
 @pytest.mark.parametrize("bf16", [True, False])

@@ -201,7 +201,9 @@ extern "C" __global__ void hc_pre_norm(const float* __restrict__ mix,
         int d = threadIdx.x + k * blockDim.x;
         u[k] = 0.f;
         if (d < D) {
-            for (int i = 0; i < n; i++) u[k] += pre[i] * X[(size_t)i * D + d];
+#pragma unroll
+            for (int i = 0; i < MAX_STREAMS; i++)
+                if (i < n) u[k] += pre[i] * X[(size_t)i * D + d];
             ss += u[k] * u[k];
         }
     }

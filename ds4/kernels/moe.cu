@@ -103,13 +103,16 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits,
 template <typename W>
 __device__ void gate_up(const W* gate_base, const W* up_base, long long expert_stride,
                         const int* idx, const float* wts, const float* x, float* act, int inter,
-                        int cols, float limit) {
+                        int cols, float limit, const W* shared_gate, const W* shared_up) {
     int j = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31, k = blockIdx.y;
     if (j >= inter) return;
-    long long e = idx ? idx[k] : k;
-    const W* g = gate_base + e * expert_stride + (size_t)j * cols;
-    const W* u = up_base + e * expert_stride + (size_t)j * cols;
+    // With a shared expert, the last grid row computes it (weight 1) in the same launch.
+    bool shared = shared_gate != 0 && k == (int)gridDim.y - 1;
+    long long e = shared ? 0 : (idx ? idx[k] : k);
+    float wk = shared ? 1.f : (wts ? wts[k] : 1.f);
+    const W* g = (shared ? shared_gate : gate_base + e * expert_stride) + (size_t)j * cols;
+    const W* u = (shared ? shared_up : up_base + e * expert_stride) + (size_t)j * cols;
     const float4* xv = (const float4*)x;
     float ga = 0.f, gb = 0.f, ua = 0.f, ub = 0.f;
     int n8 = cols >> 3, i = lane;
@@ -134,7 +137,7 @@ __device__ void gate_up(const W* gate_base, const W* up_base, long long expert_s
             gs = fminf(gs, limit);
             us = fminf(fmaxf(us, -limit), limit);
         }
-        act[(size_t)k * inter + j] = gs / (1.f + expf(-gs)) * us * (wts ? wts[k] : 1.f);
+        act[(size_t)k * inter + j] = gs / (1.f + expf(-gs)) * us * wk;
     }
 }
 
@@ -142,15 +145,17 @@ __device__ void gate_up(const W* gate_base, const W* up_base, long long expert_s
 // atomics. idx null means expert k. accumulate != 0 adds to y (the shared expert's output).
 template <typename W>
 __device__ void down(const W* down_base, long long expert_stride, const int* idx,
-                     const float* act, float* y, int rows, int inter, int n_sel, int accumulate) {
+                     const float* act, float* y, int rows, int inter, int n_sel, int accumulate,
+                     const W* shared_down) {
     int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (r >= rows) return;
     int n8 = inter >> 3;
     float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
-    for (int k = 0; k < n_sel; k++) {
-        long long e = idx ? idx[k] : k;
-        const W* w = down_base + e * expert_stride + (size_t)r * inter;
+    int total = n_sel + (shared_down != 0);  // act row n_sel belongs to the shared expert
+    for (int k = 0; k < total; k++) {
+        const W* w = (k == n_sel ? shared_down : down_base + (idx ? idx[k] : k) * expert_stride)
+                     + (size_t)r * inter;
         const float4* a = (const float4*)(act + (size_t)k * inter);
         int i = lane;
         for (; i + 96 < n8; i += 128) {  // four loads in flight per lane
@@ -174,20 +179,23 @@ __device__ void down(const W* down_base, long long expert_stride, const int* idx
 
 #define GATE_UP_ARGS(W) const W* __restrict__ gate_base, const W* __restrict__ up_base, \
     long long expert_stride, const int* __restrict__ idx, const float* __restrict__ wts,  \
-    const float* __restrict__ x, float* act, int inter, int cols, float limit
+    const float* __restrict__ x, float* act, int inter, int cols, float limit,             \
+    const W* __restrict__ shared_gate, const W* __restrict__ shared_up
 #define DOWN_ARGS(W) const W* __restrict__ down_base, long long expert_stride, \
     const int* __restrict__ idx, const float* __restrict__ act, float* y, int rows, int inter, \
-    int n_sel, int accumulate
+    int n_sel, int accumulate, const W* __restrict__ shared_down
 
 extern "C" __global__ void moe_gate_up_bf16(GATE_UP_ARGS(unsigned short)) {
-    gate_up(gate_base, up_base, expert_stride, idx, wts, x, act, inter, cols, limit);
+    gate_up(gate_base, up_base, expert_stride, idx, wts, x, act, inter, cols, limit, shared_gate,
+            shared_up);
 }
 extern "C" __global__ void moe_gate_up_f32(GATE_UP_ARGS(float)) {
-    gate_up(gate_base, up_base, expert_stride, idx, wts, x, act, inter, cols, limit);
+    gate_up(gate_base, up_base, expert_stride, idx, wts, x, act, inter, cols, limit, shared_gate,
+            shared_up);
 }
 extern "C" __global__ void moe_down_bf16(DOWN_ARGS(unsigned short)) {
-    down(down_base, expert_stride, idx, act, y, rows, inter, n_sel, accumulate);
+    down(down_base, expert_stride, idx, act, y, rows, inter, n_sel, accumulate, shared_down);
 }
 extern "C" __global__ void moe_down_f32(DOWN_ARGS(float)) {
-    down(down_base, expert_stride, idx, act, y, rows, inter, n_sel, accumulate);
+    down(down_base, expert_stride, idx, act, y, rows, inter, n_sel, accumulate, shared_down);
 }

@@ -38,15 +38,16 @@ def _expert_stride(w) -> int:
     return w.strides[0] // w.itemsize if w.ndim == 3 else 0
 
 
-def moe_gate_up(gate, up, idx, wts, x, act, limit: float):
+def moe_gate_up(gate, up, idx, wts, x, act, limit: float, shared_gate=None, shared_up=None):
     """act[k] = silu(min(gate_e x, limit)) * clamp(up_e x, +-limit) * wts[k], e = idx[k].
     gate/up: bf16 words or fp32 [experts, inter, cols] (views of one stacked tensor are fine) or
-    [inter, cols] with idx None (the shared expert)."""
-    n_sel, inter = act.shape
+    [inter, cols] with idx None. With shared_gate/shared_up [inter, cols], act's last row is
+    that shared expert (weight 1), computed in the same launch. limit <= 0: no clamps."""
+    n_rows, inter = act.shape
     cols = gate.shape[-1]
-    grid = ((inter + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, n_sel)
+    grid = ((inter + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, n_rows)
     args = (ptr(gate), ptr(up), np.int64(_expert_stride(gate)), ptr(idx), ptr(wts), ptr(x),
-            ptr(act), i32(inter), i32(cols), f32(limit))
+            ptr(act), i32(inter), i32(cols), f32(limit), ptr(shared_gate), ptr(shared_up))
     launch("moe", "moe_gate_up_" + weight_kind(gate), grid, (32 * WARPS_PER_BLOCK,), args)
     return act
 
@@ -55,30 +56,42 @@ def _expert(w, idx, k):
     return w if idx is None else w[int(np.asarray(idx)[k])]
 
 
-def moe_gate_up_numpy(gate, up, idx, wts, x, act, limit: float):
+def _swiglu(g, u, limit: float):
+    if limit > 0:
+        g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+    return g / (1.0 + np.exp(-g)) * u
+
+
+def moe_gate_up_numpy(gate, up, idx, wts, x, act, limit: float, shared_gate=None,
+                      shared_up=None):
     """NumPy twin of moe_gate_up."""
-    for k in range(act.shape[0]):
-        g = widen(_expert(gate, idx, k)) @ x
-        u = widen(_expert(up, idx, k)) @ x
-        if limit > 0:
-            g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
-        act[k] = g / (1.0 + np.exp(-g)) * u * (1.0 if wts is None else wts[k])
+    routed = act.shape[0] - (shared_gate is not None)
+    for k in range(routed):
+        g, u = widen(_expert(gate, idx, k)) @ x, widen(_expert(up, idx, k)) @ x
+        act[k] = _swiglu(g, u, limit) * (1.0 if wts is None else wts[k])
+    if shared_gate is not None:
+        act[routed] = _swiglu(widen(shared_gate) @ x, widen(shared_up) @ x, limit)
     return act
 
 
-def moe_down(down, idx, act, out, accumulate: bool = False):
-    """out (+)= sum_k down_e act[k], e = idx[k]; down: bf16 words or fp32 [experts, rows, inter]."""
-    n_sel, inter = act.shape
+def moe_down(down, idx, act, out, accumulate: bool = False, shared_down=None):
+    """out (+)= sum_k down_e act[k], e = idx[k]; down: bf16 words or fp32 [experts, rows, inter].
+    With shared_down [rows, inter], act's last row goes through it."""
+    n_rows, inter = act.shape
     rows = out.shape[0]
     grid = ((rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
+    n_sel = n_rows - (shared_down is not None)
     args = (ptr(down), np.int64(_expert_stride(down)), ptr(idx), ptr(act), ptr(out), i32(rows),
-            i32(inter), i32(n_sel), i32(int(accumulate)))
+            i32(inter), i32(n_sel), i32(int(accumulate)), ptr(shared_down))
     launch("moe", "moe_down_" + weight_kind(down), grid, (32 * WARPS_PER_BLOCK,), args)
     return out
 
 
-def moe_down_numpy(down, idx, act, out, accumulate: bool = False):
+def moe_down_numpy(down, idx, act, out, accumulate: bool = False, shared_down=None):
     """NumPy twin of moe_down."""
-    total = sum(widen(_expert(down, idx, k)) @ act[k] for k in range(act.shape[0]))
+    n_sel = act.shape[0] - (shared_down is not None)
+    total = sum(widen(_expert(down, idx, k)) @ act[k] for k in range(n_sel))
+    if shared_down is not None:
+        total = total + widen(shared_down) @ act[n_sel]
     out[...] = (out if accumulate else 0) + total
     return out

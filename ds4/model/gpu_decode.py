@@ -61,7 +61,7 @@ class KernelDecoder:
                  "cg": (2 * d,), "ickv": (2 * cfg.index_head_dim,),
                  "icg": (2 * cfg.index_head_dim,), "iq": (cfg.index_n_heads, cfg.index_head_dim),
                  "head_w": (cfg.index_n_heads,), "router": (cfg.n_routed_experts,),
-                 "wts": (k,), "act": (k, inter), "shared_act": (1, inter),
+                 "wts": (k,), "act": (k + 1, inter),
                  "logits": (cfg.vocab_size,), "scores": (1,), "attn_part": (1,)}
         buf = {name: cp.zeros(shape, dtype=f) for name, shape in sizes.items()}
         buf["idx"] = cp.zeros(k, dtype=cp.int32)
@@ -235,14 +235,19 @@ class KernelDecoder:
         moe.moe_route(b["router"], t.get("mlp.gate.e_score_correction_bias"),
                       t.get("mlp.gate.tid2eid"), self.token, cfg.num_experts_per_tok,
                       cfg.routed_scaling_factor, b["idx"], b["wts"])
-        gu = t["experts.gate_up"]
-        moe.moe_gate_up(gu[:, :inter], gu[:, inter:], b["idx"], b["wts"], b["h"], b["act"], limit)
-        moe.moe_down(t["experts.down"], b["idx"], b["act"], b["y"])
-        if "mlp.shared_experts.gate_proj.weight" in t:
+        gu, k = t["experts.gate_up"], cfg.num_experts_per_tok
+        shared = [t.get(f"mlp.shared_experts.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")]
+        if shared[0] is not None and (shared[0].dtype != gu.dtype or shared[0].shape[0] != inter):
+            shared = [None, None, None]  # the kernels take a shared expert shaped like a routed one
+        act = b["act"] if shared[0] is not None else b["act"][:k]
+        moe.moe_gate_up(gu[:, :inter], gu[:, inter:], b["idx"], b["wts"], b["h"], act, limit,
+                        shared[0], shared[1])
+        moe.moe_down(t["experts.down"], b["idx"], act, b["y"], shared_down=shared[2])
+        if "mlp.shared_experts.gate_proj.weight" in t and shared[0] is None:
+            sact = b["act"][k:]
             moe.moe_gate_up(t["mlp.shared_experts.gate_proj.weight"],
-                            t["mlp.shared_experts.up_proj.weight"], None, None, b["h"],
-                            b["shared_act"], limit)
-            moe.moe_down(t["mlp.shared_experts.down_proj.weight"], None, b["shared_act"], b["y"],
+                            t["mlp.shared_experts.up_proj.weight"], None, None, b["h"], sact, limit)
+            moe.moe_down(t["mlp.shared_experts.down_proj.weight"], None, sact, b["y"],
                          accumulate=True)
 
 
