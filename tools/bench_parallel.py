@@ -1,0 +1,187 @@
+"""What `ds4-server --parallel 2` buys a second client, over real HTTP streams: A streams a long
+greedy generation, B sends a long prompt once A has ~50 tokens; a --parallel 1 and a --parallel 2
+server (tiny model, NumPy, same prompts and env) are measured alike and the medians compared.
+
+    python3 tools/bench_parallel.py --tokens-a 400 --prompt-b-tokens 3000 --prefill-ms 200 --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+
+from ds4.jobs.scheduler import SchedulerConfig
+from ds4.model.tiny import default_model_dir
+from ds4.tokenizer import Tokenizer
+
+MODEL = "deepseek-chat"  # alias with thinking off, so temperature 0 is greedy
+PROMPT_A = "Tell me a long story about a fox who learns to sail."
+WORDS = ("river stone lantern harvest copper meadow thunder quiet orchard signal ferry marble winter "
+         "cedar violin compass glacier ember saddle harbor 1987 the of, and; whispered (north) ancient:")
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(parallel: int, args: argparse.Namespace):
+    """A ds4-server subprocess on a free port, yielded as its base URL once /health is 200."""
+    port = free_port()
+    env = dict(os.environ, DS4_SERVER_SCHED_PREFILL_MS=str(args.prefill_ms))
+    cmd = [sys.executable, "-m", "ds4.cli.server", "--backend", "numpy", "--port", str(port),
+           "--parallel", str(parallel), "--prefill-chunk", str(args.prefill_chunk), "--ctx", "8192"]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, proc, log)
+            stream(url, "Say hi", 4)  # warm-up: first-request costs stay out of the numbers
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log) -> None:
+    """Poll GET /health until 200; fail with the server's output if it exits or stalls."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    log.seek(0)
+    raise RuntimeError(f"ds4-server did not come up:\n{log.read().decode(errors='replace')}")
+
+
+def stream(url: str, prompt: str, max_tokens: int, on_token=None) -> dict:
+    """Stream one greedy chat turn; return send time, content-chunk arrival times and tokens."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    out = {"sent": time.monotonic(), "times": [], "tokens": 0}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=None) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                out["tokens"] = chunk["usage"]["completion_tokens"]
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                out["times"].append(time.monotonic())
+                if on_token:
+                    on_token(len(out["times"]))
+    return out
+
+
+def prompt_b(tokenizer: Tokenizer, n_tokens: int, seed: int) -> str:
+    """Varied text of n_tokens tokens (a new seed per repeat, so no slot reuses a prefix)."""
+    rng = random.Random(seed)
+    text = " ".join(rng.choice(WORDS.split()) for _ in range(2 * n_tokens))
+    return tokenizer.decode(tokenizer.encode(text)[:n_tokens])
+
+
+def one_run(url: str, args: argparse.Namespace, text_b: str) -> dict:
+    """A streams; at its --b-after'th token B starts in a thread; return both clients' measures."""
+    results: dict = {}
+    b_thread = threading.Thread(target=lambda: results.__setitem__(
+        "b", stream(url, text_b, args.tokens_b)))
+    a = stream(url, PROMPT_A, args.tokens_a,
+               on_token=lambda n: b_thread.start() if n == args.b_after else None)
+    b_thread.join()
+    return measures(a, results["b"])
+
+
+def measures(a: dict, b: dict) -> dict:
+    """B's TTFT and total, A's worst gap while B prefills, totals, tokens and decode rates."""
+    b_first = b["times"][0]
+    window = [t for t in a["times"] if b["sent"] <= t <= b_first]
+    gaps = [y - x for x, y in zip([b["sent"]] + window, window)]
+    return {"B TTFT (s)": b_first - b["sent"], "B total (s)": b["times"][-1] - b["sent"],
+            "A worst gap during B prefill (s)": max(gaps, default=0.0),
+            "A total (s)": a["times"][-1] - a["sent"],
+            "A tokens": a["tokens"], "A decode tok/s": rate(a), "B tokens": b["tokens"],
+            "B decode tok/s": rate(b)}
+
+
+def rate(client: dict) -> float:
+    """Tokens per second from the first content chunk to the last."""
+    t = client["times"]
+    return (client["tokens"] - 1) / (t[-1] - t[0]) if t[-1] > t[0] else 0.0
+
+
+def table(med: dict[int, dict]) -> str:
+    """Rows of measure, --parallel 1, --parallel 2 and the ratio p2/p1."""
+    rows = [f"| {'measure':34} | {'--parallel 1':>12} | {'--parallel 2':>12} | {'p2/p1':>6} |",
+            f"|{'-' * 36}|{'-' * 13}:|{'-' * 13}:|{'-' * 7}:|"]
+    for key, one in med[1].items():
+        two = med[2][key]
+        ratio = f"{two / one:.2f}x" if one else "-"
+        fmt = ".0f" if "tokens" in key and "tok/s" not in key else ".2f"
+        rows.append(f"| {key:34} | {one:>12{fmt}} | {two:>12{fmt}} | {ratio:>6} |")
+    return "\n".join(rows)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's flags."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens-a", type=int, default=400, help="A's generation length")
+    p.add_argument("--tokens-b", type=int, default=20, help="B's generation length")
+    p.add_argument("--prompt-b-tokens", type=int, default=3000, help="B's prompt length")
+    p.add_argument("--b-after", type=int, default=50, help="A's tokens before B is sent")
+    p.add_argument("--prefill-ms", type=float, default=200, help="DS4_SERVER_SCHED_PREFILL_MS")
+    p.add_argument("--prefill-chunk", type=int, default=64, help="ds4-server --prefill-chunk")
+    p.add_argument("--repeat", type=int, default=3, help="runs per server; medians are shown")
+    return p
+
+
+def medians(args: argparse.Namespace) -> dict[int, dict]:
+    """Start both servers, alternate the repeats between them, return each one's medians."""
+    tokenizer = Tokenizer.for_model(default_model_dir())  # also builds the tiny model once
+    runs: dict[int, list[dict]] = {1: [], 2: []}
+    with server(1, args) as url1, server(2, args) as url2:
+        for i in range(args.repeat):
+            text_b = prompt_b(tokenizer, args.prompt_b_tokens, seed=i)
+            for parallel, url in ((1, url1), (2, url2)):
+                runs[parallel].append(one_run(url, args, text_b))
+    return {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
+
+
+def settings(args: argparse.Namespace, load: float) -> str:
+    """The line that says what was run, on what, under which load."""
+    return (f"tiny model, NumPy, {os.cpu_count()} CPUs; A: {args.tokens_a} tokens greedy; "
+            f"B: {args.prompt_b_tokens}-token prompt sent at A's token {args.b_after}, "
+            f"{args.tokens_b} tokens; --prefill-chunk {args.prefill_chunk}, "
+            f"DS4_SERVER_SCHED_PREFILL_MS={args.prefill_ms:g}, decode burst "
+            f"{SchedulerConfig.from_env().decode_tokens} tokens; median of {args.repeat}; "
+            f"load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at end")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure, then print the settings and the table."""
+    args = parser().parse_args(argv)
+    load = os.getloadavg()[0]
+    med = medians(args)
+    print(settings(args, load))
+    print(table(med))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
