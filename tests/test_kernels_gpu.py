@@ -228,8 +228,7 @@ def test_moe(cp, rng, hashed, bf16):
     g, n = both(cp, moe.moe_gate_up, moe.moe_gate_up_numpy, gate_up[:, :inter],
                 gate_up[:, inter:], n_idx, n_w, x, act7, 10.0, sg, su, out_index=5)
     assert rel_err(g, n) < RTOL
-    g, n = both(cp, moe.moe_down, moe.moe_down_numpy, down, n_idx, n, y, out_index=3,
-                shared_down=sd)
+    g, n = both(cp, moe.moe_down, moe.moe_down_numpy, down, n_idx, n, y, False, sd, out_index=3)
     assert rel_err(g, n) < RTOL
 
 
