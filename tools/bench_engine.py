@@ -66,6 +66,7 @@ def graph_time(cp, stream, fn, repeat: int = 50) -> float:
     cp.cuda.Device().synchronize()
 
     def replays():
+        """Ten back-to-back replays (one timing sample)."""
         for _ in range(10):
             graph.launch(stream)
 
@@ -162,6 +163,7 @@ def prefill_bench(cp, stack: FlashStack, chunks: list[int]) -> dict:
             state = stack.empty_state(model.cfg, chunk)
 
             def run(model=model, state=state, ids=ids):
+                """One chunk from an empty context."""
                 state.reset()
                 model.forward(state, ids)
 

@@ -174,6 +174,7 @@ def random_weights(cp, cfg) -> DeviceWeights:
     rng = cp.random.default_rng(0)
 
     def words(shape):
+        """Random bf16 words of N(0, 0.02)."""
         w = (rng.standard_normal(shape, dtype=cp.float32) * 0.02).view(cp.uint32)
         return (w >> 16).astype(cp.uint16)
 
