@@ -32,17 +32,12 @@ WORDS = ("river stone lantern harvest copper meadow thunder quiet orchard signal
          "cedar violin compass glacier ember saddle harbor 1987 the of, and; whispered (north) ancient:")
 
 
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def server(parallel: int, args: argparse.Namespace):
     """A ds4-server subprocess on a free port, yielded as its base URL once /health is 200."""
-    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     env = dict(os.environ, DS4_SERVER_SCHED_PREFILL_MS=str(args.prefill_ms))
     cmd = [sys.executable, "-m", "ds4.cli.server", "--backend", "numpy", "--port", str(port),
            "--parallel", str(parallel), "--prefill-chunk", str(args.prefill_chunk), "--ctx", "8192"]
@@ -104,6 +99,8 @@ def one_run(url: str, args: argparse.Namespace, text_b: str) -> dict:
         "b", stream(url, text_b, args.tokens_b)))
     a = stream(url, PROMPT_A, args.tokens_a,
                on_token=lambda n: b_thread.start() if n == args.b_after else None)
+    if not b_thread.is_alive() and "b" not in results:
+        raise RuntimeError(f"A ended after {len(a['times'])} tokens, before --b-after")
     b_thread.join()
     return measures(a, results["b"])
 
@@ -138,16 +135,20 @@ def table(med: dict[int, dict]) -> str:
     return "\n".join(rows)
 
 
+FLAGS = (("--tokens-a", int, 400, "A's generation length"),
+         ("--tokens-b", int, 20, "B's generation length"),
+         ("--prompt-b-tokens", int, 3000, "B's prompt length"),
+         ("--b-after", int, 50, "A's tokens before B is sent"),
+         ("--prefill-ms", float, 200, "DS4_SERVER_SCHED_PREFILL_MS"),
+         ("--prefill-chunk", int, 64, "ds4-server --prefill-chunk"),
+         ("--repeat", int, 3, "runs per server; medians are shown"))
+
+
 def parser() -> argparse.ArgumentParser:
     """The benchmark's flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens-a", type=int, default=400, help="A's generation length")
-    p.add_argument("--tokens-b", type=int, default=20, help="B's generation length")
-    p.add_argument("--prompt-b-tokens", type=int, default=3000, help="B's prompt length")
-    p.add_argument("--b-after", type=int, default=50, help="A's tokens before B is sent")
-    p.add_argument("--prefill-ms", type=float, default=200, help="DS4_SERVER_SCHED_PREFILL_MS")
-    p.add_argument("--prefill-chunk", type=int, default=64, help="ds4-server --prefill-chunk")
-    p.add_argument("--repeat", type=int, default=3, help="runs per server; medians are shown")
+    for flag, kind, default, text in FLAGS:
+        p.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
     return p
 
 
