@@ -86,3 +86,13 @@ def test_twin_decode_matches_engine(twins, case):
         assert int(np.argmax(got)) == int(np.argmax(want))
     assert worst < TOL, worst
     assert mine.n == ref.n == len(ids)
+
+
+def test_kernel_decode_declines_what_it_does_not_cover():
+    """FP8/FP4 simulation and streamed experts stay on the engine's own path."""
+    from ds4.model import gpu_weights
+
+    model = open_model(FIXTURES / "v4_csa_hca")
+    assert gpu_weights.supported(model) is None
+    model.quantize = True
+    assert "FP8" in gpu_weights.supported(model)

@@ -104,8 +104,10 @@ def supported(model) -> str | None:
         return "experts are not resident"
     widths = (cfg.hidden_size, cfg.q_lora_rank, cfg.moe_intermediate_size, cfg.o_lora_rank,
               cfg.num_attention_heads // cfg.o_groups * cfg.head_dim)
-    if any(w % 8 for w in widths) or cfg.head_dim > 1024:
+    if any(w % 8 for w in widths) or cfg.head_dim % 4 or cfg.index_head_dim % 4:
         return "a width not a multiple of 8 (16-byte loads)"
+    if cfg.head_dim > 1024 or cfg.hidden_size > 8192:
+        return "head_dim > 1024 or hidden_size > 8192 (one-block kernels)"
     return None
 
 
