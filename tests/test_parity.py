@@ -17,7 +17,7 @@ from ds4.engine import Engine
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = ["v4_csa_hca", "v4_hca8"]
-LAYOUTS = {"hf": "", "official": "official"}
+LAYOUTS = {"hf": "", "official": "official", "default": "default"}
 TOLERANCE = 2e-4  # max |logit difference|, logits reach ~4.5
 
 

@@ -7,6 +7,8 @@ Run with a Python that has torch 2.13 (CPU) and transformers 5.23:
 For each small random DeepseekV4ForCausalLM config it writes a directory holding
   config.json            HF fields plus the official-style keys (compress_ratios, ...)
   model.safetensors      HF `save_pretrained(save_original_format=False)` names, fp32
+  default/               the same weights as transformers' default save_pretrained() writes
+                         them (hybrid naming, spec §2.1), stored as bf16
   official/              the same weights under the official DeepSeek names (spec §2.2),
                          experts one by one, stored as bf16 (weights are bf16-exact, so
                          both layouts hold identical values)
@@ -292,6 +294,14 @@ def make_case(name: str, case: dict, out: Path) -> dict:
     state = official_state(model.state_dict(), config.moe_intermediate_size)
     save_file(as_bf16(state), official_dir / "model.safetensors", metadata={"format": "pt"})
     shutil.copy(directory / "config.json", official_dir / "config.json")
+    # transformers' default save_pretrained() layout (spec §2.1: a hybrid of both namings),
+    # which is what users get unless they ask for save_original_format=False.
+    default_dir = directory / "default"
+    model.save_pretrained(default_dir)
+    save_bf16(default_dir / "model.safetensors")
+    shutil.copy(directory / "config.json", default_dir / "config.json")
+    for extra in default_dir.glob("generation_config.json"):
+        extra.unlink()
     for extra in directory.glob("generation_config.json"):
         extra.unlink()
 

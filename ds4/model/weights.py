@@ -216,7 +216,7 @@ class LayerWeights:
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: bool = True) -> Weights:
     """Map, check and widen a checkpoint; routed experts stay mapped when not resident."""
-    stored = read_checkpoint(model_dir)
+    stored = _unhybrid(read_checkpoint(model_dir))
     mtp = {k: v for k, v in stored.items() if k.startswith("mtp.")}
     official = not any(k.startswith(("model.", "lm_head.")) for k in stored)
     named = _official_named(stored) if official else {k: v for k, v in stored.items() if k not in mtp}
@@ -242,6 +242,28 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
     progress.close()
     low = any(t.is_low_precision for t in stored.values())
     return Weights(tensors, experts, mtp, low)
+
+
+HYBRID_RE = re.compile(r"^model\.layers\.\d+\.(attn|ffn)\.")
+HYBRID_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+              "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+              "model.hc_head.hc_scale": "hc_head_scale"}
+
+
+def _unhybrid(stored: dict) -> dict:
+    """Official names for transformers' default `save_pretrained()` output (spec §2.1, §7.10).
+
+    That layout keeps the `model.` prefix and a few HF top-level names around official layer
+    names, and calls the attention kv_norm `attn.norm`; users get it unless they pass
+    save_original_format=False, so it loads too.
+    """
+    if not any(HYBRID_RE.match(k) for k in stored):
+        return stored
+    out = {}
+    for name, t in stored.items():
+        name = HYBRID_TOP.get(name, name.removeprefix("model."))
+        out[re.sub(r"^(layers\.\d+\.attn)\.norm\.weight$", r"\1.kv_norm.weight", name)] = t
+    return out
 
 
 def _official_named(stored: dict) -> dict[str, StoredTensor]:
