@@ -14,6 +14,7 @@ from ds4.model.config import ModelConfig
 from ds4.model.forward import Model
 from ds4.model.state import SessionState, state_bytes
 from ds4.model.weights import load_weights
+from ds4.sampling import sample
 
 SNAPSHOT_VERSION = 1
 
@@ -94,6 +95,7 @@ class Session:
         self.state = SessionState(engine.backend.xp, engine.config, ctx_size)
         self.tokens: list[int] = []
         self.logits: np.ndarray | None = None
+        self._device_logits = None  # the same logits where the backend left them (GPU: CuPy)
         self._frontier = None  # (tokens, logits, n, copies of the fixed-size arrays)
 
     def reusable_prefix(self, token_ids: Sequence[int]) -> int:
@@ -128,6 +130,14 @@ class Session:
         self._run([int(token_id)])
         return self.logits
 
+    def sample(self, opts, rng: np.random.Generator) -> int:
+        """Draw the next token from the last logits where they live (on the GPU only the id
+        comes back); the same seed gives the same tokens as ds4.sampling.sample on s.logits."""
+        logits = self._device_logits if self._device_logits is not None else self.logits
+        if logits is None:
+            raise ValueError("no logits yet: sync a prompt first")
+        return sample(logits, opts, rng)
+
     def snapshot(self) -> bytes:
         """Exact resumable state as bytes (tokens, logits, every live state row)."""
         arrays = self.state.export(self.engine.backend.to_numpy)
@@ -159,7 +169,7 @@ class Session:
             raise ContextOverflow(f"snapshot holds {meta['n']} tokens, more than the context size {self.ctx_size}")
         self.state.load(arrays, meta["n"])
         self.tokens = list(meta["tokens"])
-        self.logits = arrays.get("__logits__")
+        self.logits, self._device_logits = arrays.get("__logits__"), None
         self._save_frontier()
         if "frontier" in meta:
             f = meta["frontier"]
@@ -179,6 +189,7 @@ class Session:
         logits = self.engine.model.forward(self.state, ids)
         self.tokens.extend(ids)
         self.logits = np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32)
+        self._device_logits = logits if self.engine.backend.is_gpu else None
 
     def _rewind_to(self, keep: int) -> None:
         """Make the held state cover exactly the first `keep` tokens it can reuse."""
@@ -189,10 +200,10 @@ class Session:
             for name, arr in self.state.frontier_arrays().items():
                 arr[...] = copies[name]
             self.state.n = n
-            self.tokens, self.logits = list(tokens), logits
+            self.tokens, self.logits, self._device_logits = list(tokens), logits, None
             return
         self.state.reset()
-        self.tokens, self.logits = [], None
+        self.tokens, self.logits, self._device_logits = [], None, None
         self._frontier = None  # its compressed rows are about to be overwritten
 
     def _save_frontier(self) -> None:

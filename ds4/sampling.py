@@ -3,7 +3,13 @@
 Temperature scales the logits, top_k keeps the k best tokens, then top_p (smallest prefix of
 the ranked tokens holding that probability mass) and min_p (probability at least min_p times
 the best one's) both judge the distribution top_k left; a token must pass both. Candidates are
-ranked by logit, then by lower token id, so a seed gives the same token on every machine.
+ranked by logit, then by lower token id. The survivors, in token-id order, split [0, 1) by
+their float64 weights and one uniform draw of the request's generator picks the token.
+
+Logits on the GPU (a CuPy array) are sampled there and only the token id comes back; the draw
+still comes from the same host generator, so a seed gives the same tokens on both backends.
+The host path works on a few candidates; the device path (`sample_masked`) on masks over the
+whole vocabulary; both compute the same function (NumPy runs the device path as its twin).
 """
 
 from __future__ import annotations
@@ -26,27 +32,40 @@ def greedy(logits: np.ndarray) -> int:
     return int(np.argmax(logits))
 
 
+def is_greedy(opts: SamplingOptions) -> bool:
+    """True when the options leave one choice (no random draw is taken)."""
+    return opts.temperature <= 0 or opts.top_k == 1
+
+
 def sample(logits, opts: SamplingOptions, rng: np.random.Generator) -> int:
-    """One token id drawn from `logits` [vocab] under `opts`."""
+    """One token id drawn from `logits` [vocab] (NumPy, or CuPy: sampled on the device)."""
+    if hasattr(logits, "__cuda_array_interface__"):
+        import cupy
+
+        return sample_masked(cupy, logits, opts, rng)
     logits = np.asarray(logits, dtype=np.float32).reshape(-1)
-    if opts.temperature <= 0 or opts.top_k == 1:
+    if is_greedy(opts):
         return greedy(logits)
-    scaled = logits / np.float32(opts.temperature)  # float32 exp is ~10x faster than float64
-    pool = None  # None = every token, without materialising 129k ids
-    if opts.top_k > 0:
-        pool = _best(scaled, None, min(opts.top_k, TOP_K_CAP))
-    values = scaled if pool is None else scaled[pool]
-    peak = values.max()
-    total = np.exp(values - peak).sum(dtype=np.float64)
+    return _pick(logits / np.float32(opts.temperature), opts, rng.random())
+
+
+def _pick(scaled: np.ndarray, opts: SamplingOptions, u: float) -> int:
+    """Host path: the token that draw u selects among the survivors of the filters."""
+    n, peak = scaled.size, scaled.max()
+    k = min(opts.top_k, TOP_K_CAP) if opts.top_k > 0 else n
+    ids = _top_k_top_p(scaled, k, opts.top_p, peak) if k < n or opts.top_p < 1.0 else None
     if opts.min_p > 0:  # p >= min_p * p_max, in log space
-        keep = values >= peak + np.float32(np.log(opts.min_p))
-        pool = np.flatnonzero(keep) if pool is None else pool[keep]
-    elif pool is None:
-        pool = np.arange(scaled.size)
-    ids = _top_p(scaled, pool, opts.top_p, peak, total)
-    cdf = np.cumsum(np.exp(scaled[ids] - peak), dtype=np.float64)
-    pick = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+        floor = peak + np.float32(np.log(opts.min_p))
+        ids = np.flatnonzero(scaled >= floor) if ids is None else ids[scaled[ids] >= floor]
+    ids = np.arange(n) if ids is None else np.sort(ids)
+    cdf = np.cumsum(_weights(scaled[ids], peak))
+    pick = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     return int(ids[min(pick, ids.size - 1)])
+
+
+def _weights(values: np.ndarray, peak) -> np.ndarray:
+    """exp(value - peak) in float64 (as the device path computes it)."""
+    return np.exp(values.astype(np.float64) - peak)
 
 
 def _by_rank(scaled: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -54,24 +73,74 @@ def _by_rank(scaled: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return ids[np.lexsort((ids, -scaled[ids]))]
 
 
-def _best(scaled: np.ndarray, ids: np.ndarray | None, n: int) -> np.ndarray:
-    """The n best of `ids` (None = all tokens), ranked; a tie at the edge goes to the lower id."""
-    values = scaled if ids is None else scaled[ids]
-    if n >= values.size:
-        return _by_rank(scaled, np.arange(values.size) if ids is None else ids)
-    kth = np.partition(values, values.size - n)[values.size - n]
-    near = np.flatnonzero(values >= kth)
-    return _by_rank(scaled, near if ids is None else ids[near])[:n]
+def _best(scaled: np.ndarray, n: int) -> np.ndarray:
+    """The n best tokens, ranked; a tie at the edge goes to the lower id."""
+    if n >= scaled.size:
+        return _by_rank(scaled, np.arange(scaled.size))
+    kth = np.partition(scaled, scaled.size - n)[scaled.size - n]
+    return _by_rank(scaled, np.flatnonzero(scaled >= kth))[:n]
 
 
-def _top_p(scaled: np.ndarray, pool: np.ndarray, top_p: float, peak: float, total: float) -> np.ndarray:
-    """Smallest ranked prefix of `pool` whose mass (of the top_k distribution) reaches top_p."""
+def _top_k_top_p(scaled: np.ndarray, k: int, top_p: float, peak) -> np.ndarray:
+    """Ranked ids of the k best that form the smallest prefix whose mass (of the top_k
+    distribution) reaches top_p."""
+    full = k >= scaled.size
+    ranked = _best(scaled, min(k, _PARTIAL) if full and top_p < 1.0 else k)
     if top_p >= 1.0:
-        return pool
-    ranked = _best(scaled, pool, _PARTIAL)
-    cdf = np.cumsum(np.exp(scaled[ranked] - peak), dtype=np.float64) / total
-    if cdf[-1] < top_p and ranked.size < pool.size:
-        ranked = _by_rank(scaled, pool)  # the partial list does not hold enough mass
-        cdf = np.cumsum(np.exp(scaled[ranked] - peak), dtype=np.float64) / total
-    keep = int(np.searchsorted(cdf, top_p, side="left")) + 1
-    return ranked[:keep]
+        return ranked
+    total = _weights(scaled, peak).sum() if full else _weights(scaled[ranked], peak).sum()
+    cdf = np.cumsum(_weights(scaled[ranked], peak)) / total
+    if cdf[-1] < top_p and ranked.size < k:
+        ranked = _best(scaled, k)  # the partial list does not hold enough mass
+        cdf = np.cumsum(_weights(scaled[ranked], peak)) / total
+    return ranked[: int(np.searchsorted(cdf, top_p, side="left")) + 1]
+
+
+def sample_masked(xp, logits, opts: SamplingOptions, rng: np.random.Generator) -> int:
+    """Device path on array module xp: masks over the vocabulary, one host sync for the id."""
+    logits = xp.asarray(logits, dtype=xp.float32).reshape(-1)
+    if is_greedy(opts):
+        return _argmax(xp, logits)
+    u = rng.random()
+    scaled = logits / xp.float32(opts.temperature)
+    n, peak = scaled.size, scaled.max()
+    k = min(opts.top_k, TOP_K_CAP) if opts.top_k > 0 else n
+    weight = xp.exp(scaled.astype(xp.float64) - peak)
+    keep = None
+    if k < n or opts.top_p < 1.0:
+        order = _rank_order(xp, scaled)
+        rank = xp.empty(n, dtype=xp.int64)
+        rank[order] = xp.arange(n, dtype=xp.int64)
+        limit = k
+        if opts.top_p < 1.0:
+            mass = xp.cumsum(weight[order[:k]])
+            target = xp.asarray([opts.top_p], dtype=xp.float64)
+            limit = xp.searchsorted(mass / mass[-1], target, side="left")[0] + 1
+        keep = rank < limit
+    if opts.min_p > 0:
+        above = scaled >= peak + xp.float32(np.log(opts.min_p))
+        keep = above if keep is None else keep & above
+    if keep is not None:
+        weight = xp.where(keep, weight, 0.0)
+    cdf = xp.cumsum(weight)
+    pick = xp.searchsorted(cdf, (cdf[-1] * u).reshape(1), side="right")[0]
+    last = n - 1 if keep is None else xp.where(keep, xp.arange(n), -1).max()
+    return int(xp.minimum(pick, last))
+
+
+def _rank_order(xp, scaled):
+    """Token ids by descending logit, ties by ascending id (a stable sort of -logit; + 0 makes
+    -0.0 equal to 0.0 for the radix sort on the device)."""
+    key = -scaled + xp.float32(0)
+    return np.argsort(key, kind="stable") if xp is np else xp.argsort(key)
+
+
+def _argmax(xp, logits) -> int:
+    """Greedy on xp: the argmax kernel on the device (lowest id on ties), np.argmax as twin."""
+    if xp is np:
+        return greedy(logits)
+    from ds4.kernels import sampling as kernels
+
+    out = xp.zeros(1, dtype=xp.int32)
+    kernels.argmax(logits, out)
+    return int(out[0])

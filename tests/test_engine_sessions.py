@@ -144,3 +144,21 @@ def test_indexer_query_blocks_do_not_change_results(engine, monkeypatch):
     want = engine.new_session(128).sync(p)
     monkeypatch.setattr(indexer, "SCORE_BLOCK", 16 * 30 * 3)  # 16 heads x ~30 rows: 3 queries a block
     np.testing.assert_array_equal(engine.new_session(128).sync(p), want)
+
+
+def test_session_sample_draws_what_the_host_sampler_draws(engine):
+    """Session.sample on the last logits gives the tokens ds4.sampling.sample gives on s.logits
+    with the same seed, and needs logits to exist."""
+    from ds4.jobs.events import SamplingOptions
+    from ds4.sampling import make_rng, sample
+
+    s = engine.new_session(128)
+    with pytest.raises(ValueError):
+        s.sample(SamplingOptions(), make_rng(0))
+    opts = SamplingOptions(temperature=1.5, top_p=0.9, min_p=0.0)
+    s.sync(prompt(4, 20))
+    mine, theirs = make_rng(3), make_rng(3)
+    for _ in range(8):
+        token = s.sample(opts, mine)
+        assert token == sample(s.logits, opts, theirs)
+        s.decode(token)

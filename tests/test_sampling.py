@@ -101,3 +101,30 @@ def test_returns_a_python_int_in_range(dtype) -> None:
     logits = np.random.default_rng(1).normal(size=129280).astype(dtype)
     token = sample(logits, SamplingOptions(), make_rng(0))
     assert type(token) is int and 0 <= token < 129280
+
+
+TWIN_OPTIONS = [SamplingOptions(), SamplingOptions(temperature=0.7, top_k=40, top_p=0.9, min_p=0.0),
+                SamplingOptions(temperature=1.3, top_p=0.95, min_p=0.01),
+                SamplingOptions(top_k=3000, min_p=0.0), SamplingOptions(top_p=0.5, min_p=0.0),
+                SamplingOptions(temperature=2.0, min_p=0.2), SamplingOptions(temperature=0.0),
+                SamplingOptions(top_k=1, temperature=3.0)]
+
+
+def twin_logits() -> list[np.ndarray]:
+    """Wide random logits, a flat row, and many exact ties (integers), as the device sees them."""
+    rng = np.random.default_rng(9)
+    return [(rng.normal(size=129280) * 3).astype(np.float32), np.zeros(5000, dtype=np.float32),
+            np.round(rng.normal(size=3000) * 2).astype(np.float32)]
+
+
+@pytest.mark.parametrize("options", TWIN_OPTIONS, ids=str)
+def test_device_path_twin_draws_the_host_tokens(options) -> None:
+    # sample_masked is what runs on CuPy logits; with NumPy it must pick what the host picks
+    from ds4.sampling import sample_masked
+
+    for logits in twin_logits():
+        for seed in range(6):
+            host, device = make_rng(seed), make_rng(seed)
+            want = [sample(logits, options, host) for _ in range(3)]
+            assert [sample_masked(np, logits, options, device) for _ in range(3)] == want
+            assert host.random() == device.random()  # both took the same number of draws

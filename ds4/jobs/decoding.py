@@ -66,7 +66,7 @@ class DecodeAttempt:
 
     def step(self, session: Any) -> list[TokenEvents]:
         """One token: choose, evaluate, parse; returns what the sink should get."""
-        tok = self.forced.popleft() if self.forced else self._sample(session.logits)
+        tok = self.forced.popleft() if self.forced else self._sample(session)
         if tok == EOS_ID:
             self.eos = True
             return self._end("stop", [], carrier=EOS_ID)
@@ -123,9 +123,12 @@ class DecodeAttempt:
             text = text[:at] if at >= 0 else text
         return text
 
-    def _sample(self, logits: Any) -> int:
+    def _sample(self, session: Any) -> int:
         greedy = self.greedy or self.parser.in_dsml_structure
-        return int(sample(logits, GREEDY if greedy else self.request.sampling, self.rng))
+        opts = GREEDY if greedy else self.request.sampling
+        if hasattr(session, "sample"):  # an engine Session samples where its logits live
+            return int(session.sample(opts, self.rng))
+        return int(sample(session.logits, opts, self.rng))
 
     def _take(self, tok: int) -> list[ParserEvent]:
         piece = self.tokenizer.token_bytes(tok)

@@ -1,0 +1,66 @@
+"""Sampling on the device: CuPy logits give the same tokens as the host sampler for a seed
+(needs CuPy and a GPU). Exact token equality is the claim; only the id leaves the device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds4.backend import cuda_available
+from ds4.jobs.events import SamplingOptions
+from ds4.sampling import make_rng, sample
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
+
+OPTIONS = [SamplingOptions(), SamplingOptions(temperature=0.7, top_k=40, top_p=0.9, min_p=0.0),
+           SamplingOptions(temperature=1.3, top_p=0.95, min_p=0.01),
+           SamplingOptions(top_k=3000, min_p=0.0), SamplingOptions(top_p=0.5, min_p=0.0),
+           SamplingOptions(temperature=2.0, min_p=0.2), SamplingOptions(temperature=0.0),
+           SamplingOptions(top_k=1, temperature=3.0)]
+
+
+def rows() -> list[np.ndarray]:
+    rng = np.random.default_rng(21)
+    ties = np.round(rng.normal(size=3000) * 2).astype(np.float32)
+    signed_zero = np.zeros(64, dtype=np.float32)
+    signed_zero[::2] = -0.0  # -0.0 and 0.0 tie: the lower id must win on both sides
+    return [(rng.normal(size=129280) * 3).astype(np.float32), np.zeros(5000, dtype=np.float32),
+            ties, signed_zero]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+def test_device_sampling_draws_the_host_tokens(options):
+    import cupy
+
+    for logits in rows():
+        device_logits = cupy.asarray(logits)
+        for seed in range(8):
+            host, device = make_rng(seed), make_rng(seed)
+            want = [sample(logits, options, host) for _ in range(4)]
+            got = [sample(device_logits, options, device) for _ in range(4)]
+            assert got == want, (seed, logits.size)
+            assert type(got[0]) is int
+
+
+def test_session_samples_its_device_logits():
+    """A CuPy engine session samples the logits it holds on the device, token for token as the
+    host sampler on its numpy copy; a seeded run repeats."""
+    from ds4.engine import Engine
+    from ds4.model.tiny import default_model_dir
+
+    eng = Engine.open(default_model_dir(), backend="cupy")
+    opts = SamplingOptions(temperature=0.9, top_k=50, top_p=0.95, min_p=0.02)
+
+    def run(seed: int) -> list[int]:
+        s = eng.new_session(256)
+        s.sync([0, 17, 99, 1234, 5])
+        mine, theirs, out = make_rng(seed), make_rng(seed), []
+        for _ in range(16):
+            assert s._device_logits is not None  # the draw used the device copy
+            out.append(s.sample(opts, mine))
+            assert out[-1] == sample(s.logits, opts, theirs)
+            s.decode(out[-1])
+        return out
+
+    assert run(5) == run(5)
