@@ -5,12 +5,14 @@ import pytest
 from ds4.chat import (
     ChatError,
     forced_text,
+    parse_output,
     prompt_opens_reasoning,
     render_anthropic,
     render_chat,
     render_responses,
     tools_active,
 )
+from ds4.chat.responses import custom_input, local_shell_action, responses_call_kinds
 
 WEATHER = {"name": "get_weather", "description": "Get the weather.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -90,6 +92,58 @@ def test_responses_string_input_and_custom_tool():
     text = render_responses("hi", tools=[{"type": "custom", "name": "patch"}], thinking="none")
     assert '{"name": "patch", "parameters": {"type": "object", "properties": {"input"' in text
     assert text.endswith("<｜User｜>hi<｜Assistant｜></think>")
+
+
+PATCH = '*** Begin Patch\n*** Add File: a.txt\n+say "hi" \\ bye\n*** End Patch'
+CODEX_TOOLS = [
+    {"type": "function", "name": "shell", "parameters": {
+        "type": "object", "properties": {"command": {"type": "array"}}}},
+    {"type": "custom", "name": "apply_patch", "description": "Edit files.",
+     "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch"'}},
+    {"type": "local_shell"},
+    {"type": "web_search"},
+]
+SHELL_ACTION = {"type": "exec", "command": ["ls", "-la"], "working_directory": "/repo",
+                "env": {}}
+CODEX_HISTORY = [
+    {"type": "message", "role": "user", "content": "Add a.txt"},
+    {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": PATCH,
+     "status": "completed"},
+    {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done!"},
+    {"type": "local_shell_call", "id": "lsh_1", "call_id": "c2", "status": "completed",
+     "action": {**SHELL_ACTION, "timeout_ms": None}},
+    {"type": "local_shell_call_output", "id": "c2", "output": "a.txt"},
+]
+
+
+def assistant_turns(prompt: str) -> list[str]:
+    """The generated text of each past assistant turn of a chat-mode prompt."""
+    turns = prompt.split("<｜Assistant｜></think>")[1:]
+    return [t.split("<｜end▁of▁sentence｜>")[0] for t in turns if "<｜end▁of▁sentence｜>" in t]
+
+
+def test_codex_custom_and_local_shell_calls_survive_render_then_parse():
+    prompt = render_responses(CODEX_HISTORY, tools=CODEX_TOOLS, thinking="none")
+    grammar = 'Raw text, not JSON, matching this lark grammar:\\nstart: \\"*** Begin Patch'
+    assert grammar in prompt
+    assert '{"name": "local_shell", "description": "Runs a command' in prompt
+    assert "web_search" not in prompt  # a hosted tool we cannot run is not offered
+    assert "<tool_result>Done!</tool_result>" in prompt
+    assert "<tool_result>a.txt</tool_result>" in prompt
+    patch_turn, shell_turn = [parse_output(t, thinking=False) for t in assistant_turns(prompt)]
+    [patch], [shell] = patch_turn.tool_calls, shell_turn.tool_calls
+    assert patch.name == "apply_patch" and custom_input(patch.arguments) == PATCH
+    assert shell.name == "local_shell" and local_shell_action(shell.arguments) == SHELL_ACTION
+    assert responses_call_kinds(CODEX_TOOLS) == {"apply_patch": "custom",
+                                                  "local_shell": "local_shell"}
+
+
+def test_custom_input_and_shell_action_of_off_schema_arguments():
+    assert custom_input('{"patch": "raw"}') == "raw"
+    assert custom_input('{"input": 3, "x": 1}') == '{"input": 3, "x": 1}'
+    assert local_shell_action('{"command": "ls -la"}') is None
+    assert local_shell_action('{"command": ["ls"], "timeout_ms": 500}') == {
+        "type": "exec", "command": ["ls"], "env": {}, "timeout_ms": 500}
 
 
 def test_responses_rejects_unknown_items_and_images():

@@ -9,6 +9,8 @@ import json
 import httpx
 import openai
 import pytest
+from openai.types.responses import ResponseStreamEvent
+from pydantic import TypeAdapter
 from test_server_http import live_server
 
 MODEL = "deepseek-v4-flash"  # what the README tells agent users to set
@@ -184,6 +186,8 @@ def test_codex_turn(live):
                          {"authorization": "Bearer unused", "originator": "codex_cli_rs",
                           "session_id": "0199a2b4"})
     events = [d for _, d in frames]
+    sdk = TypeAdapter(ResponseStreamEvent)
+    assert [sdk.validate_python(e).type for e in events] == [e["type"] for e in events]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[0]["type"] == "response.created"
     assert events[-1]["type"] in ("response.completed", "response.incomplete")

@@ -8,6 +8,8 @@ import re
 from types import SimpleNamespace
 
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from ds4.chat import OutputParser, ParsedOutput, render_chat
 from ds4.jobs.events import (
@@ -152,9 +154,9 @@ def test_anthropic_thinking_only_gets_an_empty_text_block():
 def test_responses_stream_numbers_events_and_ends_with_the_whole_response():
     events, finished = job_events(TEXT_TURN, "stop")
     shape = ResponseShape(running(), summaries=True)
-    frames = parse_frames(stream(shape, events, finished))
-    assert all(n is None for n, _ in frames)
-    data = [d for _, d in frames]
+    frames = stream(shape, events, finished)
+    assert all(n is None for n, _ in parse_frames(frames))
+    data = sdk_events(frames)
     assert [d["sequence_number"] for d in data] == list(range(len(data)))
     assert all(list(d)[:2] == ["type", "sequence_number"] for d in data)
     types = [d["type"] for d in data]
@@ -177,6 +179,73 @@ def test_responses_body_without_summary_opt_in_has_function_call_only():
     assert call["type"] == "function_call" and call["status"] == "completed"
     assert call["call_id"] == finished.output.tool_calls[0].id and call["name"] == "get_weather"
     assert json.loads(call["arguments"]) == ARGS
+
+
+PATCH = '*** Begin Patch\n*** Add File: a.txt\n+say "hi" \\ bye\n*** End Patch'
+CODEX_TURN = (f'Patch, then list.</think>\n\n<{D}tool_calls>\n<{D}invoke name="apply_patch">\n'
+              f'<{D}parameter name="input" string="true">{PATCH}</{D}parameter>\n</{D}invoke>\n'
+              f'<{D}invoke name="local_shell">\n'
+              f'<{D}parameter name="command" string="false">["ls", "-la"]</{D}parameter>\n'
+              f'</{D}invoke>\n</{D}tool_calls>')
+CODEX_BODY = {"tools": [
+    {"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {}}},
+    {"type": "custom", "name": "apply_patch", "description": "Edit files.",
+     "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch"'}},
+    {"type": "local_shell"}, {"type": "web_search"}], "tool_choice": "auto"}
+SDK_EVENT = TypeAdapter(ResponseStreamEvent)
+
+
+def sdk_events(frames):
+    """The data of Responses SSE frames, each checked against the openai SDK's event models."""
+    data = [d for _, d in parse_frames(frames)]
+    for d in data:
+        assert SDK_EVENT.validate_python(d).type == d["type"]
+    return data
+
+
+def test_responses_custom_tool_and_local_shell_calls_stream_as_their_own_items():
+    events, finished = job_events(CODEX_TURN, "tool_calls")
+    data = sdk_events(stream(ResponseShape(running(), False, CODEX_BODY), events, finished))
+    patch_id, shell_id = [c.id for c in finished.output.tool_calls]
+    kinds = [d["type"] for d in data]
+    deltas = [d["delta"] for d in data if d["type"] == "response.custom_tool_call_input.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == PATCH  # streamed as sampled, not at the end
+    assert kinds == ["response.created", "response.output_item.added",
+                     *["response.custom_tool_call_input.delta"] * len(deltas),
+                     "response.custom_tool_call_input.done", "response.output_item.done",
+                     "response.output_item.added", "response.output_item.done",
+                     "response.completed"]
+    added = data[1]["item"]
+    assert added == {"id": added["id"], "type": "custom_tool_call", "status": "in_progress",
+                     "call_id": patch_id, "name": "apply_patch", "input": ""}
+    assert {d["item_id"] for d in data[2:3 + len(deltas)]} == {added["id"]}
+    assert data[2 + len(deltas)]["input"] == PATCH
+    patch = {**added, "status": "completed", "input": PATCH}
+    shell = {"id": data[-3]["item"]["id"], "type": "local_shell_call", "status": "completed",
+             "call_id": shell_id, "action": {"type": "exec", "command": ["ls", "-la"], "env": {}}}
+    assert [data[-4]["item"], data[-2]["item"]] == [patch, shell]
+    assert data[-3]["item"] == {**shell, "status": "in_progress"}
+    final = data[-1]["response"]
+    assert final["output"] == [patch, shell] and final["tools"] == CODEX_BODY["tools"]
+
+
+def test_responses_body_has_custom_and_shell_items_and_validates():
+    _, finished = job_events(CODEX_TURN, "tool_calls")
+    body = ResponseShape(running(), summaries=False, body=CODEX_BODY).body(finished)
+    parsed = Response.model_validate(body)
+    assert [i.type for i in parsed.output] == ["custom_tool_call", "local_shell_call"]
+    assert parsed.output[0].input == PATCH and parsed.output[1].action.command == ["ls", "-la"]
+
+
+def test_local_shell_call_without_an_argv_stays_a_function_call():
+    text = (f'</think>\n\n<{D}tool_calls>\n<{D}invoke name="local_shell">\n'
+            f'<{D}parameter name="command" string="true">ls -la</{D}parameter>\n'
+            f'</{D}invoke>\n</{D}tool_calls>')
+    events, finished = job_events(text, "tool_calls")
+    data = sdk_events(stream(ResponseShape(running(), False, CODEX_BODY), events, finished))
+    [call] = data[-1]["response"]["output"]
+    assert call["type"] == "function_call" and call["name"] == "local_shell"
+    assert json.loads(call["arguments"]) == {"command": "ls -la"}
 
 
 def test_responses_length_is_incomplete():

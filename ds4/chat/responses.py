@@ -8,7 +8,19 @@ from typing import Any
 from ds4.chat.items import Call, ChatError, Item, ItemList
 from ds4.chat.normalize import content_text
 
-HOSTED_CALLS = {"local_shell_call": "local_shell", "web_search_call": "web_search_call",
+LOCAL_SHELL = "local_shell"
+LOCAL_SHELL_KEYS = ("command", "working_directory", "timeout_ms")
+# The hosted local_shell tool as a function the model can call; its keys are the action's own.
+LOCAL_SHELL_SCHEMA = {
+    "name": LOCAL_SHELL,
+    "description": "Runs a command on the user's machine and returns its output.",
+    "parameters": {"type": "object", "properties": {
+        "command": {"type": "array", "items": {"type": "string"},
+                    "description": "The program and its arguments, one string each."},
+        "working_directory": {"type": "string"},
+        "timeout_ms": {"type": "integer"}}, "required": ["command"]},
+}
+HOSTED_CALLS = {"local_shell_call": LOCAL_SHELL, "web_search_call": "web_search_call",
                 "tool_search_call": "tool_search", "image_generation_call": "image_generation_call"}
 CALLS = ("function_call", "custom_tool_call", *HOSTED_CALLS)
 OUTPUTS = ("function_call_output", "custom_tool_call_output", "local_shell_call_output",
@@ -42,6 +54,8 @@ def response_call(item: dict) -> Call:
     """A function/custom/hosted call item as a call of the assistant turn."""
     kind = item["type"]
     call_id = item.get("call_id") or item.get("id") or ""
+    if kind == "local_shell_call":  # the arguments the rendered local_shell function takes
+        return Call(call_id, LOCAL_SHELL, local_shell_arguments(item.get("action")))
     if kind in HOSTED_CALLS:
         args = item.get("action") or item.get("arguments") or item.get("input") or {}
         return Call(call_id, HOSTED_CALLS[kind], args)
@@ -142,7 +156,21 @@ def responses_functions(tools: list[dict] | None) -> list[dict]:
                           if t.get("type", "function") == "function"]
         elif kind == "custom":
             functions.append(custom_schema(tool))
+        elif kind == LOCAL_SHELL:
+            functions.append(LOCAL_SHELL_SCHEMA)
     return functions
+
+
+def responses_call_kinds(tools: list[dict] | None) -> dict[str, str]:
+    """Rendered function name → "custom" or "local_shell" for tools whose calls are not
+    `function_call` items; plain functions are absent."""
+    kinds: dict[str, str] = {}
+    for tool in tools or []:
+        if isinstance(tool, dict) and tool.get("type") == "custom" and tool.get("name"):
+            kinds[tool["name"]] = "custom"
+        elif isinstance(tool, dict) and tool.get("type") == LOCAL_SHELL:
+            kinds[LOCAL_SHELL] = LOCAL_SHELL
+    return kinds
 
 
 def function_schema(tool: dict, prefix: str) -> dict:
@@ -164,6 +192,52 @@ def custom_schema(tool: dict) -> dict:
     out = {"name": tool["name"]}
     if "description" in tool:
         out["description"] = tool["description"]
-    out["parameters"] = {"type": "object", "properties": {"input": {"type": "string"}},
-                         "required": ["input"]}
+    field: dict = {"type": "string"}
+    grammar = tool.get("format") if isinstance(tool.get("format"), dict) else {}
+    if grammar.get("type") == "grammar" and isinstance(grammar.get("definition"), str):
+        # the model cannot be constrained to the grammar, so it reads it instead
+        field["description"] = (f"Raw text, not JSON, matching this {grammar.get('syntax', '')}"
+                                f" grammar:\n{grammar['definition']}")
+    out["parameters"] = {"type": "object", "properties": {"input": field}, "required": ["input"]}
     return out
+
+
+def local_shell_arguments(action: Any) -> dict:
+    """A local_shell_call's exec action as the arguments of the rendered local_shell call."""
+    action = action if isinstance(action, dict) else {}
+    return {k: action[k] for k in LOCAL_SHELL_KEYS if action.get(k) is not None}
+
+
+def arguments_json(arguments: str) -> Any:
+    """Parsed call arguments, None when they are not JSON."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return None
+
+
+def custom_input(arguments: str) -> str:
+    """The free text of a custom tool call: its `input` string, else its one string value,
+    else the arguments text as sampled."""
+    args = arguments_json(arguments)
+    if isinstance(args, dict):
+        if isinstance(args.get("input"), str):
+            return args["input"]
+        if len(args) == 1 and isinstance(next(iter(args.values())), str):
+            return next(iter(args.values()))
+    return arguments
+
+
+def local_shell_action(arguments: str) -> dict | None:
+    """The exec action of a local_shell call; None when `command` is not a list of strings."""
+    args = arguments_json(arguments)
+    command = args.get("command") if isinstance(args, dict) else None
+    if not (isinstance(command, list) and command and all(isinstance(c, str) for c in command)):
+        return None
+    action = {"type": "exec", "command": command, "env": {}}
+    if isinstance(args.get("working_directory"), str):
+        action["working_directory"] = args["working_directory"]
+    timeout = args.get("timeout_ms")
+    if isinstance(timeout, int) and not isinstance(timeout, bool):
+        action["timeout_ms"] = timeout
+    return action

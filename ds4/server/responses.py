@@ -6,6 +6,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ds4.chat import render_responses
+from ds4.chat.responses import responses_call_kinds
 from ds4.jobs.events import Failed, Finished, TokenEvents, Usage
 from ds4.server import request_fields as rf
 from ds4.server.errors import OPENAI, ApiError
@@ -69,17 +70,23 @@ def parse(body: dict, raw: str, runtime: Runtime) -> tuple[Turn, bool]:
 class ResponseShape:
     """Response objects and the response.* event sequence of one job."""
 
-    def __init__(self, running: Running, summaries: bool):
+    def __init__(self, running: Running, summaries: bool, body: dict | None = None):
+        body = body or {}
         self.turn = running.turn
         self.id = new_id("resp_")
         self.created = now()
-        self.items = OutputItems(summaries)
+        # which calls come back as custom_tool_call / local_shell_call items
+        self.items = OutputItems(summaries, responses_call_kinds(body.get("tools")))
+        # the request fields the Responses object must echo (the SDK's Response requires them)
+        self.echo = {"tool_choice": body.get("tool_choice", "auto"),
+                     "tools": body.get("tools") or [],
+                     "parallel_tool_calls": body.get("parallel_tool_calls") is not False}
         self.sequence = 0
 
     def response(self, status: str, usage: Usage | None = None, **extra: object) -> dict:
         """The response object with the items so far."""
         out = {"id": self.id, "object": "response", "created_at": self.created,
-               "status": status, "model": self.turn.model, **extra,
+               "status": status, "model": self.turn.model, **self.echo, **extra,
                "output": self.items.snapshot()}
         if usage is not None:
             out["usage"] = response_usage(usage)
@@ -141,5 +148,5 @@ async def handle(request: Request, runtime: Runtime) -> Response:
     body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
     runtime.require_serving()
     turn, summaries = parse(body, raw, runtime)
-    return await generate(request, runtime, turn, lambda r: ResponseShape(r, summaries))
+    return await generate(request, runtime, turn, lambda r: ResponseShape(r, summaries, body))
 

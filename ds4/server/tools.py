@@ -35,8 +35,11 @@ def anthropic_result_ids(messages: list) -> list[str]:
 
 
 def responses_result_ids(items: object) -> list[str]:
-    """call_ids of *_output items."""
+    """call_ids of *_output items (a local_shell_call_output may name its call by `id`)."""
     if not isinstance(items, list):
         return []
-    return [i["call_id"] for i in items if isinstance(i, dict)
-            and str(i.get("type", "")).endswith("_output") and isinstance(i.get("call_id"), str)]
+    outputs = [i for i in items if isinstance(i, dict)
+               and str(i.get("type", "")).endswith("_output")]
+    ids = [i.get("call_id") or (i.get("id") if i["type"] == "local_shell_call_output" else None)
+           for i in outputs]
+    return [i for i in ids if isinstance(i, str)]
