@@ -157,3 +157,31 @@ def test_sharded_index_loads_like_one_file(model_dir, tmp_path):
 
     assert Engine.open(sharded, backend="numpy").model.quantize  # quantization_config turns it on
     assert not Engine.open(model_dir, backend="numpy").model.quantize
+
+
+def test_bf16_experts_are_held_once_as_bf16_words(model_dir, tmp_path):
+    """A checkpoint whose experts are exactly bf16 keeps them as 16-bit words (half the bytes)
+    that the decode kernels read in place; the model code still sees the same fp32 values.
+    An fp32 checkpoint with values bf16 cannot hold stays fp32."""
+    from safetensors.numpy import load_file
+
+    from ds4.kernels import to_bf16, widen
+    from ds4.model.gpu_weights import layer_tensors
+
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    rounded = {k: widen(to_bf16(v)) if v.dtype.kind == "f" else v for k, v in tensors.items()}
+    bf16_dir = tmp_path / "bf16"
+    bf16_dir.mkdir()
+    save_file(rounded, str(bf16_dir / "model.safetensors"))
+    (bf16_dir / "config.json").write_text((model_dir / "config.json").read_text())
+    cfg = ModelConfig.from_dir(model_dir)
+    exact, plain = load_weights(bf16_dir, cfg, np), load_weights(model_dir, cfg, np)
+    bank = exact.experts[1]
+    assert [w.dtype for w in bank.stacked] == [np.uint16, np.uint16]
+    assert [w.dtype for w in plain.experts[1].stacked] == [np.float32, np.float32]
+    assert 2 * bank.nbytes == plain.experts[1].nbytes
+    gate_up, down = bank.gather(np.array([2, 0]))
+    np.testing.assert_array_equal(gate_up, rounded["model.layers.1.mlp.experts.gate_up_proj"][[2, 0]])
+    np.testing.assert_array_equal(down, rounded["model.layers.1.mlp.experts.down_proj"][[2, 0]])
+    t = layer_tensors(np, cfg, exact, 1)
+    assert t["experts.gate_up"] is bank.stacked[0] and t["experts.down"] is bank.stacked[1]

@@ -135,3 +135,32 @@ def test_engine_two_sessions_smoke_cupy():
     resumed = gpu.new_session(512).restore(blob)
     a, b = sessions[1].decode(got[1][-1]), resumed.decode(got[1][-1])
     assert np.abs(a - b).max() < 1e-5
+
+
+def test_decoder_reads_the_engine_experts_in_place():
+    """Building the kernel decoder adds no second copy of the routed experts: its stacks are the
+    engine's own bf16 arrays, and the memory pool grows by the decoder's other tensors only."""
+    import cupy
+
+    from ds4.engine import Engine
+    from ds4.model.gpu_decode import KernelDecoder
+
+    eng = Engine.open(model_dir("tiny"), backend="cupy")
+    banks = eng.model.weights.experts
+    expert_bytes = sum(bank.nbytes for bank in banks)
+    assert all(bank.stacked[0].dtype == cupy.uint16 for bank in banks)  # tiny is bf16-exact
+    pool = cupy.get_default_memory_pool()
+    before = pool.used_bytes()
+    decoder = KernelDecoder.from_model(eng.model)
+    grown = pool.used_bytes() - before
+    for t, bank in zip(decoder.layers, banks):
+        assert t["experts.gate_up"].data.ptr == bank.stacked[0].data.ptr
+        assert t["experts.down"].data.ptr == bank.stacked[1].data.ptr
+    rounded = lambda a: -(-a.nbytes // 512) * 512  # noqa: E731  (the pool's allocation unit)
+    own = [a for t in decoder.layers for k, a in t.items() if not k.startswith("experts.")]
+    own += list(decoder.top.values()) + list(decoder.buf.values())
+    engine_ptrs = {a.data.ptr for a in eng.model.weights.tensors.values()}  # fp32 kept as is
+    own = {a.data.ptr: a for a in own if a.data.ptr not in engine_ptrs}.values()
+    own_bytes = sum(rounded(a) for a in own) + (64 << 10)  # + gemv tables, pos/token
+    assert grown < own_bytes + expert_bytes // 2, (grown, own_bytes, expert_bytes)
+    assert eng.memory_report()["weight_bytes"] >= expert_bytes

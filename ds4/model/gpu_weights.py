@@ -66,12 +66,9 @@ def layer_tensors(xp, cfg, weights, i: int) -> dict:
 
 
 def _stacked_experts(xp, bank):
-    """(gate_up [E, 2I, D], down [E, D, I]) in kernel form (a bank's `stacked` pair if it has one)."""
-    if getattr(bank, "stacked", None) is not None:
-        return tuple(kernel_weight(xp, w) for w in bank.stacked)
-    gate_up = xp.stack([bank.expert(e)[0] for e in range(bank.count)])
-    down = xp.stack([bank.expert(e)[1] for e in range(bank.count)])
-    return kernel_weight(xp, gate_up), kernel_weight(xp, down)
+    """(gate_up [E, 2I, D], down [E, D, I]): the bank's own resident stacks, read in place
+    (they are already bf16 words where exact, so kernel_weight passes them through)."""
+    return tuple(kernel_weight(xp, w) for w in bank.stacked)
 
 
 def model_tensors(xp, weights) -> dict:

@@ -122,7 +122,13 @@ def _compressor_shapes(D: int, width: int, m: int, d: int) -> dict[str, tuple[in
 
 
 class ExpertBank:
-    """One layer's routed experts: fp32 stacks on the device, or mapped views widened per use."""
+    """One layer's routed experts: stacks resident on the device, or mapped views widened per use.
+
+    Resident stacks hold bf16 words (uint16) when every value is exactly bf16 (any bf16, FP8
+    or FP4 checkpoint): half the bytes of fp32 and the same numbers. The decode kernels read
+    these stacks in place and the engine's model code widens the experts it uses, so every
+    expert is in device memory once.
+    """
 
     def __init__(self, xp, gate_up: list, down: list, resident: bool):
         self.xp = xp
@@ -135,6 +141,11 @@ class ExpertBank:
             self._gate_up_src, self._down_src = gate_up, down
 
     @property
+    def stacked(self) -> tuple | None:
+        """(gate_up [E, 2I, D], down [E, D, I]) as held (bf16 words or fp32); None when streamed."""
+        return (self._gate_up, self._down) if self.resident else None
+
+    @property
     def nbytes(self) -> int:
         """Bytes held resident (0 when streamed from the mapped file)."""
         return int(self._gate_up.nbytes + self._down.nbytes) if self.resident else 0
@@ -142,18 +153,25 @@ class ExpertBank:
     def gather(self, ids) -> tuple:
         """(gate_up [k, 2I, D], down [k, D, I]) fp32 for expert ids [k] (streaming reads them on host)."""
         if self.resident:
-            return self._gate_up[ids], self._down[ids]
+            return _widen(self.xp, self._gate_up[ids]), _widen(self.xp, self._down[ids])
         ids = (ids.get() if hasattr(ids, "get") else np.asarray(ids)).tolist()
         gate_up = np.stack([_widen_source(self._gate_up_src[e]) for e in ids])
         down = np.stack([_widen_source(self._down_src[e]) for e in ids])
         return self.xp.asarray(gate_up), self.xp.asarray(down)
 
     def expert(self, e: int) -> tuple:
-        """(gate_up [2I, D], down [D, I]) of one expert."""
+        """(gate_up [2I, D], down [D, I]) fp32 of one expert."""
         if self.resident:
-            return self._gate_up[e], self._down[e]
+            return _widen(self.xp, self._gate_up[e]), _widen(self.xp, self._down[e])
         return (self.xp.asarray(_widen_source(self._gate_up_src[e])),
                 self.xp.asarray(_widen_source(self._down_src[e])))
+
+
+def _widen(xp, a):
+    """fp32 values of bf16 words (a 16-bit shift; exact); fp32 passes through."""
+    if a.dtype == xp.uint16:
+        return (a.astype(xp.uint32) << 16).view(xp.float32)
+    return a
 
 
 def _widen_source(src) -> np.ndarray:
@@ -164,12 +182,16 @@ def _widen_source(src) -> np.ndarray:
 
 
 def _stack(sources: list) -> np.ndarray:
+    """The experts stacked as bf16 words when every value is exactly bf16, else as fp32."""
     first = _widen_source(sources[0])
-    out = np.empty((len(sources), *first.shape), dtype=np.float32)
-    out[0] = first
-    for e in range(1, len(sources)):
-        out[e] = _widen_source(sources[e])
-    return out
+    words = np.empty((len(sources), *first.shape), dtype=np.uint16)
+    for e in range(len(sources)):
+        bits = np.ascontiguousarray(first if e == 0 else _widen_source(sources[e]),
+                                    dtype=np.float32).view(np.uint32)
+        if (bits & 0xFFFF).any():
+            return np.stack([_widen_source(s) for s in sources]).astype(np.float32, copy=False)
+        words[e] = bits >> 16
+    return words
 
 
 class WeightsError(ValueError):
