@@ -4,14 +4,12 @@ they parse are complete and in order."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import openai
 import pytest
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
-from test_server_http import live_server
+from test_server_support import live_server, sse
 
 MODEL = "deepseek-v4-flash"  # what the README tells agent users to set
 
@@ -20,19 +18,6 @@ MODEL = "deepseek-v4-flash"  # what the README tells agent users to set
 def live():
     with live_server(ctx=4096, ping_interval_s=1.0) as (url, runtime):
         yield url, runtime
-
-
-def sse(text: str) -> list[tuple[str | None, object]]:
-    """(event name, data) of each SSE frame; comments skipped, data parsed unless [DONE]."""
-    out = []
-    for frame in text.split("\n\n"):
-        lines = [ln for ln in frame.splitlines() if ln and not ln.startswith(":")]
-        if not lines:
-            continue
-        name = next((ln[7:] for ln in lines if ln.startswith("event: ")), None)
-        data = next(ln[6:] for ln in lines if ln.startswith("data: "))
-        out.append((name, data if data == "[DONE]" else json.loads(data)))
-    return out
 
 
 def post_stream(url: str, body: dict, headers: dict | None = None) -> list:

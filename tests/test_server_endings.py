@@ -3,15 +3,11 @@ does, and forced tool calls the random model cannot complete (encoding.md §4.5,
 
 from __future__ import annotations
 
-import json
-import time
-
 import anthropic
 import httpx
 import pytest
-from test_server_http import live_server
+from test_server_support import GREEDY, busy_slots, live_server, sse, wait_idle
 
-GREEDY = "deepseek-chat"  # thinking off, so temperature 0 is honoured
 HI = [{"role": "user", "content": "Say hi"}]
 MSG, CHAT = "/v1/messages", "/v1/chat/completions"
 
@@ -21,19 +17,6 @@ def live():
     # a turn without max_tokens may run to the end of this context: minutes on the tiny model
     with live_server(ctx=32768, ping_interval_s=1.0) as (url, runtime):
         yield url, runtime
-
-
-def sse(text: str) -> list[tuple[str | None, object]]:
-    """(event name, data) of each SSE frame; comments skipped, data parsed unless [DONE]."""
-    out = []
-    for frame in text.split("\n\n"):
-        lines = [ln for ln in frame.splitlines() if ln and not ln.startswith(":")]
-        if not lines:
-            continue
-        name = next((ln[7:] for ln in lines if ln.startswith("event: ")), None)
-        data = next(ln[6:] for ln in lines if ln.startswith("data: "))
-        out.append((name, data if data == "[DONE]" else json.loads(data)))
-    return out
 
 
 def claude_body(**extra) -> dict:
@@ -172,17 +155,6 @@ def test_responses_forced_call_rejected_after_its_item_was_added_fails(live):
     kinds = [d["type"] for _, d in frames]
     assert "response.output_item.added" in kinds and kinds[-1] == "response.failed"
     assert frames[-1][1]["response"]["error"]["message"].startswith("invalid tool call")
-
-
-def busy_slots(url: str) -> list[int]:
-    return [s["id"] for s in httpx.get(url + "/slots").json()["slots"] if s["busy"]]
-
-
-def wait_idle(url: str, seconds: float = 10) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while busy_slots(url) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return busy_slots(url)
 
 
 UNLIMITED = [  # no max tokens: each would generate until the 32768-token context is full

@@ -4,53 +4,20 @@ outputs are compared."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import anthropic
 import httpx
 import openai
 import pytest
-import uvicorn
+from test_server_support import GREEDY, free_port, live_server
 
 from ds4.chat import render_anthropic, render_chat
-from ds4.server.app import build_app
-from ds4.server.config import ServerConfig
 
-GREEDY = "deepseek-chat"  # alias: thinking off, so temperature 0 is honoured
 HI = [{"role": "user", "content": "Say hi"}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def live_server(load: bool = True, **overrides):
-    """A uvicorn server on a free port in a thread; yields (base url, runtime)."""
-    config = ServerConfig(port=free_port(), **overrides)
-    app = build_app(config, load=load)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{config.port}"
-    deadline = time.monotonic() + 120
-    while not server.started or (load and httpx.get(url + "/health").status_code != 200):
-        assert time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.05)
-    try:
-        yield url, app.state.runtime
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import openai
 import pytest
-from test_server_http import GREEDY, live_server
+from test_server_support import GREEDY, busy_slots, live_server, wait_idle
 
 from ds4.cli.replay import deterministic, replay, replayable
 from ds4.cli.replay import main as replay_main
@@ -32,10 +31,6 @@ def stream_text(url: str, prompt: str, max_tokens: int) -> str:
         model=GREEDY, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
         temperature=0, stream=True)
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-
-
-def busy_slots(url: str) -> list[int]:
-    return [s["id"] for s in httpx.get(url + "/slots").json()["slots"] if s["busy"]]
 
 
 def test_two_streaming_clients_each_equal_their_isolated_greedy_run(live):
@@ -65,13 +60,6 @@ def test_disconnect_mid_stream_frees_the_slot(live):
     # so only the cancel can free the slot in time
     assert wait_idle(url) == []
     assert stream_text(url, PROMPTS[0], 3)  # the server keeps serving
-
-
-def wait_idle(url: str, seconds: float = 10) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while busy_slots(url) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return busy_slots(url)
 
 
 def test_non_streamed_client_that_gives_up_frees_the_slot(live):
