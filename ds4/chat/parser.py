@@ -11,18 +11,8 @@ import codecs
 from dataclasses import replace
 
 from ds4.chat import dsml
+from ds4.chat import events as ev
 from ds4.chat.dsml import DSML, SEPARATOR, SPACE, START_MARKERS, THINK, THINK_END
-from ds4.chat.events import (
-    Done,
-    ParsedOutput,
-    ParserEvent,
-    ReasoningDelta,
-    TextDelta,
-    ToolArgsDelta,
-    ToolCall,
-    ToolCallEnd,
-    ToolCallStart,
-)
 
 LONGEST_MARKER = max(len(m) for m in START_MARKERS)
 TOOL_STATES = ("invokes", "params", "string_value", "json_value")
@@ -40,29 +30,29 @@ class OutputParser:
         self.final = False
         self.done = False
         self.error: str | None = None
-        self.out = ParsedOutput()
+        self.out = ev.ParsedOutput()
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._hash = dsml.id_hash(id_seed)
         self._offset = 0  # bytes consumed
         self._raw: list[str] | None = None  # consumed block text, once a block opened
         self._reasoning_parts: list[str] = []  # pieces, joined on result(): no quadratic copying
         self._content_parts: list[str] = []
-        self._events: list[ParserEvent] = []
+        self._events: list[ev.ParserEvent] = []
         self._dialect = dsml.DIALECTS[0]
-        self._call: ToolCall | None = None
+        self._call: ev.ToolCall | None = None
         self._args: list[str] = []
         self._json = JsonScan()
 
     # ---- public surface ------------------------------------------------------------------
 
-    def feed(self, data: bytes | str) -> list[ParserEvent]:
+    def feed(self, data: bytes | str) -> list[ev.ParserEvent]:
         """Events made complete by the bytes of one more sampled token."""
         if self.done or self.error or self.final:
             return []
         self.buf += data if isinstance(data, str) else self._decoder.decode(data)
         return self._run()
 
-    def finish(self) -> list[ParserEvent]:
+    def finish(self) -> list[ev.ParserEvent]:
         """Flush at the end of generation; an open block becomes `unterminated`."""
         if self.final:
             return []
@@ -74,7 +64,7 @@ class OutputParser:
             self.out.unterminated = True
         return events
 
-    def result(self) -> ParsedOutput:
+    def result(self) -> ev.ParsedOutput:
         """The parse so far (final after finish()); equals parse_output(whole text)."""
         return replace(self.out, reasoning="".join(self._reasoning_parts),
                        content="".join(self._content_parts), tool_calls=list(self.out.tool_calls))
@@ -106,7 +96,7 @@ class OutputParser:
 
     # ---- machinery -----------------------------------------------------------------------
 
-    def _run(self) -> list[ParserEvent]:
+    def _run(self) -> list[ev.ParserEvent]:
         self._events = []
         while not self.done and self.error is None and getattr(self, "_" + self.state)():
             pass
@@ -126,18 +116,18 @@ class OutputParser:
         text = self._take(n)
         if text:
             self._reasoning_parts.append(text)
-            self._events.append(ReasoningDelta(text))
+            self._events.append(ev.ReasoningDelta(text))
 
     def _emit_text(self, n: int) -> None:
         text = self._take(n)
         if text:
             self._content_parts.append(text)
-            self._events.append(TextDelta(text))
+            self._events.append(ev.TextDelta(text))
 
     def _emit_args(self, text: str) -> None:
         if text:
             self._args.append(text)
-            self._events.append(ToolArgsDelta(len(self.out.tool_calls), text))
+            self._events.append(ev.ToolArgsDelta(len(self.out.tool_calls), text))
 
     def _fail(self, message: str) -> bool:
         self.error = self.out.malformed = message
@@ -206,7 +196,7 @@ class OutputParser:
             self._take(len(d.end))
             self.out.raw_block = "".join(self._raw)
             self.done = True
-            self._events.append(Done())
+            self._events.append(ev.Done())
             return False
         if not self.buf.startswith(d.invoke):
             return self._wait_or_fail((d.end, d.invoke), dsml.EXPECTED_INVOKE)
@@ -218,9 +208,9 @@ class OutputParser:
             return self._fail(dsml.BAD_INVOKE)
         self._take(gt + 1)
         index = len(self.out.tool_calls)
-        self._call = ToolCall(dsml.call_id(self.id_prefix, self._hash, index), name, "")
+        self._call = ev.ToolCall(dsml.call_id(self.id_prefix, self._hash, index), name, "")
         self._args = []
-        self._events.append(ToolCallStart(index, self._call.id, name))
+        self._events.append(ev.ToolCallStart(index, self._call.id, name))
         self._emit_args("{")
         self.state = "params"
         return True
@@ -233,7 +223,7 @@ class OutputParser:
             self._emit_args("}")
             arguments = "".join(self._args)
             index = len(self.out.tool_calls)
-            self._events.append(ToolCallEnd(index, arguments))
+            self._events.append(ev.ToolCallEnd(index, arguments))
             self.out.tool_calls.append(replace(self._call, arguments=arguments))
             self.state = "invokes"
             return True

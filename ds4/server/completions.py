@@ -9,19 +9,19 @@ from starlette.responses import Response
 
 from ds4.chat import render_completion
 from ds4.chat.events import TextDelta
-from ds4.jobs.events import Failed, Finished, TokenEvents
+from ds4.jobs.events import Finished, TokenEvents
 from ds4.jobs.stop import StopText
 from ds4.server import request_fields as rf
-from ds4.server.errors import OPENAI, ApiError, error_body
-from ds4.server.generation import failure_error, generate
-from ds4.server.openai_chat import FINISH, openai_usage
+from ds4.server.errors import OPENAI, ApiError
+from ds4.server.generation import generate
+from ds4.server.openai_chat import OpenAIObject, finish_reason, openai_usage
 from ds4.server.runtime import Running, Runtime
-from ds4.server.sse import COMMENT_PING, DONE, Channel, data_frame
+from ds4.server.sse import Channel, data_frame
 from ds4.server.turn import Turn
-from ds4.server.wire import new_id, now
 from ds4.tokenizer import EOS_ID
 
 ENDPOINT = "/v1/completions"
+TEXT_COMPLETION = "text_completion"
 
 
 def prompt_text(body: dict) -> str:
@@ -51,33 +51,26 @@ def parse(body: dict, raw: str, runtime: Runtime) -> Turn:
         raw_body=raw, prompt_field="prompt")
 
 
-class CompletionShape:
+class CompletionShape(OpenAIObject):
     """text_completion bodies and chunks: the raw generated text, reasoning included."""
 
     def __init__(self, running: Running):
-        self.turn = running.turn
+        super().__init__(running, "cmpl-")
         self.tokenizer = running.runtime.engine.tokenizer
-        self.id = new_id("cmpl-")
-        self.created = now()
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.stop = StopText(self.turn.stop)  # raw bytes bypass the job's own answer filter
         self.text = Channel()
 
-    def envelope(self, choices: list, **extra: object) -> dict:
-        """Fields every completion object shares."""
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.turn.model, "choices": choices, **extra}
-
     def body(self, finished: Finished) -> dict:
         """The non-streamed text_completion."""
-        reason = FINISH.get(finished.finish_reason, finished.finish_reason)
-        choice = {"text": finished.text, "index": 0, "logprobs": None, "finish_reason": reason}
-        return self.envelope([choice], usage=openai_usage(finished.usage))
+        choice = {"text": finished.text, "index": 0, "logprobs": None,
+                  "finish_reason": finish_reason(finished)}
+        return self.envelope(TEXT_COMPLETION, [choice], usage=openai_usage(finished.usage))
 
     def chunk(self, text: str, finish: str | None = None) -> bytes:
         """One streamed choice."""
         choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
-        return data_frame(self.envelope([choice]))
+        return data_frame(self.envelope(TEXT_COMPLETION, [choice]))
 
     def opening(self) -> list[bytes]:
         """Completions streams have no role chunk."""
@@ -96,18 +89,8 @@ class CompletionShape:
         frames = []
         if rest := self.text.finish(finished.text):
             frames.append(self.chunk(rest))
-        frames.append(self.chunk("", FINISH.get(finished.finish_reason, finished.finish_reason)))
-        if self.turn.include_usage:
-            frames.append(data_frame(self.envelope([], usage=openai_usage(finished.usage))))
-        return frames + [DONE]
-
-    def failure(self, failed: Failed) -> list[bytes]:
-        """An in-stream error object, then [DONE]."""
-        return [data_frame(error_body(failure_error(failed), OPENAI)), DONE]
-
-    def ping(self) -> bytes:
-        """SSE comment keep-alive."""
-        return COMMENT_PING
+        frames.append(self.chunk("", finish_reason(finished)))
+        return frames + self.ending(TEXT_COMPLETION, finished)
 
 
 async def handle(request: Request, runtime: Runtime) -> Response:

@@ -19,6 +19,7 @@ from ds4.server.wire import new_id, now
 
 ENDPOINT = "/v1/chat/completions"
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "cancelled": "stop"}
+CHUNK = "chat.completion.chunk"
 
 
 def openai_usage(usage: Usage) -> dict:
@@ -30,6 +31,40 @@ def openai_usage(usage: Usage) -> dict:
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens,
                                   "cache_write_tokens": usage.prompt_tokens - usage.cached_tokens},
     }
+
+
+def finish_reason(finished: Finished) -> str:
+    """The OpenAI finish_reason of a finished job."""
+    return FINISH.get(finished.finish_reason, finished.finish_reason)
+
+
+class OpenAIObject:
+    """What chat and text completions share: the object envelope, the usage chunk and [DONE]
+    that end a stream, the in-stream error and comment pings."""
+
+    def __init__(self, running: Running, id_prefix: str):
+        self.turn = running.turn
+        self.id = new_id(id_prefix)
+        self.created = now()
+
+    def envelope(self, kind: str, choices: list, **extra: object) -> dict:
+        """Fields every object of this job shares; `kind` is its `object`."""
+        return {"id": self.id, "object": kind, "created": self.created,
+                "model": self.turn.model, "choices": choices, **extra}
+
+    def ending(self, kind: str, finished: Finished) -> list[bytes]:
+        """The usage chunk when the client asked for it, then [DONE]."""
+        if not self.turn.include_usage:
+            return [DONE]
+        return [data_frame(self.envelope(kind, [], usage=openai_usage(finished.usage))), DONE]
+
+    def failure(self, failed: Failed) -> list[bytes]:
+        """An in-stream error object, then [DONE]."""
+        return [data_frame(error_body(failure_error(failed), OPENAI)), DONE]
+
+    def ping(self) -> bytes:
+        """SSE comment keep-alive."""
+        return COMMENT_PING
 
 
 def parse(body: dict, raw: str, runtime: Runtime) -> Turn:
@@ -73,13 +108,11 @@ def tool_call(call: ev.ToolCall, index: int | None = None) -> dict:
     return out if index is None else {"index": index, **out}
 
 
-class ChatShape:
+class ChatShape(OpenAIObject):
     """chat.completion bodies and chat.completion.chunk frames of one job."""
 
     def __init__(self, running: Running):
-        self.turn = running.turn
-        self.id = new_id("chatcmpl-")
-        self.created = now()
+        super().__init__(running, "chatcmpl-")
         self.reasoning = Channel()
         self.content = Channel()
         self.streamed_calls: set[int] = set()
@@ -87,16 +120,13 @@ class ChatShape:
     def body(self, finished: Finished) -> dict:
         """The non-streamed chat.completion."""
         choice = {"index": 0, "message": message(finished.output),
-                  "finish_reason": FINISH.get(finished.finish_reason, finished.finish_reason)}
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.turn.model, "choices": [choice],
-                "usage": openai_usage(finished.usage)}
+                  "finish_reason": finish_reason(finished)}
+        return self.envelope("chat.completion", [choice], usage=openai_usage(finished.usage))
 
     def chunk(self, delta: dict, finish: str | None = None) -> bytes:
         """One chat.completion.chunk frame."""
-        return data_frame({"id": self.id, "object": "chat.completion.chunk",
-                           "created": self.created, "model": self.turn.model,
-                           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+        return data_frame(self.envelope(
+            CHUNK, [{"index": 0, "delta": delta, "finish_reason": finish}]))
 
     def opening(self) -> list[bytes]:
         """The role chunk."""
@@ -137,22 +167,12 @@ class ChatShape:
                 if i not in self.streamed_calls]
         if late:
             frames.append(self.chunk({"tool_calls": late}))
-        reason = FINISH.get(finished.finish_reason, finished.finish_reason)
-        frames.append(self.chunk({}, reason))
-        if self.turn.include_usage:
-            frames.append(data_frame({"id": self.id, "object": "chat.completion.chunk",
-                                      "created": self.created, "model": self.turn.model,
-                                      "choices": [], "usage": openai_usage(finished.usage)}))
-        return frames + [DONE]
+        frames.append(self.chunk({}, finish_reason(finished)))
+        return frames + self.ending(CHUNK, finished)
 
     def failure(self, failed: Failed) -> list[bytes]:
         """A final chunk with finish_reason "error", the error object, then [DONE]."""
-        return [self.chunk({}, "error"), data_frame(error_body(failure_error(failed), OPENAI)),
-                DONE]
-
-    def ping(self) -> bytes:
-        """SSE comment keep-alive."""
-        return COMMENT_PING
+        return [self.chunk({}, "error"), *super().failure(failed)]
 
 
 async def handle(request: Request, runtime: Runtime) -> Response:
