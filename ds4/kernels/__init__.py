@@ -9,17 +9,27 @@ nothing: outputs are passed in, so a decode step made of them can be captured in
 from __future__ import annotations
 
 import functools
+import zlib
 
 import numpy as np
 
-from ds4.backend import load_module
+from ds4.backend import KERNEL_DIR, load_module
 
 NULL = np.uint64(0)  # a null device pointer as a kernel argument
+COMMON_HEADER = KERNEL_DIR / "common.cuh"  # the helpers every family includes
+
+
+def compile_options() -> tuple[str, ...]:
+    """NVRTC options of every family: C++17, the kernel directory on the include path, and the
+    header's checksum as a define, since CuPy's compile cache keys on source and options only
+    and would otherwise keep a module built against an older common.cuh."""
+    digest = zlib.crc32(COMMON_HEADER.read_bytes())
+    return ("--std=c++17", f"-I{KERNEL_DIR}", f"-DDS4_COMMON_CUH={digest}")
 
 
 @functools.cache
 def _module(family: str):
-    return load_module(family, options=("--std=c++17",))
+    return load_module(family, options=compile_options())
 
 
 def kernel(family: str, name: str):

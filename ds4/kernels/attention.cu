@@ -1,33 +1,7 @@
 // Single-query attention for decode (spec 3.4, 3.7): one shared K=V head, per-head sinks,
 // keys = the raw sliding window ring plus compressed rows (all of them, or an indexer selection).
 
-#ifndef INFINITY  // NVRTC has no math.h
-#define INFINITY __int_as_float(0x7f800000)
-#endif
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-// Block-wide reduction (op 0 = sum, 1 = max); every thread gets the result.
-__device__ float block_reduce(float v, float* shared, int op) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) / 32;
-    v = op ? warp_max(v) : warp_sum(v);
-    __syncthreads();
-    if (lane == 0) shared[warp] = v;
-    __syncthreads();
-    float t = threadIdx.x < nw ? shared[threadIdx.x] : (op ? -INFINITY : 0.f);
-    if (warp == 0) t = op ? warp_max(t) : warp_sum(t);
-    if (threadIdx.x == 0) shared[0] = t;
-    __syncthreads();
-    return shared[0];
-}
+#include "common.cuh"
 
 // The new K=V row: raw[pos % cap] = rope(RMSNorm_w(kv_in)) at position pos. One block of
 // `width` threads (width <= 1024).
@@ -40,23 +14,12 @@ extern "C" __global__ void attention_store_kv(const float* __restrict__ kv_in,
     extern __shared__ float row[];
     int c = threadIdx.x;
     float v = c < width ? kv_in[c] : 0.f;
-    float r = rsqrtf(block_reduce(v * v, red, 0) / width + eps);
+    float r = rsqrtf(block_sum(v * v, red) / width + eps);
     if (c < width) row[c] = v * r * w[c];
     __syncthreads();
     int t = pos[0];
-    int first = width - rope_dim;
-    if (c < width) {
-        float out = row[c];
-        if (c >= first) {
-            int k = (c - first) >> 1;
-            double ds, dc;
-            sincos((double)t * freqs[k], &ds, &dc);
-            float s = (float)ds, co = (float)dc;
-            float a = row[first + 2 * k], b = row[first + 2 * k + 1];
-            out = ((c - first) & 1) ? a * s + b * co : a * co - b * s;
-        }
-        raw[(size_t)(t % cap) * width + c] = out;
-    }
+    if (c < width)
+        raw[(size_t)(t % cap) * width + c] = rope_channel(row, c, width - rope_dim, t, freqs);
 }
 
 // Key j's row: ring row j for j < n_raw, else compressed row sel[j - n_raw] (or j - n_raw).
@@ -187,14 +150,14 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part,
         wsm[splits + s] = p[(size_t)s * (width + 2) + 1];
         m = fmaxf(m, wsm[s]);
     }
-    float M = fmaxf(block_reduce(m, red, 1), sinks[h]);
+    float M = fmaxf(block_max(m, red), sinks[h]);
     float l = 0.f;
     for (int s = threadIdx.x; s < splits; s += blockDim.x) {
         float w = wsm[s] > -INFINITY ? expf(wsm[s] - M) : 0.f;
         l += w * wsm[splits + s];
         wsm[s] = w;
     }
-    float inv = 1.f / (block_reduce(l, red, 0) + expf(sinks[h] - M));
+    float inv = 1.f / (block_sum(l, red) + expf(sinks[h] - M));
     for (int c = threadIdx.x; c < width; c += blockDim.x) {
         float acc = 0.f;
 #pragma unroll 8

@@ -4,27 +4,7 @@
 // overlap_kv/overlap_score [m, hd] hold the A-half of the last closed window (scores -inf before
 // the first window closes).
 
-#ifndef INFINITY  // NVRTC has no math.h
-#define INFINITY __int_as_float(0x7f800000)
-#endif
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ float block_sum(float v, float* shared) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) shared[warp] = v;
-    __syncthreads();
-    float t = (threadIdx.x < (blockDim.x + 31) / 32) ? shared[threadIdx.x] : 0.f;
-    if (warp == 0) t = warp_sum(t);
-    if (threadIdx.x == 0) shared[0] = t;
-    __syncthreads();
-    return shared[0];
-}
+#include "common.cuh"
 
 // Store token pos's projected row kvp and score g + bias[pos % m] at slot pos % m.
 extern "C" __global__ void compressor_push(const float* __restrict__ kvp,
@@ -90,16 +70,6 @@ extern "C" __global__ void compressor_pool(const float* __restrict__ pending_kv,
     float r = rsqrtf(block_sum(pooled * pooled, red) / hd + eps);
     if (c < hd) row[c] = pooled * r * norm_w[c];
     __syncthreads();
-    if (c >= hd) return;
-    float out = row[c];
-    int first = hd - rope_dim;
-    if (c >= first) {
-        int k = (c - first) >> 1;
-        double ds, dc;
-        sincos((double)m * w * freqs[k], &ds, &dc);
-        float s = (float)ds, co = (float)dc;
-        float a = row[first + 2 * k], b = row[first + 2 * k + 1];
-        out = ((c - first) & 1) ? a * s + b * co : a * co - b * s;
-    }
-    comp[(size_t)w * hd + c] = out;
+    if (c < hd)
+        comp[(size_t)w * hd + c] = rope_channel(row, c, hd - rope_dim, (double)m * w, freqs);
 }

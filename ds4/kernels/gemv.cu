@@ -2,62 +2,14 @@
 // words (uint16) or fp32; a bf16 word widens by a 16-bit shift into a float's high half, so bf16
 // weights stay bf16 in device memory and every byte is read once, 16 bytes per load.
 
-__device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
-
-// Eight consecutive weights of one row: one 16-byte load for bf16, two for fp32.
-template <typename W> struct Pack;
-
-template <> struct Pack<unsigned short> {
-    uint4 v;
-    __device__ __forceinline__ void load(const unsigned short* w, int i) {
-        v = __ldcs((const uint4*)w + i);
-    }
-    __device__ __forceinline__ float dot(const float4* x) const {
-        float4 a = x[0], b = x[1];
-        return bf16_lo(v.x) * a.x + bf16_hi(v.x) * a.y + bf16_lo(v.y) * a.z + bf16_hi(v.y) * a.w
-             + bf16_lo(v.z) * b.x + bf16_hi(v.z) * b.y + bf16_lo(v.w) * b.z + bf16_hi(v.w) * b.w;
-    }
-};
-
-template <> struct Pack<float> {
-    float4 p, q;
-    __device__ __forceinline__ void load(const float* w, int i) {
-        p = __ldcs((const float4*)w + 2 * i);
-        q = __ldcs((const float4*)w + 2 * i + 1);
-    }
-    __device__ __forceinline__ float dot(const float4* x) const {
-        float4 a = x[0], b = x[1];
-        return p.x * a.x + p.y * a.y + p.z * a.z + p.w * a.w
-             + q.x * b.x + q.y * b.y + q.z * b.z + q.w * b.w;
-    }
-};
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
+#include "common.cuh"
 
 // Dot product of one row's n8 packs with x, by one warp; every lane gets the sum.
 template <typename W>
 __device__ __forceinline__ float row_dot(const W* w, const float4* xv, int n8) {
-    int lane = threadIdx.x & 31, i = lane;
-    float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
-    // Four independent loads in flight per lane before the first use.
-    for (; i + 96 < n8; i += 128) {
-        Pack<W> a, b, c, d;
-        a.load(w, i); b.load(w, i + 32); c.load(w, i + 64); d.load(w, i + 96);
-        acc0 += a.dot(xv + 2 * i);
-        acc1 += b.dot(xv + 2 * (i + 32));
-        acc2 += c.dot(xv + 2 * (i + 64));
-        acc3 += d.dot(xv + 2 * (i + 96));
-    }
-    for (; i < n8; i += 32) {
-        Pack<W> a;
-        a.load(w, i);
-        acc0 += a.dot(xv + 2 * i);
-    }
-    return warp_sum((acc0 + acc1) + (acc2 + acc3));
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    row_dot_partial(w, xv, n8, acc);
+    return warp_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
 }
 
 // One warp per row; grid.y splits the columns into `splits` equal spans (then y must be zeroed

@@ -1,33 +1,11 @@
 // Manifold-constrained hyper-connections (spec 3.2, 3.9), all fp32. X is the residual state
 // [streams, D]; mix = (fn @ flatten(X)) * rsqrt(mean(X^2) + eps); pre/post/comb come from mix.
 
-#ifndef INFINITY  // NVRTC has no math.h
-#define INFINITY __int_as_float(0x7f800000)
-#endif
+#include "common.cuh"
+
 #define MAX_STREAMS 8
 
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ float block_sum(float v, float* shared) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) shared[warp] = v;
-    __syncthreads();
-    float t = (threadIdx.x < (blockDim.x + 31) / 32) ? shared[threadIdx.x] : 0.f;
-    if (warp == 0) t = warp_sum(t);
-    if (threadIdx.x == 0) shared[0] = t;
-    __syncthreads();
-    return shared[0];
-}
-
 __device__ __forceinline__ float sigmoidf(float v) { return 1.f / (1.f + expf(-v)); }
-
-__device__ __forceinline__ float widen(unsigned short w) { return __uint_as_float((unsigned int)w << 16); }
-__device__ __forceinline__ float widen(float w) { return w; }
 
 // X[i, :] = embed[token] for every stream i: the residual starts as the token embedding.
 template <typename W>

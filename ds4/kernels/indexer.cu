@@ -3,6 +3,8 @@
 // wscale folds 1/sqrt(heads) and 1/sqrt(hd). Each block scores 32 entries with 256 threads:
 // 8 threads per entry, each summing heads h = sub, sub + 8, ...
 
+#include "common.cuh"
+
 #define ENTRIES 32
 
 extern "C" __global__ void indexer_scores(const float* __restrict__ q,

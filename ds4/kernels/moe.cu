@@ -2,45 +2,7 @@
 // GEMVs with clamped SwiGLU. Expert weights are bf16 words or fp32: gate/up rows [inter, cols]
 // each and down [rows, inter], expert e at base + e * expert_stride (HF stacked layout).
 
-#ifndef INFINITY  // NVRTC has no math.h
-#define INFINITY __int_as_float(0x7f800000)
-#endif
-
-__device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
-
-// Eight consecutive weights: one 16-byte load for bf16, two for fp32.
-template <typename W> struct Pack;
-
-template <> struct Pack<unsigned short> {
-    uint4 v;
-    __device__ __forceinline__ void load(const unsigned short* w, int i) {
-        v = __ldcs((const uint4*)w + i);
-    }
-    __device__ __forceinline__ float dot(const float4* x) const {
-        float4 a = x[0], b = x[1];
-        return bf16_lo(v.x) * a.x + bf16_hi(v.x) * a.y + bf16_lo(v.y) * a.z + bf16_hi(v.y) * a.w
-             + bf16_lo(v.z) * b.x + bf16_hi(v.z) * b.y + bf16_lo(v.w) * b.z + bf16_hi(v.w) * b.w;
-    }
-};
-
-template <> struct Pack<float> {
-    float4 p, q;
-    __device__ __forceinline__ void load(const float* w, int i) {
-        p = __ldcs((const float4*)w + 2 * i);
-        q = __ldcs((const float4*)w + 2 * i + 1);
-    }
-    __device__ __forceinline__ float dot(const float4* x) const {
-        float4 a = x[0], b = x[1];
-        return p.x * a.x + p.y * a.y + p.z * a.z + p.w * a.w
-             + q.x * b.x + q.y * b.y + q.z * b.z + q.w * b.w;
-    }
-};
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
+#include "common.cuh"
 
 // Router: s = sqrt(softplus(logit)); choose top_k by s + bias (bias may be null), or take
 // tid2eid[token] (hash layers, when tid2eid is given); weights w = s[idx] / sum * route_scale.
@@ -151,30 +113,15 @@ __device__ void down(const W* down_base, long long expert_stride, const int* idx
     int lane = threadIdx.x & 31;
     if (r >= rows) return;
     int n8 = inter >> 3;
-    float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
     int total = n_sel + (shared_down != 0);  // act row n_sel belongs to the shared expert
     for (int k = 0; k < total; k++) {
         const W* w = (k == n_sel ? shared_down : down_base + (idx ? idx[k] : k) * expert_stride)
                      + (size_t)r * inter;
-        const float4* a = (const float4*)(act + (size_t)k * inter);
-        int i = lane;
-        for (; i + 96 < n8; i += 128) {  // four loads in flight per lane
-            Pack<W> w0, w1, w2, w3;
-            w0.load(w, i); w1.load(w, i + 32); w2.load(w, i + 64); w3.load(w, i + 96);
-            acc0 += w0.dot(a + 2 * i);
-            acc1 += w1.dot(a + 2 * (i + 32));
-            acc2 += w2.dot(a + 2 * (i + 64));
-            acc3 += w3.dot(a + 2 * (i + 96));
-        }
-        for (; i < n8; i += 32) {
-            Pack<W> w0;
-            w0.load(w, i);
-            acc0 += w0.dot(a + 2 * i);
-        }
+        row_dot_partial(w, (const float4*)(act + (size_t)k * inter), n8, acc);
     }
-    float acc = (acc0 + acc1) + (acc2 + acc3);
-    acc = warp_sum(acc);
-    if (lane == 0) y[r] = accumulate ? y[r] + acc : acc;
+    float sum = warp_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    if (lane == 0) y[r] = accumulate ? y[r] + sum : sum;
 }
 
 #define GATE_UP_ARGS(W) const W* __restrict__ gate_base, const W* __restrict__ up_base, \

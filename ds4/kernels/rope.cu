@@ -2,6 +2,8 @@
 // row r turns by angle sign * pos * freqs[k]. The angle is formed in float64 (as the NumPy engine
 // does; fp32 angles drift at long positions), then cos/sin are rounded to fp32.
 
+#include "common.cuh"
+
 // x is [rows, width]; row r uses position pos[r / rows_per_pos] + pos_offset. sign -1 undoes it
 // (the attention output's inverse rotation).
 extern "C" __global__ void rope_tail(float* x, const int* __restrict__ pos,

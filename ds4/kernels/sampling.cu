@@ -1,9 +1,7 @@
 // Selection on the device: greedy argmax over logits and the top-k entry set used by the indexer
 // (and by top-k sampling). Ties go to the lower index, as ds4 does (spec 7.3).
 
-#ifndef INFINITY  // NVRTC has no math.h
-#define INFINITY __int_as_float(0x7f800000)
-#endif
+#include "common.cuh"
 
 // Order-preserving map of a float to an unsigned key (larger float -> larger key).
 __device__ __forceinline__ unsigned int order_key(float f) {

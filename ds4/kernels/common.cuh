@@ -1,0 +1,104 @@
+// What the decode kernel families share: +inf for NVRTC, bf16 widening, packs of eight weights,
+// a row dot product, warp and block reductions, and the RoPE turn of one channel. Each
+// ds4/kernels/*.cu includes it; NVRTC and nvcc find it through -I<ds4/kernels>.
+#pragma once
+
+#ifndef INFINITY  // NVRTC has no math.h
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+// A bf16 word widens by a 16-bit shift into a float's high half (exact), so bf16 weights stay
+// bf16 in device memory and every byte is read once.
+__device__ __forceinline__ float widen(unsigned short w) { return __uint_as_float((unsigned int)w << 16); }
+__device__ __forceinline__ float widen(float w) { return w; }
+__device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
+
+// Eight consecutive weights of one row: one 16-byte load for bf16, two for fp32.
+template <typename W> struct Pack;
+
+template <> struct Pack<unsigned short> {
+    uint4 v;
+    __device__ __forceinline__ void load(const unsigned short* w, int i) {
+        v = __ldcs((const uint4*)w + i);
+    }
+    __device__ __forceinline__ float dot(const float4* x) const {
+        float4 a = x[0], b = x[1];
+        return bf16_lo(v.x) * a.x + bf16_hi(v.x) * a.y + bf16_lo(v.y) * a.z + bf16_hi(v.y) * a.w
+             + bf16_lo(v.z) * b.x + bf16_hi(v.z) * b.y + bf16_lo(v.w) * b.z + bf16_hi(v.w) * b.w;
+    }
+};
+
+template <> struct Pack<float> {
+    float4 p, q;
+    __device__ __forceinline__ void load(const float* w, int i) {
+        p = __ldcs((const float4*)w + 2 * i);
+        q = __ldcs((const float4*)w + 2 * i + 1);
+    }
+    __device__ __forceinline__ float dot(const float4* x) const {
+        float4 a = x[0], b = x[1];
+        return p.x * a.x + p.y * a.y + p.z * a.z + p.w * a.w
+             + q.x * b.x + q.y * b.y + q.z * b.z + q.w * b.w;
+    }
+};
+
+// Adds this lane's share of one row's n8 packs dotted with x to acc[0..3] (one warp per row;
+// four independent 16-byte loads in flight per lane before the first use).
+template <typename W>
+__device__ __forceinline__ void row_dot_partial(const W* w, const float4* xv, int n8, float* acc) {
+    int i = threadIdx.x & 31;
+    for (; i + 96 < n8; i += 128) {
+        Pack<W> a, b, c, d;
+        a.load(w, i); b.load(w, i + 32); c.load(w, i + 64); d.load(w, i + 96);
+        acc[0] += a.dot(xv + 2 * i);
+        acc[1] += b.dot(xv + 2 * (i + 32));
+        acc[2] += c.dot(xv + 2 * (i + 64));
+        acc[3] += d.dot(xv + 2 * (i + 96));
+    }
+    for (; i < n8; i += 32) {
+        Pack<W> a;
+        a.load(w, i);
+        acc[0] += a.dot(xv + 2 * i);
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum (or max) of v over the block; every thread gets the result. `shared` holds 32 floats.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v, float* shared) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) / 32;
+    v = MAX ? warp_max(v) : warp_sum(v);
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    float t = threadIdx.x < nw ? shared[threadIdx.x] : (MAX ? -INFINITY : 0.f);
+    if (warp == 0) t = MAX ? warp_max(t) : warp_sum(t);
+    if (threadIdx.x == 0) shared[0] = t;
+    __syncthreads();
+    return shared[0];
+}
+
+__device__ __forceinline__ float block_sum(float v, float* shared) { return block_reduce<false>(v, shared); }
+__device__ __forceinline__ float block_max(float v, float* shared) { return block_reduce<true>(v, shared); }
+
+// Channel c of `row` (first = where the trailing rope channels start) after RoPE at position
+// pos: pair k turns by pos * freqs[k], the angle in float64 as the NumPy engine forms it.
+__device__ __forceinline__ float rope_channel(const float* row, int c, int first, double pos,
+                                              const double* __restrict__ freqs) {
+    if (c < first) return row[c];
+    int k = (c - first) >> 1;
+    double ds, dc;
+    sincos(pos * freqs[k], &ds, &dc);
+    float s = (float)ds, co = (float)dc;
+    float a = row[first + 2 * k], b = row[first + 2 * k + 1];
+    return ((c - first) & 1) ? a * s + b * co : a * co - b * s;
+}
