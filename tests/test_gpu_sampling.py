@@ -9,15 +9,12 @@ import pytest
 from ds4.backend import cuda_available
 from ds4.jobs.events import SamplingOptions
 from ds4.sampling import make_rng, sample
+from test_sampling import TWIN_OPTIONS
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
 
-OPTIONS = [SamplingOptions(), SamplingOptions(temperature=0.7, top_k=40, top_p=0.9, min_p=0.0),
-           SamplingOptions(temperature=1.3, top_p=0.95, min_p=0.01),
-           SamplingOptions(top_k=3000, min_p=0.0), SamplingOptions(top_p=0.5, min_p=0.0),
-           SamplingOptions(temperature=2.0, min_p=0.2), SamplingOptions(temperature=0.0),
-           SamplingOptions(top_k=1, temperature=3.0)]
+OPTIONS = TWIN_OPTIONS  # the options the NumPy twin is checked with in CI
 
 
 def rows() -> list[np.ndarray]:

@@ -34,22 +34,24 @@ def _block_scale(xp, amax, max_value: float):
     return xp.exp2(xp.ceil(xp.log2(amax / max_value)))
 
 
-def fp8_round_blocks(xp, x, block: int = 64):
-    """FP8 round trip of the last axis in blocks of `block` channels (official KV rounding)."""
+def _round_blocks(xp, x, block: int, rounder, max_value: float, floor: float):
+    """Round trip of the last axis in blocks of `block` channels, each scaled by a power of two
+    so its largest magnitude (at least `floor`) fits the format's max_value."""
     shape = x.shape
     blocks = x.reshape(*shape[:-1], shape[-1] // block, block)
-    amax = xp.maximum(xp.abs(blocks).max(axis=-1, keepdims=True), 1e-4)
-    scale = _block_scale(xp, amax, E4M3_MAX).astype(x.dtype)
-    return (round_e4m3(xp, blocks / scale) * scale).reshape(shape)
+    amax = xp.maximum(xp.abs(blocks).max(axis=-1, keepdims=True), floor)
+    scale = _block_scale(xp, amax, max_value).astype(x.dtype)
+    return (rounder(xp, blocks / scale) * scale).reshape(shape)
+
+
+def fp8_round_blocks(xp, x, block: int = 64):
+    """FP8 round trip of the last axis in blocks of `block` channels (official KV rounding)."""
+    return _round_blocks(xp, x, block, round_e4m3, E4M3_MAX, 1e-4)
 
 
 def fp4_round_blocks(xp, x, block: int = 32):
     """FP4 round trip of the last axis in blocks of `block` channels (indexer QAT)."""
-    shape = x.shape
-    blocks = x.reshape(*shape[:-1], shape[-1] // block, block)
-    amax = xp.maximum(xp.abs(blocks).max(axis=-1, keepdims=True), 1e-30)
-    scale = _block_scale(xp, amax, E2M1_MAX).astype(x.dtype)
-    return (round_e2m1(xp, blocks / scale) * scale).reshape(shape)
+    return _round_blocks(xp, x, block, round_e2m1, E2M1_MAX, 1e-30)
 
 
 def hadamard(n: int) -> np.ndarray:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4.model.weights import HF_TO_OFFICIAL_LAYER
 from ds4.tokenizer import packaged_tokenizer_path
 
 TINY_VERSION = "1"  # bump when the recipe below changes: cached copies are then regenerated
@@ -132,21 +133,6 @@ def compressor_tensors(c: dict, kind: str) -> dict[str, tuple[tuple[int, ...], s
     return t
 
 
-OFFICIAL_BLOCK_NAMES = {
-    "attn_hc.fn": "hc_attn_fn", "attn_hc.base": "hc_attn_base", "attn_hc.scale": "hc_attn_scale",
-    "ffn_hc.fn": "hc_ffn_fn", "ffn_hc.base": "hc_ffn_base", "ffn_hc.scale": "hc_ffn_scale",
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_a_proj.weight": "attn.wq_a.weight", "self_attn.q_a_norm.weight": "attn.q_norm.weight",
-    "self_attn.q_b_proj.weight": "attn.wq_b.weight", "self_attn.kv_proj.weight": "attn.wkv.weight",
-    "self_attn.kv_norm.weight": "attn.kv_norm.weight", "self_attn.o_a_proj.weight": "attn.wo_a.weight",
-    "self_attn.o_b_proj.weight": "attn.wo_b.weight", "self_attn.sinks": "attn.attn_sink",
-    "mlp.gate.weight": "ffn.gate.weight", "mlp.gate.e_score_correction_bias": "ffn.gate.bias",
-    "mlp.shared_experts.gate_proj.weight": "ffn.shared_experts.w1.weight",
-    "mlp.shared_experts.up_proj.weight": "ffn.shared_experts.w3.weight",
-    "mlp.shared_experts.down_proj.weight": "ffn.shared_experts.w2.weight",
-}
-
-
 def random_tensor(rng: np.random.Generator, shape: tuple[int, ...], rule: str, c: dict) -> np.ndarray:
     """Random values for one tensor, scaled so routing, mixing and softmaxes are not flat."""
     if rule == "tid2eid":  # distinct experts per token
@@ -196,7 +182,7 @@ def mtp_tensors(rng: np.random.Generator, c: dict) -> dict[str, np.ndarray]:
             for e in range(shape[0]):
                 out[f"mtp.0.ffn.experts.{e}.w2.weight"] = value[e]
         else:
-            out["mtp.0." + OFFICIAL_BLOCK_NAMES[name]] = value
+            out["mtp.0." + HF_TO_OFFICIAL_LAYER[name]] = value
     for name, shape, rule in [("e_proj.weight", (D, D), "linear"), ("h_proj.weight", (D, D), "linear"),
                               ("enorm.weight", (D,), "norm"), ("hnorm.weight", (D,), "norm"),
                               ("norm.weight", (D,), "norm"), ("hc_head_fn", (hc, hc * D), "hc_fn"),

@@ -45,6 +45,9 @@ OFFICIAL_TOP = {
     "norm.weight": "model.norm.weight", "hc_head_fn": "model.hc_head.hc_fn",
     "hc_head_base": "model.hc_head.hc_base", "hc_head_scale": "model.hc_head.hc_scale",
 }
+# HF names inside a layer -> official names (after "layers.{i}."): the tables above, inverted.
+HF_TO_OFFICIAL_LAYER = {hf: off for off, hf in OFFICIAL_LAYER_NAMES.items()}
+HF_TO_OFFICIAL_LAYER.update({hf + ".weight": off + ".weight" for off, hf in OFFICIAL_LAYER_MODULES.items()})
 EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
 LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -302,14 +305,8 @@ def _official_of(hf: str) -> str:
         if name == hf:
             return off
     m = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf)
-    if m:
-        rel = m.group(2)
-        for off, name in OFFICIAL_LAYER_NAMES.items():
-            if name == rel:
-                return f"layers.{m.group(1)}.{off}"
-        for off, name in OFFICIAL_LAYER_MODULES.items():
-            if rel == name + ".weight":
-                return f"layers.{m.group(1)}.{off}.weight"
+    if m and m.group(2) in HF_TO_OFFICIAL_LAYER:
+        return f"layers.{m.group(1)}.{HF_TO_OFFICIAL_LAYER[m.group(2)]}"
     return hf
 
 
