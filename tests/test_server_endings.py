@@ -157,6 +157,23 @@ def test_responses_forced_call_rejected_after_its_item_was_added_fails(live):
     assert frames[-1][1]["response"]["error"]["message"].startswith("invalid tool call")
 
 
+def test_responses_forced_custom_tool_streams_a_custom_tool_call_item(live):
+    patch = {"type": "custom", "name": "apply_patch", "description": "Edit files."}
+    body = {"model": GREEDY, "input": "Say hi", "max_output_tokens": 24, "temperature": 0,
+            "tools": [patch], "tool_choice": {"type": "custom", "name": "apply_patch"},
+            "stream": True}
+    frames = sse(httpx.post(live[0] + "/v1/responses", json=body, timeout=60).text)
+    [added] = [d["item"] for _, d in frames if d["type"] == "response.output_item.added"]
+    assert added["type"] == "custom_tool_call" and added["name"] == "apply_patch"
+    assert added["call_id"].startswith("call_") and added["input"] == ""
+    assert not any(d["type"].startswith("response.function_call") for _, d in frames)
+    end = frames[-1][1]
+    if end["type"] == "response.failed":  # the random model broke the block it was forced into
+        assert end["response"]["error"]["message"].startswith("invalid tool call")
+    else:
+        assert [i["type"] for i in end["response"]["output"]] == ["custom_tool_call"]
+
+
 UNLIMITED = [  # no max tokens: each would generate until the 32768-token context is full
     (CHAT, {"model": GREEDY, "messages": HI, "temperature": 0, "stream": True}),
     (MSG, {"model": GREEDY, "messages": HI, "temperature": 0, "stream": True}),

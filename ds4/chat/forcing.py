@@ -34,7 +34,7 @@ def choice_kind(tool_choice: Any) -> tuple[str, str | None]:
         return kind, None
     if kind in ("any", "required"):
         return "required", None
-    if kind in ("function", "tool"):
+    if kind in ("function", "tool", "custom"):  # custom: a Responses free-text tool
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else tool_choice.get("name")
         if not isinstance(name, str) or not name:
