@@ -12,6 +12,7 @@ import threading
 import numpy as np
 
 from ds4.jobs.events import Finished, Progress, Started, TokenEvents
+from ds4.sampling import sample
 
 
 class Recorder:
@@ -91,6 +92,9 @@ class ScriptedSession:
         self.decoded.append(tok)
         self.logits = self._logits()
         return self.logits
+
+    def sample(self, opts, rng):
+        return sample(self.logits, opts, rng)
 
     def _logits(self):
         n = len(self.tokens) - self.prompt_len

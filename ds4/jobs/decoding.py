@@ -11,7 +11,6 @@ from ds4.chat.events import ParsedOutput, ParserEvent
 from ds4.chat.final_parse import split_reasoning
 from ds4.jobs.events import JobRequest, SamplingOptions, TokenEvents
 from ds4.jobs.stop import StopText
-from ds4.sampling import sample
 from ds4.tokenizer import EOS_ID
 
 GREEDY = SamplingOptions(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
@@ -126,9 +125,7 @@ class DecodeAttempt:
     def _sample(self, session: Any) -> int:
         greedy = self.greedy or self.parser.in_dsml_structure
         opts = GREEDY if greedy else self.request.sampling
-        if hasattr(session, "sample"):  # an engine Session samples where its logits live
-            return int(session.sample(opts, self.rng))
-        return int(sample(session.logits, opts, self.rng))
+        return int(session.sample(opts, self.rng))  # where its logits live (host or device)
 
     def _take(self, tok: int) -> list[ParserEvent]:
         piece = self.tokenizer.token_bytes(tok)
