@@ -185,6 +185,10 @@ BAD = [  # (method, path, body (str = raw), status, message fragment)
     ("POST", MSG, {"max_tokens": 4, "messages": IMAGE_CLAUDE}, 400, ""),
     ("POST", MSG, {"max_tokens": 4, "messages": too_long()}, 400, "context size is 2048"),
     ("POST", MSG + "/count_tokens", {"messages": HI, "model": "claude-x"}, 404, "claude-x"),
+    ("POST", CHAT, '{"messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}', 400,
+     "invalid JSON request"),
+    ("POST", MSG, '{"max_tokens": 4, "messages": [], "top_p": Infinity}', 400,
+     "invalid JSON request"),
     ("GET", CHAT, None, 404, "unknown endpoint"),
     ("POST", "/v1/nowhere", {}, 404, "unknown endpoint"),
 ]
@@ -208,6 +212,14 @@ def test_bad_requests_get_their_status_and_protocol_shape(live):
             assert error["n_ctx"] == 2048 and error["n_prompt_tokens"] > 2048
     ok = httpx.post(url + CHAT, json={"model": GREEDY, "messages": HI, "max_tokens": 2})
     assert ok.status_code == 200  # the server keeps serving
+
+
+def test_out_of_range_sampling_knobs_are_answered_not_a_500(live):
+    url = live[0]
+    for knob in ({"min_p": 2}, {"seed": -1}):
+        body = {"model": GREEDY, "messages": HI, "max_tokens": 2, "temperature": 0.7, **knob}
+        r = httpx.post(url + CHAT, json=body)
+        assert r.status_code == 200, (knob, r.text)
 
 
 def metric(url: str, name: str) -> float:

@@ -46,6 +46,20 @@ def test_sampling_defaults_and_clamps():
     assert (got.top_p, got.min_p, got.top_k, got.seed) == (1.0, 0.0, 1024, None)
 
 
+def test_out_of_range_knobs_are_clamped_not_a_sampler_crash():
+    # min_p above 1 would filter out every token; a seed is a 64-bit word as in ds4 (C cast)
+    got = rf.sampling({"min_p": 2.5, "seed": -1}, "none")
+    assert (got.min_p, got.seed) == (1.0, 2**64 - 1)
+    assert rf.sampling({"seed": 2**64 + 5}, "none").seed == 5
+
+
+def test_json_without_nan_or_infinity():
+    with pytest.raises(ApiError) as err:
+        rf.parse_json('{"temperature": NaN}')
+    assert err.value.status == 400 and err.value.message == "invalid JSON request"
+    assert rf.parse_json('{"temperature": 1e5}') == {"temperature": 1e5}
+
+
 @pytest.mark.parametrize("body", [
     {"temperature": "hot"}, {"temperature": True}, {"top_k": 1.5}, {"seed": "1"},
     {"reasoning_effort": "extreme"}, {"thinking": "yes"}, {"stop": [1, 2]},

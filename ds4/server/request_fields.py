@@ -25,6 +25,7 @@ _CHECKS = {
     ARRAY: lambda v: isinstance(v, list),
     OBJECT: lambda v: isinstance(v, dict),
 }
+SEED_WORD = 2**64
 _EFFORTS = {"max": "max", "xhigh": "high", "high": "high", "medium": "high", "low": "high",
             "minimal": "high", "none": "none"}
 
@@ -42,12 +43,24 @@ async def read_json(request: Request, limit: int) -> tuple[dict, str]:
         chunks.append(chunk)
     try:
         text = b"".join(chunks).decode("utf-8")
-        body = json.loads(text)
-    except (UnicodeDecodeError, ValueError, RecursionError):
+    except UnicodeDecodeError:
+        raise invalid_json() from None
+    return parse_json(text), text
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_json(text: str) -> dict:
+    """A JSON object, strictly: NaN and Infinity (which Python's json takes) are a 400 too."""
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
         raise invalid_json() from None
     if not isinstance(body, dict):
         raise invalid_json()
-    return body, text
+    return body
 
 
 def field(body: dict, name: str, *kinds: str, default: object = None) -> object:
@@ -124,7 +137,8 @@ def thinking_mode(body: dict, alias_mode: str | None, ctx: int) -> str:
 def sampling(body: dict, thinking: str, with_min_p: bool = True,
              with_top_k: bool = True, with_seed: bool = True) -> SamplingOptions:
     """Sampling options; thinking forces the model's own settings and ignores client knobs."""
-    seed = (field(body, "seed", INTEGER, default=0) if with_seed else 0) or None  # 0: fresh
+    # a seed is a 64-bit word (ds4 casts it), so -1 is 2**64-1; 0 means a fresh seed
+    seed = (field(body, "seed", INTEGER, default=0) % SEED_WORD if with_seed else 0) or None
     temperature = float(field(body, "temperature", NUMBER, default=1.0))
     top_p = float(field(body, "top_p", NUMBER, default=1.0))
     top_k = field(body, "top_k", INTEGER, default=0) if with_top_k else 0
@@ -135,7 +149,7 @@ def sampling(body: dict, thinking: str, with_min_p: bool = True,
         temperature=temperature,
         top_k=min(max(top_k, 0), 1024),
         top_p=top_p if 0.0 < top_p <= 1.0 else 1.0,
-        min_p=max(min_p, 0.0),
+        min_p=min(max(min_p, 0.0), 1.0),  # above 1 no token would survive the filter
         seed=seed,
     )
 
