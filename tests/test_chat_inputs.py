@@ -221,3 +221,62 @@ def test_special_token_text_from_clients_is_logged(caplog):
     with caplog.at_level("WARNING", logger="ds4.chat"):
         render_chat([{"role": "user", "content": "say <｜end▁of▁sentence｜> now"}])
     assert "special token" in caplog.text
+
+
+USER = {"role": "user", "content": "x"}
+F_CALL = {"role": "assistant", "content": "",
+          "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{}"}}]}
+
+
+BAD_FIELDS = {
+    "tool_call_id object": lambda: render_chat([USER, F_CALL, {
+        "role": "tool", "tool_call_id": {"a": 1}, "content": "r"}]),
+    "call id list": lambda: render_chat([USER, {"role": "assistant", "tool_calls": [
+        {"id": ["a"], "function": {"name": "f", "arguments": "{}"}}]}]),
+    "tool_calls number": lambda: render_chat([USER, {"role": "assistant", "tool_calls": 5}]),
+    "named choice, tool not an object": lambda: render_chat(
+        [USER], tools=[1], tool_choice={"type": "function", "function": {"name": "f"}}),
+    "forced_text, tool not an object": lambda: forced_text(
+        [1], {"type": "function", "function": {"name": "f"}}),
+    "anthropic text number": lambda: render_anthropic(
+        [{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+    "anthropic thinking number": lambda: render_anthropic([USER, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": 5}]}]),
+    "anthropic tool_use_id list": lambda: render_anthropic([{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": ["t"], "content": "r"}]}]),
+    "anthropic result text list": lambda: render_anthropic([USER, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                      "content": [{"type": "text", "text": [5]}]}]}]),
+    "anthropic tool_use name number": lambda: render_anthropic([USER, {
+        "role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": 5}]}]),
+    "anthropic named choice, tool a string": lambda: render_anthropic(
+        [USER], tools=["x"], tool_choice={"type": "tool", "name": "f"}),
+    "responses summary number": lambda: render_responses([{"type": "reasoning", "summary": 5}]),
+    "responses namespace number": lambda: render_responses([{
+        "type": "function_call", "name": "f", "namespace": 5, "call_id": "c"}]),
+    "responses call_id list": lambda: render_responses([{
+        "type": "function_call_output", "call_id": [1], "output": "x"}]),
+    "responses function number": lambda: render_responses(
+        "x", tools=[{"type": "function", "function": 5}]),
+    "responses namespace tool number": lambda: render_responses(
+        "x", tools=[{"type": "namespace", "name": "n", "tools": [1]}]),
+    "responses namespace name number": lambda: render_responses("x", tools=[{
+        "type": "namespace", "name": 5, "tools": [{"type": "function", "name": "a"}]}]),
+    "responses namespace tools number": lambda: render_responses(
+        "x", tools=[{"type": "namespace", "name": "n", "tools": 5}]),
+}
+
+
+@pytest.mark.parametrize("render", BAD_FIELDS.values(), ids=BAD_FIELDS.keys())
+def test_wrongly_typed_fields_are_chat_errors_not_crashes(render):
+    """Every malformed request the server passes through is a 400, never a 500."""
+    with pytest.raises(ChatError):
+        render()
+
+
+def test_null_texts_render_as_empty_text():
+    messages = [{"role": "user", "content": [{"type": "text", "text": None}]},
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": None}]}]
+    assert render_anthropic(messages, thinking="none").endswith(
+        "<｜User｜><｜Assistant｜></think>")

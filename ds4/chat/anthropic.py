@@ -23,6 +23,16 @@ def system_text(system: Any) -> str | None:
     return "\n".join(texts)
 
 
+def block_text(block: dict, key: str) -> str:
+    """A block's text field ("" when absent); ChatError when it is not a string."""
+    text = block.get(key)
+    if text is None:
+        return ""
+    if not isinstance(text, str):
+        raise ChatError(f"a {block.get('type')} block's {key!r} must be a string")
+    return text
+
+
 def tool_result_text(content: Any) -> str:
     """A tool_result's content: a string, or blocks (text joined by blank lines)."""
     if content is None:
@@ -34,7 +44,7 @@ def tool_result_text(content: Any) -> str:
     texts = []
     for block in content:
         if isinstance(block, dict) and block.get("type") == "text":
-            texts.append(block.get("text", ""))
+            texts.append(block_text(block, "text"))
         else:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             texts.append(f"[Unsupported {kind}]")
@@ -57,7 +67,7 @@ def add_user_blocks(out: ItemList, content: Any) -> None:
     for block in blocks_of(content):
         kind = block.get("type")
         if kind == "text":
-            out.add_user_text(block.get("text", ""))
+            out.add_user_text(block_text(block, "text"))
         elif kind == "tool_result":
             out.add_tool_result(block.get("tool_use_id"), tool_result_text(block.get("content")))
         else:
@@ -70,13 +80,11 @@ def add_assistant_blocks(out: ItemList, content: Any) -> None:
     for block in blocks_of(content):
         kind = block.get("type")
         if kind == "thinking":
-            reasoning.append(block.get("thinking", ""))
+            reasoning.append(block_text(block, "thinking"))
         elif kind == "text":
-            text.append(block.get("text", ""))
-        elif kind == "tool_use":
-            if not block.get("name"):
-                raise ChatError("a tool_use block has no name")
-            calls.append(Call(block.get("id") or "", block["name"], block.get("input") or {}))
+            text.append(block_text(block, "text"))
+        elif kind == "tool_use":  # the item list refuses a missing name or a non-string id
+            calls.append(Call(block.get("id") or "", block.get("name"), block.get("input") or {}))
         elif kind != "redacted_thinking":
             raise ChatError(f"unsupported assistant content block {kind!r}")
     out.add_assistant("".join(reasoning), "".join(text), calls)

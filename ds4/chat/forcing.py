@@ -10,8 +10,10 @@ from ds4.chat.tools_block import DSML
 FORCE_BLOCK = f"\n\n<{DSML}tool_calls>\n"
 
 
-def tool_name(tool: dict) -> str | None:
+def tool_name(tool: Any) -> str | None:
     """Name of a tool in OpenAI (`function.name`), Anthropic or Responses (`name`) form."""
+    if not isinstance(tool, dict):
+        return None
     fn = tool.get("function")
     if isinstance(fn, dict) and "name" in fn:
         return fn["name"]

@@ -80,6 +80,24 @@ def warn_special(text: str, where: str) -> None:
             return
 
 
+def call_id_text(call_id: Any) -> str:
+    """A tool-call id as text ("" when absent); ChatError when the client sent another type."""
+    if call_id is None or call_id == "":
+        return ""
+    if not isinstance(call_id, str):
+        raise ChatError(f"tool call ids must be strings, not {type(call_id).__name__}")
+    return call_id
+
+
+def checked_calls(calls: list[Call]) -> list[Call]:
+    """The calls of a turn, each with a string id and a non-empty string name."""
+    for call in calls:
+        if not isinstance(call.name, str) or not call.name:
+            raise ChatError("a tool call has no name")
+        call.id = call_id_text(call.id)
+    return list(calls)
+
+
 class ItemList:
     """Collects items in request order, merging the way the official encoder does (§2)."""
 
@@ -110,14 +128,15 @@ class ItemList:
 
     def add_tool_result(self, call_id: str | None, text: str) -> None:
         """A tool result; its id must name a call of an earlier assistant turn."""
+        call_id = call_id_text(call_id)
         if call_id and call_id not in self._known_calls:
             raise ChatError(f"tool result for unknown tool call id {call_id!r}")
         warn_special(text, "tool result")
-        self._user().parts.append(ToolResult(call_id or "", text))
+        self._user().parts.append(ToolResult(call_id, text))
 
     def add_assistant(self, reasoning: str, content: str, calls: list[Call]) -> None:
         """An assistant turn (reasoning, visible content, tool calls)."""
-        self.items.append(Assistant(reasoning, content, list(calls)))
+        self.items.append(Assistant(reasoning, content, checked_calls(calls)))
         self._known_calls.update(c.id for c in calls if c.id)
 
     def extend_assistant(self, reasoning: str = "", content: str = "", calls=()) -> None:
@@ -128,7 +147,7 @@ class ItemList:
             return
         last.reasoning += reasoning
         last.content += content
-        last.calls.extend(calls)
+        last.calls.extend(checked_calls(list(calls)))
         self._known_calls.update(c.id for c in calls if c.id)
 
     def finish(self, prefill_last: bool = False) -> list[Item]:

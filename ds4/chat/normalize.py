@@ -64,7 +64,10 @@ def add_openai_message(out: ItemList, msg: Any) -> None:
         reasoning = msg.get("reasoning_content")
         if reasoning is None:
             reasoning = msg.get("reasoning")
-        calls = [openai_call(c) for c in msg.get("tool_calls") or []]
+        raw_calls = msg.get("tool_calls") or []
+        if not isinstance(raw_calls, list):
+            raise ChatError("tool_calls must be a list")
+        calls = [openai_call(c) for c in raw_calls]
         if msg.get("function_call"):  # the legacy single-call field
             calls.append(openai_call({"function": msg["function_call"]}))
         out.add_assistant(content_text(reasoning), content_text(content), calls)

@@ -44,7 +44,10 @@ def reasoning_text(item: dict) -> str:
     """A reasoning item's summary and content texts, newline-joined."""
     texts = []
     for key in ("summary", "content"):
-        for part in item.get(key) or []:
+        parts = item.get(key) or []
+        if not isinstance(parts, list):
+            raise ChatError(f"a reasoning item's {key!r} must be a list of parts")
+        for part in parts:
             if isinstance(part, dict) and isinstance(part.get("text"), str) and part["text"]:
                 texts.append(part["text"])
     return "\n".join(texts)
@@ -63,7 +66,7 @@ def response_call(item: dict) -> Call:
     if not isinstance(name, str) or not name:
         raise ChatError(f"a {kind} item has no name")
     if kind == "function_call" and item.get("namespace"):
-        name = item["namespace"] + name
+        name = namespace_name(item["namespace"]) + name
     if kind == "custom_tool_call":  # free text, matching the one-string schema we render
         return Call(call_id, name, {"input": item.get("input") or ""})
     args = item.get("arguments")
@@ -151,9 +154,7 @@ def responses_functions(tools: list[dict] | None) -> list[dict]:
         if kind == "function":
             functions.append(function_schema(tool, ""))
         elif kind == "namespace":
-            prefix = tool.get("name") or ""
-            functions += [function_schema(t, prefix) for t in tool.get("tools") or []
-                          if t.get("type", "function") == "function"]
+            functions += namespace_schemas(tool)
         elif kind == "custom":
             functions.append(custom_schema(tool))
         elif kind == LOCAL_SHELL:
@@ -173,10 +174,26 @@ def responses_call_kinds(tools: list[dict] | None) -> dict[str, str]:
     return kinds
 
 
+def namespace_name(name: Any) -> str:
+    """A namespace's name, which prefixes the names of its functions."""
+    if not isinstance(name, str):
+        raise ChatError("a namespace name must be a string")
+    return name
+
+
+def namespace_schemas(tool: dict) -> list[dict]:
+    """The function schemas of a namespace tool, their names prefixed with its name."""
+    prefix = namespace_name(tool.get("name") or "")
+    nested = tool.get("tools") or []
+    if not isinstance(nested, list) or not all(isinstance(t, dict) for t in nested):
+        raise ChatError("a namespace's tools must be a list of objects")
+    return [function_schema(t, prefix) for t in nested if t.get("type", "function") == "function"]
+
+
 def function_schema(tool: dict, prefix: str) -> dict:
     """{name, description, parameters} of a function tool (nested or flat form)."""
     fn = tool.get("function", tool)
-    if not fn.get("name"):
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
         raise ChatError("a tool has no name")
     out = {"name": prefix + fn["name"]}
     if "description" in fn:
