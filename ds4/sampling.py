@@ -46,7 +46,19 @@ def sample(logits, opts: SamplingOptions, rng: np.random.Generator) -> int:
     logits = np.asarray(logits, dtype=np.float32).reshape(-1)
     if is_greedy(opts):
         return greedy(logits)
-    return _pick(logits / np.float32(opts.temperature), opts, rng.random())
+    return _pick(_scaled(logits, opts.temperature), opts, rng.random())
+
+
+def _scaled(logits, temperature: float):
+    """(logits - max) / T: the best token sits at 0, so a tiny T can only overflow the others
+    to -inf (weight 0); logits / T would overflow the best ones to +inf and draw garbage."""
+    with np.errstate(over="ignore"):  # the overflow to -inf is the intended limit
+        return (logits - logits.max()) / logits.dtype.type(temperature)
+
+
+def _log_min_p(opts: SamplingOptions) -> np.float32:
+    """log of min_p, capped at 1 so the best token always passes the filter."""
+    return np.float32(np.log(min(opts.min_p, 1.0)))
 
 
 def _pick(scaled: np.ndarray, opts: SamplingOptions, u: float) -> int:
@@ -55,7 +67,7 @@ def _pick(scaled: np.ndarray, opts: SamplingOptions, u: float) -> int:
     k = min(opts.top_k, TOP_K_CAP) if opts.top_k > 0 else n
     ids = _top_k_top_p(scaled, k, opts.top_p, peak) if k < n or opts.top_p < 1.0 else None
     if opts.min_p > 0:  # p >= min_p * p_max, in log space
-        floor = peak + np.float32(np.log(opts.min_p))
+        floor = peak + _log_min_p(opts)
         ids = np.flatnonzero(scaled >= floor) if ids is None else ids[scaled[ids] >= floor]
     ids = np.arange(n) if ids is None else np.sort(ids)
     cdf = np.cumsum(_weights(scaled[ids], peak))
@@ -102,7 +114,7 @@ def sample_masked(xp, logits, opts: SamplingOptions, rng: np.random.Generator) -
     if is_greedy(opts):
         return _argmax(xp, logits)
     u = rng.random()
-    scaled = logits / xp.float32(opts.temperature)
+    scaled = _scaled(logits, opts.temperature)
     n, peak = scaled.size, scaled.max()
     k = min(opts.top_k, TOP_K_CAP) if opts.top_k > 0 else n
     weight = xp.exp(scaled.astype(xp.float64) - peak)
@@ -118,7 +130,7 @@ def sample_masked(xp, logits, opts: SamplingOptions, rng: np.random.Generator) -
             limit = xp.searchsorted(mass / mass[-1], target, side="left")[0] + 1
         keep = rank < limit
     if opts.min_p > 0:
-        above = scaled >= peak + xp.float32(np.log(opts.min_p))
+        above = scaled >= peak + _log_min_p(opts)
         keep = above if keep is None else keep & above
     if keep is not None:
         weight = xp.where(keep, weight, 0.0)

@@ -128,3 +128,26 @@ def test_device_path_twin_draws_the_host_tokens(options) -> None:
             want = [sample(logits, options, host) for _ in range(3)]
             assert [sample_masked(np, logits, options, device) for _ in range(3)] == want
             assert host.random() == device.random()  # both took the same number of draws
+
+
+@pytest.mark.parametrize("options", [SamplingOptions(min_p=1.5), SamplingOptions(min_p=1.0, top_p=0.5)], ids=str)
+def test_min_p_above_one_keeps_the_best_token(options) -> None:
+    # no token can reach min_p > 1 times the best probability; the best one must still be drawn
+    from ds4.sampling import sample_masked
+
+    logits = np.array([1.0, 3.0, 2.0, -5.0], dtype=np.float32)
+    assert sample(logits, options, make_rng(0)) == 1
+    assert sample_masked(np, logits, options, make_rng(0)) == 1
+
+
+@pytest.mark.parametrize("options", [SamplingOptions(temperature=1e-38, min_p=0.0),
+                                     SamplingOptions(temperature=1e-38, top_p=0.9, min_p=0.0),
+                                     SamplingOptions(temperature=1e-38, top_k=2)], ids=str)
+def test_a_tiny_temperature_draws_the_best_token(options) -> None:
+    # logits / T overflows float32 here; the limit of T -> 0 is greedy, not an arbitrary token
+    from ds4.sampling import sample_masked
+
+    logits = np.array([10.0, 30.0, 20.0, -5.0], dtype=np.float32)
+    for seed in range(4):
+        assert sample(logits, options, make_rng(seed)) == 1
+        assert sample_masked(np, logits, options, make_rng(seed)) == 1
