@@ -114,6 +114,7 @@ class Session:
             raise ValueError("sync needs at least one token")
         if len(ids) > self.ctx_size:
             raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context size {self.ctx_size}")
+        self._check_vocabulary(ids)  # before the rewind: a bad prompt must not cost the held one
         self._rewind_to(self.reusable_prefix(ids))
         chunk, start = self.engine.prefill_chunk, len(self.tokens)
         for begin in range(start, len(ids), chunk):
@@ -127,6 +128,7 @@ class Session:
         """Append one token and return its logits (float32 [vocab])."""
         if len(self.tokens) + 1 > self.ctx_size:
             raise ContextOverflow(f"context is full ({self.ctx_size} tokens); cannot decode more")
+        self._check_vocabulary([int(token_id)])
         self._run([int(token_id)])
         return self.logits
 
@@ -181,11 +183,13 @@ class Session:
 
     # ---- internals
 
-    def _run(self, ids: list[int]) -> None:
+    def _check_vocabulary(self, ids: list[int]) -> None:
         vocab = self.engine.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             bad = next(t for t in ids if not 0 <= t < vocab)
             raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})")
+
+    def _run(self, ids: list[int]) -> None:
         logits = self.engine.model.forward(self.state, ids)
         self.tokens.extend(ids)
         self.logits = np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32)

@@ -162,3 +162,17 @@ def test_session_sample_draws_what_the_host_sampler_draws(engine):
         token = s.sample(opts, mine)
         assert token == sample(s.logits, opts, theirs)
         s.decode(token)
+
+
+def test_a_bad_token_id_leaves_the_held_prompt_intact(engine):
+    """A prompt with an id outside the vocabulary fails before any state is touched, so the
+    session still holds (and reuses) what it held."""
+    p = prompt(6, 40)
+    s = engine.new_session(128)
+    want = s.sync(p).copy()
+    for bad in ([0, 5, 512], p[:20] + [7] * 30 + [-1]):  # a diverging prompt, bad id in a later chunk
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            s.sync(bad)
+        assert s.tokens == p and s.reusable_prefix(p) == len(p)
+        np.testing.assert_array_equal(s.logits, want)
+    np.testing.assert_allclose(s.decode(3), engine.new_session(128).sync(p + [3]), atol=1e-4)
