@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ds4.chat.anthropic import anthropic_functions, anthropic_items
 from ds4.chat.events import ParsedOutput
 from ds4.chat.forcing import forced_text, tools_active
-from ds4.chat.items import Assistant, Call, ChatError, Item, System, ToolResult, User
+from ds4.chat.items import (
+    Assistant,
+    Call,
+    ChatError,
+    Item,
+    System,
+    TextPart,
+    ToolResult,
+    User,
+)
 from ds4.chat.normalize import openai_functions, openai_items
 from ds4.chat.replay import ToolMemory
 from ds4.chat.responses import responses_functions, responses_items
@@ -50,8 +60,8 @@ def attach_system(items: list[Item], functions: list[dict], response_format: Any
     return items
 
 
-def part_text(part: Any) -> str:
-    """One user part as prompt text."""
+def prompt_part(part: TextPart | ToolResult) -> str:
+    """One part of a user turn as prompt text."""
     if isinstance(part, ToolResult):
         return f"<tool_result>{part.text}</tool_result>"
     return part.text
@@ -95,7 +105,7 @@ def render_items(items: list[Item], thinking: str = "high",
             if item.response_format is not None:
                 out.append("\n\n" + response_format_block(item.response_format))
         elif isinstance(item, User):
-            out.append(USER + "\n\n".join(part_text(p) for p in item.parts))
+            out.append(USER + "\n\n".join(prompt_part(p) for p in item.parts))
             following = items[n + 1] if n + 1 < len(items) else None
             if following is None or isinstance(following, Assistant):
                 opens = think and (keep_reasoning or n >= last_user)
@@ -107,12 +117,21 @@ def render_items(items: list[Item], thinking: str = "high",
     return "".join(out)
 
 
+def active_functions(tools: list[dict] | None, tool_choice: Any,
+                     schemas: Callable[[list[dict] | None], list[dict]]) -> list[dict]:
+    """The function schemas to render under tool_choice (none for `none`); ChatError when
+    the choice forces a tool the request does not offer."""
+    active = tools_active(tools, tool_choice)
+    functions = schemas(tools) if active else []
+    forced_text(functions if active else tools, tool_choice)
+    return functions
+
+
 def render_chat(messages: list[dict], tools: list[dict] | None = None, thinking: str = "high",
                 tool_choice: Any = "auto", tool_memory: ToolMemory | None = None,
                 response_format: Any = None) -> str:
     """Prompt text of an OpenAI chat request; ChatError for input the server rejects (400)."""
-    forced_text(tools, tool_choice)  # validates a named choice against the tools
-    functions = openai_functions(tools) if tools_active(tools, tool_choice) else []
+    functions = active_functions(tools, tool_choice, openai_functions)
     items = attach_system(openai_items(messages), functions, response_format)
     return render_items(items, thinking, tool_memory)
 
@@ -121,8 +140,7 @@ def render_anthropic(messages: list[dict], system: Any = None, tools: list[dict]
                      thinking: str = "high", tool_choice: Any = None,
                      tool_memory: ToolMemory | None = None) -> str:
     """Prompt text of an Anthropic Messages request (a final assistant message is continued)."""
-    forced_text(tools, tool_choice)
-    functions = anthropic_functions(tools) if tools_active(tools, tool_choice) else []
+    functions = active_functions(tools, tool_choice, anthropic_functions)
     items = attach_system(anthropic_items(messages, system), functions, None)
     return render_items(items, thinking, tool_memory)
 
@@ -131,8 +149,7 @@ def render_responses(input: Any, instructions: str | None = None,
                      tools: list[dict] | None = None, thinking: str = "high",
                      tool_choice: Any = "auto", tool_memory: ToolMemory | None = None) -> str:
     """Prompt text of an OpenAI Responses request (`instructions` lead as system text)."""
-    forced_text(responses_functions(tools), tool_choice)
-    functions = responses_functions(tools) if tools_active(tools, tool_choice) else []
+    functions = active_functions(tools, tool_choice, responses_functions)
     items = attach_system(responses_items(input, instructions), functions, None)
     return render_items(items, thinking, tool_memory)
 
