@@ -71,6 +71,23 @@ def test_other_endings_keep_stop_sequence_null_and_chat_says_stop(live, stop_cas
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] == before
 
 
+def test_completions_stop_cuts_the_raw_text_reasoning_included(live):
+    # /v1/completions thinks by default and returns the raw text, reasoning included: a stop
+    # string anywhere in that text ends it, streamed or not
+    url = live[0] + "/v1/completions"
+    body = {"prompt": "Tell me", "max_tokens": 24, "seed": 3}
+    free = httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
+    assert "</think>" not in free[:12] and len(free) >= 12, free
+    stop = free[8:11]
+    before = free[: free.find(stop)]
+    choice = httpx.post(url, json={**body, "stop": stop}, timeout=60).json()["choices"][0]
+    assert (choice["finish_reason"], choice["text"]) == ("stop", before)
+    frames = sse(httpx.post(url, json={**body, "stop": [stop], "stream": True}, timeout=60).text)
+    chunks = [d["choices"][0] for _, d in frames if d != "[DONE]" and d["choices"]]
+    assert "".join(c["text"] for c in chunks) == before
+    assert chunks[-1]["finish_reason"] == "stop"
+
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}

@@ -48,7 +48,7 @@ def parse(body: dict, raw: str, runtime: Runtime) -> Turn:
         thinking=thinking, sampling=rf.sampling(body, thinking),
         max_tokens=rf.max_tokens(body, ("max_tokens",), cfg.tokens),
         stop=rf.stop_sequences(body), stream=stream, include_usage=include_usage,
-        raw_body=raw, prompt_field="prompt")
+        raw_body=raw, prompt_field="prompt", raw_text=True)
 
 
 class CompletionShape(OpenAIObject):

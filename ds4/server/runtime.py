@@ -155,7 +155,8 @@ class Runtime:
         request = JobRequest(
             prompt_tokens=prompt.tokens, sampling=turn.sampling,
             max_tokens=min(turn.max_tokens, self.config.ctx - len(prompt.tokens)),
-            stop=turn.stop, thinking=turn.thinking != "none", tools_active=turn.tools_active,
+            stop=turn.stop, thinking=turn.thinking != "none" and not turn.raw_text,
+            tools_active=turn.tools_active,
             forced_text=turn.forced_text, id_prefix=turn.id_prefix, call_ids=turn.call_ids,
             endpoint=turn.endpoint, raw_body=turn.raw_body)
         running.job = self.scheduler.submit(request, running.events.sink)

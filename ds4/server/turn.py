@@ -28,6 +28,9 @@ class Turn:
     include_usage: bool = False
     raw_body: str = ""
     prompt_field: str = "messages"  # named by context-overflow errors
+    # the client gets the raw generated text (/v1/completions): the job splits off no
+    # reasoning, so its stop strings scan all of that text
+    raw_text: bool = False
 
 
 @dataclass
