@@ -176,3 +176,10 @@ def test_a_bad_token_id_leaves_the_held_prompt_intact(engine):
         assert s.tokens == p and s.reusable_prefix(p) == len(p)
         np.testing.assert_array_equal(s.logits, want)
     np.testing.assert_allclose(s.decode(3), engine.new_session(128).sync(p + [3]), atol=1e-4)
+
+
+def test_memory_report_matches_what_a_session_allocates(engine):
+    report = engine.memory_report()
+    ctx = 4 * 16 * 8  # a multiple of every compress ratio: no partial row of capacity
+    held = engine.new_session(ctx).state.nbytes
+    assert held == report["state_fixed_bytes"] + report["state_bytes_per_token"] * ctx

@@ -91,11 +91,6 @@ class ModelConfig:
         kind = self.layer_types[layer]
         return 0 if kind == SLIDING else int(self.compress_rates[kind])
 
-    @property
-    def hash_layers(self) -> int:
-        """How many layers route by the token-id hash table."""
-        return sum(t == "hash_moe" for t in self.mlp_layer_types)
-
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         """Read <model_dir>/config.json."""

@@ -33,11 +33,6 @@ class CompressorState:
         return {"pending_kv": self.pending_kv, "pending_score": self.pending_score,
                 "overlap_kv": self.overlap_kv, "overlap_score": self.overlap_score}
 
-    @property
-    def bytes_per_token(self) -> float:
-        """Bytes of compressed rows appended per context token."""
-        return self.rows.shape[1] * 4 / self.ratio
-
 
 class LayerState:
     """Raw K=V ring (position p in slot p % window) plus the layer's compressor(s)."""
@@ -89,13 +84,6 @@ class SessionState:
                 for aname, arr in comp.small_arrays().items():
                     out[f"{i}.{cname}.{aname}"] = arr
         return out
-
-    def copy_frontier_from(self, other: "SessionState") -> None:
-        """Make this state's fixed-size arrays and n equal to other's (compressed rows shared by n)."""
-        mine = self.frontier_arrays()
-        for name, arr in other.frontier_arrays().items():
-            mine[name][...] = arr
-        self.n = other.n
 
     def export(self, to_host) -> dict[str, np.ndarray]:
         """Host arrays holding exactly the live state (fixed arrays + valid compressed rows)."""
