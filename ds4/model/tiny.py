@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4.model.config import CSA, HCA, SLIDING
 from ds4.model.weights import HF_TO_OFFICIAL_LAYER
 from ds4.tokenizer import packaged_tokenizer_path
 
 TINY_VERSION = "1"  # bump when the recipe below changes: cached copies are then regenerated
-SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = [SLIDING, SLIDING, CSA, HCA, CSA, HCA]
 NUM_HASH_LAYERS = 3
 RATES = {SLIDING: 0, CSA: 4, HCA: 32}
