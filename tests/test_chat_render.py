@@ -12,6 +12,7 @@ from ds4.chat import (
     render_chat,
     render_completion,
 )
+from ds4.chat.special_tokens import SPECIAL_STRINGS
 from ds4.tokenizer import Tokenizer
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
@@ -258,3 +259,9 @@ def test_legacy_function_call_field():
     assert ('<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="false">1'
             '</｜DSML｜parameter>') in text
     assert text.endswith("<｜User｜><tool_result>done</tool_result><｜Assistant｜></think>")
+
+
+def test_special_strings_are_the_spec_tokens(tok):
+    """Each marker the renderer writes and the parser reads is one token, with §1's id."""
+    assert [tok.encode(s) for s in SPECIAL_STRINGS] == [
+        [0], [1], [128803], [128804], [128821], [128822], [128825], [128828]]

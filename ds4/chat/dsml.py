@@ -8,12 +8,11 @@ import logging
 import re
 from dataclasses import dataclass
 
-from ds4.chat.tools_block import DSML, to_json
+from ds4.chat.special_tokens import ASSISTANT, DSML, USER
+from ds4.chat.tools_block import to_json
 
 log = logging.getLogger("ds4.chat")
 
-THINK = "<think>"
-THINK_END = "</think>"
 SPACE = " \t\r\n"
 SEPARATOR = "\n\n"  # the canonical blank line before a block: syntax, not content
 ATTRS = re.compile(r'(?:[ \t\r\n]+[A-Za-z_][\w-]*[ \t\r\n]*=[ \t\r\n]*"[^"]*")*[ \t\r\n]*')
@@ -158,7 +157,7 @@ EXPECTED_PARAMETER = "malformed DSML: expected a parameter or the end of the inv
 TURN_IN_BLOCK = "malformed DSML: a turn marker inside the tool calls"
 UNTERMINATED = "unterminated tool call"
 # The model opening a new turn inside a block lost the thread (§5.5 sends it to a redecode).
-TURN_MARKERS = ("<｜User｜>", "<｜Assistant｜>")
+TURN_MARKERS = (USER, ASSISTANT)
 
 
 def has_turn_marker(text: str) -> bool:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from ds4.chat import dsml
-from ds4.chat.dsml import SEPARATOR, SPACE, THINK, THINK_END, Dialect
+from ds4.chat.dsml import SEPARATOR, SPACE, Dialect
 from ds4.chat.events import ParsedOutput, ToolCall
+from ds4.chat.special_tokens import THINK, THINK_END
 
 
 class Unterminated(Exception):

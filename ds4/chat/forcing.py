@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ds4.chat.items import ChatError
-from ds4.chat.tools_block import DSML
+from ds4.chat.special_tokens import DSML
 
 FORCE_BLOCK = f"\n\n<{DSML}tool_calls>\n"
 

@@ -7,12 +7,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from ds4.chat.special_tokens import SPECIAL_STRINGS
+
 log = logging.getLogger("ds4.chat")
 
-SPECIAL_STRINGS = (
-    "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
-    "<think>", "</think>", "｜DSML｜", "<｜latest_reminder｜>",
-)
 
 
 class ChatError(ValueError):

@@ -12,7 +12,8 @@ from dataclasses import replace
 
 from ds4.chat import dsml
 from ds4.chat import events as ev
-from ds4.chat.dsml import DSML, SEPARATOR, SPACE, START_MARKERS, THINK, THINK_END
+from ds4.chat.dsml import SEPARATOR, SPACE, START_MARKERS
+from ds4.chat.special_tokens import DSML, THINK, THINK_END
 
 LONGEST_MARKER = max(len(m) for m in START_MARKERS)
 TOOL_STATES = ("invokes", "params", "string_value", "json_value")

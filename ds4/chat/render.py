@@ -21,14 +21,9 @@ from ds4.chat.items import (
 from ds4.chat.normalize import openai_functions, openai_items
 from ds4.chat.replay import ToolMemory
 from ds4.chat.responses import responses_functions, responses_items
+from ds4.chat.special_tokens import ASSISTANT, BOS, EOS, THINK, THINK_END, USER
 from ds4.chat.tools_block import dsml_calls, response_format_block, tools_block
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK = "<think>"
-THINK_END = "</think>"
 MAX_PREFIX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to"

@@ -6,8 +6,7 @@ import json
 from typing import Any
 
 from ds4.chat.items import Call
-
-DSML = "｜DSML｜"
+from ds4.chat.special_tokens import DSML
 
 TOOLS_INTRO = (
     "## Tools\n\n"
