@@ -78,6 +78,23 @@ def test_stop_string_cuts_the_answer_and_is_never_streamed():
     assert "here" not in TOK.decode(sched.engine.sessions[0].decoded)  # stopped at the match
 
 
+def test_text_is_cut_at_the_first_match_even_when_the_last_token_repeats_it():
+    # "\n\n" is one token: the stop "\n" ends the answer at its first newline, and the raw
+    # text (a completions body, a trace) must end there too, like the stream
+    script = TOK.encode("Line one\n\nmore") + [EOS]
+    _, _, rec = run([script], stop=["\n"])
+    end = rec.finished()
+    assert (end.finish_reason, end.text, end.output.content) == ("stop", "Line one", "Line one")
+    assert streamed_text(rec) == "Line one"
+
+
+def test_a_stop_string_in_the_reasoning_does_not_cut_the_text():
+    script = TOK.encode("Done thinking.</think>Answer. Done more") + [EOS]
+    _, _, rec = run([script], stop=["Done"], thinking=True)
+    end = rec.finished()
+    assert end.text == "Done thinking.</think>Answer. " and end.output.content == "Answer. "
+
+
 def test_stop_filter_holds_back_partial_matches():
     stop = StopText(["END!"])
     out = stop.filter([TextDelta("abc EN")]) + stop.filter([TextDelta("Dx")])

@@ -118,7 +118,9 @@ class DecodeAttempt:
         """The whole generated text (raw, cut before a stop string)."""
         text = self.raw.decode("utf-8", errors="replace")
         if self.stop.hit is not None:
-            at = text.rfind(self.stop.hit)
+            # the filter scans the answer only, so the cut is its first match after reasoning
+            _, start = split_reasoning(text, self.request.thinking)
+            at = text.find(self.stop.hit, start or 0)
             text = text[:at] if at >= 0 else text
         return text
 
