@@ -190,22 +190,35 @@ class Session:
             raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})")
 
     def _run(self, ids: list[int]) -> None:
-        logits = self.engine.model.forward(self.state, ids)
-        self.tokens.extend(ids)
-        self.logits = np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32)
+        try:
+            logits = self.engine.model.forward(self.state, ids)
+            self.tokens.extend(ids)
+            self.logits = np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32)
+        except BaseException:
+            # earlier layers may have written rows and moved pending/overlap state: fall back
+            # to a point whose state is whole (the frontier's rows lie below this step's)
+            self._rewind_to(len(self._frontier[0]) if self._frontier is not None else 0, force=True)
+            raise
         self._device_logits = logits if self.engine.backend.is_gpu else None
 
-    def _rewind_to(self, keep: int) -> None:
-        """Make the held state cover exactly the first `keep` tokens it can reuse."""
-        if keep == len(self.tokens):
+    def _rewind_to(self, keep: int, force: bool = False) -> None:
+        """Make the held state cover exactly the first `keep` tokens it can reuse (force: even
+        when that is every held token, because the arrays no longer match them)."""
+        if keep == len(self.tokens) and not force:
             return
         if self._frontier is not None and keep == len(self._frontier[0]) and keep > 0:
-            tokens, logits, n, copies = self._frontier
-            for name, arr in self.state.frontier_arrays().items():
-                arr[...] = copies[name]
-            self.state.n = n
-            self.tokens, self.logits, self._device_logits = list(tokens), logits, None
-            return
+            self._restore_frontier()
+        else:
+            self._reset()
+
+    def _restore_frontier(self) -> None:
+        tokens, logits, n, copies = self._frontier
+        for name, arr in self.state.frontier_arrays().items():
+            arr[...] = copies[name]
+        self.state.n = n
+        self.tokens, self.logits, self._device_logits = list(tokens), logits, None
+
+    def _reset(self) -> None:
         self.state.reset()
         self.tokens, self.logits, self._device_logits = [], None, None
         self._frontier = None  # its compressed rows are about to be overwritten

@@ -183,3 +183,27 @@ def test_memory_report_matches_what_a_session_allocates(engine):
     ctx = 4 * 16 * 8  # a multiple of every compress ratio: no partial row of capacity
     held = engine.new_session(ctx).state.nbytes
     assert held == report["state_fixed_bytes"] + report["state_bytes_per_token"] * ctx
+
+
+@pytest.mark.parametrize("synced_before", [True, False])
+def test_a_forward_that_raises_leaves_no_half_written_state(engine, monkeypatch, synced_before):
+    """An error inside a layer (e.g. out of memory) after earlier layers wrote their rows must
+    not leave those rows behind: the next sync equals a fresh run."""
+    p, more = prompt(8, 40), prompt(9, 30)[1:]
+    s = engine.new_session(128)
+    if synced_before:
+        s.sync(p)
+    real_layer = engine.model._layer
+
+    def failing_layer(i, *args):
+        if i == len(engine.config.layer_types) - 1:  # every earlier layer already ran the chunk
+            raise MemoryError("out of memory")
+        return real_layer(i, *args)
+
+    monkeypatch.setattr(engine.model, "_layer", failing_layer)
+    with pytest.raises(MemoryError):
+        s.sync(p + more)
+    monkeypatch.undo()
+    assert len(s.tokens) == s.state.n and s.tokens == (p + more)[: len(s.tokens)]
+    np.testing.assert_allclose(s.sync(p + more), engine.new_session(128).sync(p + more), atol=1e-4)
+    np.testing.assert_allclose(s.decode(5), engine.new_session(128).sync(p + more + [5]), atol=1e-4)
