@@ -265,3 +265,19 @@ def test_special_strings_are_the_spec_tokens(tok):
     """Each marker the renderer writes and the parser reads is one token, with §1's id."""
     assert [tok.encode(s) for s in SPECIAL_STRINGS] == [
         [0], [1], [128803], [128804], [128821], [128822], [128825], [128828]]
+
+
+def test_replay_memory_is_bounded_in_bytes_too():
+    """Server spec §7.7: LRU-bounded by ids and by bytes; a block shared by a turn's ids
+    counts once and is freed with its last id."""
+    memory = ToolMemory(max_bytes=10)
+    memory.remember(["a", "b"], "123456")
+    memory.remember(["c"], "1234")
+    assert memory.held_bytes == 10 and memory.block_for(["a", "b"]) == "123456"
+    memory.remember(["d"], "é")  # 2 bytes: "c" is now the oldest id
+    assert memory.lookup("c") is None and memory.held_bytes == 8
+    memory.remember(["e"], "xyz")  # frees "a" and "b" together
+    assert memory.lookup("a") is None and memory.lookup("b") is None
+    assert memory.held_bytes == 5 and memory.lookup("e") == "xyz"
+    memory.remember(["f"], "x" * 11)  # larger than the whole budget: not kept
+    assert memory.lookup("f") is None and memory.lookup("d") == "é"

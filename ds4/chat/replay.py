@@ -1,11 +1,23 @@
-"""Exact replay of sampled DSML by tool-call id (spec encoding §6.1)."""
+"""Exact replay of sampled DSML by tool-call id (spec encoding §6.1, server §7.7)."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
-Turn = tuple[str, frozenset, str]  # raw block, the turn's call ids, the turn's reasoning
+MAX_BYTES = 512 * 2**20  # server spec §7.7: LRU-bounded by ids and by 512 MiB
+
+
+@dataclass(eq=False)
+class StoredTurn:
+    """One tool-call turn's sampled block, shared by all of its call ids."""
+
+    raw_block: str
+    ids: frozenset[str]
+    reasoning: str
+    size: int  # UTF-8 bytes of block and reasoning
+    refs: int = 0  # ids that still point here; the bytes are freed with the last one
 
 
 class ToolMemory:
@@ -15,10 +27,13 @@ class ToolMemory:
     client did not send back renders the stored reasoning instead of an empty one.
     """
 
-    def __init__(self, max_ids: int = 100000, replay_reasoning: bool = False):
+    def __init__(self, max_ids: int = 100000, replay_reasoning: bool = False,
+                 max_bytes: int = MAX_BYTES):
         self.max_ids = max_ids
+        self.max_bytes = max_bytes
         self.replay_reasoning = replay_reasoning
-        self._blocks: OrderedDict[str, Turn] = OrderedDict()
+        self.held_bytes = 0
+        self._blocks: OrderedDict[str, StoredTurn] = OrderedDict()
         self._lock = threading.Lock()  # server threads render while the worker remembers
 
     def __len__(self) -> int:
@@ -26,17 +41,30 @@ class ToolMemory:
 
     def remember(self, ids: list[str], raw_block: str, reasoning: str = "") -> None:
         """Store one turn's block under every call id of the turn, evicting the oldest ids."""
-        if self.max_ids <= 0 or not raw_block:
+        size = len(raw_block.encode("utf-8", "surrogatepass"))
+        size += len(reasoning.encode("utf-8", "surrogatepass"))
+        if self.max_ids <= 0 or not raw_block or size > self.max_bytes:
             return
-        turn = (raw_block, frozenset(ids), reasoning)
+        ids = list(dict.fromkeys(ids))  # a repeated id must not count the turn twice
+        turn = StoredTurn(raw_block, frozenset(ids), reasoning, size)
         with self._lock:
             for call_id in ids:
+                self._forget(call_id)
                 self._blocks[call_id] = turn
-                self._blocks.move_to_end(call_id)
-            while len(self._blocks) > self.max_ids:
-                self._blocks.popitem(last=False)
+                turn.refs += 1
+            self.held_bytes += size
+            while len(self._blocks) > self.max_ids or self.held_bytes > self.max_bytes:
+                self._forget(next(iter(self._blocks)))
 
-    def _turn(self, call_id: str) -> Turn | None:
+    def _forget(self, call_id: str) -> None:
+        """Drop one id (lock held); its turn's bytes go when no id points there any more."""
+        turn = self._blocks.pop(call_id, None)
+        if turn is not None:
+            turn.refs -= 1
+            if turn.refs == 0:
+                self.held_bytes -= turn.size
+
+    def _turn(self, call_id: str) -> StoredTurn | None:
         with self._lock:
             turn = self._blocks.get(call_id)
             if turn is not None:
@@ -46,22 +74,22 @@ class ToolMemory:
     def lookup(self, call_id: str) -> str | None:
         """The block stored for an id, or None (refreshes the id's recency)."""
         turn = self._turn(call_id)
-        return turn[0] if turn else None
+        return turn.raw_block if turn else None
 
-    def _turn_for(self, ids: list[str]) -> Turn | None:
+    def _turn_for(self, ids: list[str]) -> StoredTurn | None:
         """The stored turn whose calls are exactly these ids."""
         turns = {self._turn(i) for i in ids} if ids else {None}
         if len(turns) != 1 or None in turns:
             return None
         turn = turns.pop()
-        return turn if turn[1] == frozenset(ids) and len(ids) == len(turn[1]) else None
+        return turn if turn.ids == frozenset(ids) and len(ids) == len(turn.ids) else None
 
     def block_for(self, ids: list[str]) -> str | None:
         """The block to replay for a turn whose calls are exactly one stored turn's calls."""
         turn = self._turn_for(ids)
-        return turn[0] if turn else None
+        return turn.raw_block if turn else None
 
     def reasoning_for(self, ids: list[str]) -> str | None:
         """The stored reasoning of that turn, when reasoning replay is on."""
         turn = self._turn_for(ids) if self.replay_reasoning else None
-        return turn[2] if turn else None
+        return turn.reasoning if turn else None
