@@ -280,3 +280,19 @@ def test_null_texts_render_as_empty_text():
                 {"role": "assistant", "content": [{"type": "thinking", "thinking": None}]}]
     assert render_anthropic(messages, thinking="none").endswith(
         "<｜User｜><｜Assistant｜></think>")
+
+
+def test_namespace_tools_render_as_prefixed_functions():
+    """A namespace's functions are offered as prefix+name, and a call item naming its
+    namespace renders like the flat name the server returned."""
+    tools = [{"type": "namespace", "name": "mcp__fs__", "tools": [
+        {"type": "function", "name": "read", "parameters": {"type": "object"}}]}]
+    head = [{"type": "message", "role": "user", "content": "hi"}]
+    result = [{"type": "function_call_output", "call_id": "c", "output": "ok"}]
+    nested = {"type": "function_call", "call_id": "c", "name": "read", "namespace": "mcp__fs__",
+              "arguments": "{}"}
+    flat = {"type": "function_call", "call_id": "c", "name": "mcp__fs__read", "arguments": "{}"}
+    prompt = render_responses(head + [nested] + result, tools=tools, thinking="none")
+    assert '{"name": "mcp__fs__read", "parameters": {"type": "object"}}' in prompt
+    assert '<｜DSML｜invoke name="mcp__fs__read">' in prompt
+    assert prompt == render_responses(head + [flat] + result, tools=tools, thinking="none")
