@@ -62,6 +62,25 @@ def test_disconnect_mid_stream_frees_the_slot(live):
     assert stream_text(url, PROMPTS[0], 3)  # the server keeps serving
 
 
+def generated_total(url: str) -> float:
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return sum(float(ln.split()[-1]) for ln in lines if ln.startswith("ds4_generated_tokens_total"))
+
+
+def test_tokens_of_a_cancelled_stream_are_counted_in_metrics(live):
+    url, _ = live
+    before = generated_total(url)
+    body = {"model": GREEDY, "messages": [{"role": "user", "content": "Count on"}],
+            "max_tokens": 3000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        seen = 0
+        while seen < 3:
+            seen += '"content"' in next(lines)
+    assert wait_idle(url) == []
+    assert generated_total(url) - before >= 3  # the engine's work, whoever stayed to read it
+
+
 def test_non_streamed_client_that_gives_up_frees_the_slot(live):
     url, _ = live
     body = {"model": GREEDY, "messages": [{"role": "user", "content": "Write a book"}],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -11,6 +11,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+
+from ds4.jobs.stats import SchedulerStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -18,17 +21,13 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 class Metrics:
     """Queue depth, busy slots, token counters, TTFT and inter-token histograms."""
 
-    def __init__(self, queue_depth: Callable[[], float], busy_slots: Callable[[], float]):
+    def __init__(self, queue_depth: Callable[[], float], busy_slots: Callable[[], float],
+                 stats: Callable[[], SchedulerStats | None] = lambda: None):
         self.registry = CollectorRegistry()
         reg = self.registry
         Gauge("ds4_queue_depth", "Jobs waiting for a slot", registry=reg).set_function(queue_depth)
         Gauge("ds4_busy_slots", "Slots running a job", registry=reg).set_function(busy_slots)
-        self.prompt_tokens = Counter("ds4_prompt_tokens", "Prompt tokens of finished jobs",
-                                     registry=reg)
-        self.cached_tokens = Counter("ds4_prompt_tokens_cached",
-                                     "Prompt tokens reused from a slot's cache", registry=reg)
-        self.generated_tokens = Counter("ds4_generated_tokens", "Tokens generated",
-                                        registry=reg)
+        reg.register(TokenCounters(stats))
         self.requests = Counter("ds4_requests", "Finished generation requests",
                                 ["endpoint", "outcome"], registry=reg)
         self.ttft = Histogram("ds4_time_to_first_token_seconds",
@@ -41,3 +40,21 @@ class Metrics:
     def exposition(self) -> bytes:
         """The registry in Prometheus text format."""
         return generate_latest(self.registry)
+
+
+class TokenCounters:
+    """The scheduler's own token counts at scrape time: the engine's work, cancelled jobs too."""
+
+    def __init__(self, stats: Callable[[], SchedulerStats | None]):
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """ds4_prompt_tokens, ds4_prompt_tokens_cached and ds4_generated_tokens (as _total)."""
+        s = self.stats() or SchedulerStats()
+        yield CounterMetricFamily("ds4_prompt_tokens", "Prompt tokens evaluated or reused",
+                                  value=s.prompt_tokens_computed + s.prompt_tokens_reused)
+        yield CounterMetricFamily("ds4_prompt_tokens_cached",
+                                  "Prompt tokens reused from a slot's cache",
+                                  value=s.prompt_tokens_reused)
+        yield CounterMetricFamily("ds4_generated_tokens", "Tokens generated",
+                                  value=s.generated_tokens)

@@ -54,9 +54,6 @@ class Running:
             metrics.requests.labels(self.turn.endpoint, "failed").inc()
             return
         metrics.requests.labels(self.turn.endpoint, event.finish_reason).inc()
-        metrics.prompt_tokens.inc(event.usage.prompt_tokens)
-        metrics.cached_tokens.inc(event.usage.cached_tokens)
-        metrics.generated_tokens.inc(event.usage.completion_tokens)
         calls = event.output.tool_calls
         if calls and event.output.raw_block:
             self.runtime.tool_memory.remember([c.id for c in calls], event.output.raw_block,
@@ -73,7 +70,8 @@ class Runtime:
         self.engine = None
         self.scheduler = None
         self.tool_memory = ToolMemory()
-        self.metrics = Metrics(self.queue_depth, self.busy_slots)
+        self.metrics = Metrics(self.queue_depth, self.busy_slots,
+                               lambda: self.scheduler.stats if self.scheduler else None)
 
     def load(self) -> bool:
         """Open the engine and start the scheduler (blocking); False when that failed."""
