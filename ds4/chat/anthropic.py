@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ds4.chat.items import Call, ChatError, Item, ItemList
+from ds4.chat.tools_block import function_object, no_parameters
 
 
 def system_text(system: Any) -> str | None:
@@ -115,9 +116,6 @@ def anthropic_functions(tools: list[dict] | None) -> list[dict]:
     for tool in tools or []:
         if not isinstance(tool, dict) or not tool.get("name"):
             raise ChatError("a tool has no name")
-        fn = {"name": tool["name"]}
-        if "description" in tool:
-            fn["description"] = tool["description"]
-        fn["parameters"] = tool.get("input_schema", {"type": "object", "properties": {}})
-        functions.append(fn)
+        parameters = tool.get("input_schema", no_parameters())
+        functions.append(function_object(tool["name"], tool, parameters))
     return functions

@@ -7,6 +7,7 @@ from typing import Any
 
 from ds4.chat.items import Call, ChatError, Item, ItemList
 from ds4.chat.normalize import content_text
+from ds4.chat.tools_block import function_object, no_parameters
 
 LOCAL_SHELL = "local_shell"
 LOCAL_SHELL_KEYS = ("command", "working_directory", "timeout_ms")
@@ -195,28 +196,21 @@ def function_schema(tool: dict, prefix: str) -> dict:
     fn = tool.get("function", tool)
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
         raise ChatError("a tool has no name")
-    out = {"name": prefix + fn["name"]}
-    if "description" in fn:
-        out["description"] = fn["description"]
-    out["parameters"] = fn.get("parameters") or {"type": "object", "properties": {}}
-    return out
+    return function_object(prefix + fn["name"], fn, fn.get("parameters") or no_parameters())
 
 
 def custom_schema(tool: dict) -> dict:
     """A free-text custom tool as a function taking one string `input`."""
     if not tool.get("name"):
         raise ChatError("a tool has no name")
-    out = {"name": tool["name"]}
-    if "description" in tool:
-        out["description"] = tool["description"]
     field: dict = {"type": "string"}
     grammar = tool.get("format") if isinstance(tool.get("format"), dict) else {}
     if grammar.get("type") == "grammar" and isinstance(grammar.get("definition"), str):
         # the model cannot be constrained to the grammar, so it reads it instead
         field["description"] = (f"Raw text, not JSON, matching this {grammar.get('syntax', '')}"
                                 f" grammar:\n{grammar['definition']}")
-    out["parameters"] = {"type": "object", "properties": {"input": field}, "required": ["input"]}
-    return out
+    parameters = {"type": "object", "properties": {"input": field}, "required": ["input"]}
+    return function_object(tool["name"], tool, parameters)
 
 
 def local_shell_arguments(action: Any) -> dict:

@@ -43,6 +43,20 @@ def to_json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def function_object(name: str, tool: dict, parameters: Any) -> dict:
+    """A schema line's object: name, the tool's description when it has one, parameters."""
+    out = {"name": name}
+    if "description" in tool:
+        out["description"] = tool["description"]
+    out["parameters"] = parameters
+    return out
+
+
+def no_parameters() -> dict:
+    """The parameters schema of a tool that declares none."""
+    return {"type": "object", "properties": {}}
+
+
 def tools_block(functions: list[dict]) -> str:
     """TOOLS_BLOCK: the fixed instructions plus one JSON line per function schema."""
     return TOOLS_INTRO + "\n".join(to_json(f) for f in functions) + TOOLS_OUTRO
