@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import zipfile
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -159,16 +160,22 @@ class Session:
         return buf.getvalue()
 
     def restore(self, blob: bytes) -> "Session":
-        """Load a snapshot taken from a session of a compatible engine; returns self."""
-        with np.load(io.BytesIO(blob)) as data:
-            arrays = {k: data[k] for k in data.files}
-        meta = json.loads(arrays.pop("__meta__").tobytes())
+        """Load a snapshot of a compatible engine's session; returns self (ValueError if not one)."""
+        arrays, meta = _read_snapshot(blob)
         if meta.get("version") != SNAPSHOT_VERSION:
             raise ValueError(f"snapshot version {meta.get('version')} is not supported")
         if meta["fingerprint"] != json.loads(json.dumps(self.engine.fingerprint())):
             raise ValueError("snapshot was taken with a different model configuration")
         if meta["n"] > self.ctx_size:
             raise ContextOverflow(f"snapshot holds {meta['n']} tokens, more than the context size {self.ctx_size}")
+        try:
+            self._load(arrays, meta)
+        except KeyError as missing:
+            self._reset()  # part of the state was overwritten already
+            raise ValueError(f"session snapshot lacks array {missing}") from None
+        return self
+
+    def _load(self, arrays: dict, meta: dict) -> None:
         self.state.load(arrays, meta["n"])
         self.tokens = list(meta["tokens"])
         self.logits, self._device_logits = arrays.get("__logits__"), None
@@ -179,7 +186,6 @@ class Session:
             for name in copies:
                 copies[name][...] = self.engine.backend.asarray(arrays[f"frontier/{name}"])
             self._frontier = (self.tokens[: f["tokens"]], arrays.get("__frontier_logits__"), f["n"], copies)
-        return self
 
     # ---- internals
 
@@ -230,6 +236,19 @@ class Session:
         for name, arr in current.items():
             copies[name][...] = arr
         self._frontier = (list(self.tokens), self.logits, self.state.n, copies)
+
+
+def _read_snapshot(blob: bytes) -> tuple[dict, dict]:
+    """(arrays, meta) of a snapshot blob; ValueError when the bytes are not one."""
+    try:
+        with np.load(io.BytesIO(blob)) as data:
+            arrays = {k: data[k] for k in data.files}
+        meta = json.loads(arrays.pop("__meta__").tobytes())
+        if not isinstance(meta, dict) or not {"version", "fingerprint", "n", "tokens"} <= meta.keys():
+            raise ValueError("its metadata lacks version, fingerprint, n or tokens")
+    except (OSError, EOFError, ValueError, KeyError, AttributeError, zipfile.BadZipFile) as err:
+        raise ValueError(f"not a session snapshot ({err})") from None
+    return arrays, meta
 
 
 def _is_prefix(held: list[int], ids: list[int]) -> bool:

@@ -207,3 +207,27 @@ def test_a_forward_that_raises_leaves_no_half_written_state(engine, monkeypatch,
     assert len(s.tokens) == s.state.n and s.tokens == (p + more)[: len(s.tokens)]
     np.testing.assert_allclose(s.sync(p + more), engine.new_session(128).sync(p + more), atol=1e-4)
     np.testing.assert_allclose(s.decode(5), engine.new_session(128).sync(p + more + [5]), atol=1e-4)
+
+
+def test_a_damaged_or_foreign_snapshot_is_a_clear_error(engine):
+    """restore() rejects bytes that are no snapshot, a truncated one, one lacking an array, or
+    one of another model with ValueError; a session that failed to restore is still usable."""
+    import io
+
+    src = engine.new_session(128)
+    src.sync(prompt(12, 30))
+    blob = src.snapshot()
+    with np.load(io.BytesIO(blob)) as data:
+        arrays = {k: data[k] for k in data.files if not k.endswith(".compressor.rows")}
+    lacking = io.BytesIO()
+    np.savez(lacking, **arrays)
+    other = Engine.open(FIXTURE.parent / "v4_hca8", backend="numpy").new_session(128)
+    other.sync([0, 5, 6])
+    p = prompt(14, 20)
+    for bad, match in ((b"garbage", "not a session snapshot"), (blob[: len(blob) // 2], "not a session snapshot"),
+                       (lacking.getvalue(), "lacks"), (other.snapshot(), "different model")):
+        s = engine.new_session(128)
+        s.sync(p)
+        with pytest.raises(ValueError, match=match):
+            s.restore(bad)
+        np.testing.assert_allclose(s.sync(p + [3]), engine.new_session(128).sync(p + [3]), atol=1e-4)
