@@ -48,9 +48,11 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def token_bytes(self, token_id: int) -> bytes:
-        """Exact bytes one token stands for (may be part of a UTF-8 sequence)."""
+        """Exact bytes one token stands for (may be part of a UTF-8 sequence; b"" outside the vocabulary)."""
         if token_id in self._added:
             return self._added[token_id].encode("utf-8")
+        if not 0 <= token_id < self.vocab_size:
+            return b""  # `tokenizers` raises OverflowError for ids beyond u32 and gives None above
         piece = self._tok.id_to_token(token_id)
         if piece is None:
             return b""

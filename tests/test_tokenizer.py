@@ -17,3 +17,10 @@ def test_bytes_round_trip_through_split_utf8():
     ids = tok.encode(text)
     assert tok.decode_bytes(ids) == text.encode("utf-8")
     assert tok.vocab_size == 129280
+
+
+def test_ids_outside_the_vocabulary_stand_for_no_bytes():
+    tok = Tokenizer.for_model()
+    for token_id in (-1, tok.vocab_size, 2**40):
+        assert tok.token_bytes(token_id) == b""
+    assert tok.decode([-1, 33310]) == tok.decode([33310])
