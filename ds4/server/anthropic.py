@@ -20,8 +20,8 @@ from ds4.server.turn import Turn
 from ds4.server.wire import json_response, new_id
 
 ENDPOINT = "/v1/messages"
-STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_use": "tool_use",
-               "tool_calls": "tool_use", "cancelled": "end_turn"}
+STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
+               "cancelled": "end_turn"}
 NOT_STOPPED = {"stop_reason": None, "stop_sequence": None}
 
 
