@@ -296,3 +296,16 @@ def test_namespace_tools_render_as_prefixed_functions():
     assert '{"name": "mcp__fs__read", "parameters": {"type": "object"}}' in prompt
     assert '<｜DSML｜invoke name="mcp__fs__read">' in prompt
     assert prompt == render_responses(head + [flat] + result, tools=tools, thinking="none")
+
+
+def test_image_in_a_call_output_is_named_not_dumped():
+    """Codex's view_image answers with an input_image part: like an Anthropic tool_result
+    image it becomes a placeholder, never the base64 data as JSON text."""
+    image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+    items = [{"type": "message", "role": "user", "content": "look"},
+             {"type": "function_call", "call_id": "c", "name": "view_image", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c",
+              "output": [{"type": "input_text", "text": "a"}, image]}]
+    prompt = render_responses(items, thinking="none")
+    assert "<tool_result>a\n\n[Unsupported input_image]</tool_result>" in prompt
+    assert "base64" not in prompt

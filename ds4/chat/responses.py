@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from ds4.chat.items import Call, ChatError, Item, ItemList
-from ds4.chat.normalize import content_text
+from ds4.chat.normalize import content_text, part_text
 from ds4.chat.tools_block import function_object, no_parameters
 
 LOCAL_SHELL = "local_shell"
@@ -28,16 +28,26 @@ OUTPUTS = ("function_call_output", "custom_tool_call_output", "local_shell_call_
            "web_search_call_output", "tool_search_output", "tool_search_call_output",
            "image_generation_call_output")
 SKIPPED = ("compaction", "context_compaction")
+MEDIA_PARTS = ("input_image", "input_file", "input_audio")  # call-output parts with no text
+
+
+def output_part(part: dict) -> str:
+    """One part of a call output: its text, or a placeholder for media the model cannot see."""
+    if part.get("type") in MEDIA_PARTS:
+        return f"[Unsupported {part['type']}]"
+    return part_text(part)
 
 
 def output_text(output: Any) -> str:
-    """A call output: a string, text parts, or any other JSON value as JSON text."""
+    """A call output: a string, content parts joined by blank lines, or any other JSON value
+    as JSON text."""
     if output is None:
         return ""
     if isinstance(output, str):
         return output
-    if isinstance(output, list) and all(isinstance(p, dict) and "text" in p for p in output):
-        return content_text(output, "\n\n")
+    if isinstance(output, list) and all(
+            isinstance(p, dict) and ("text" in p or p.get("type") in MEDIA_PARTS) for p in output):
+        return "\n\n".join(output_part(p) for p in output)
     return json.dumps(output, ensure_ascii=False)
 
 
