@@ -6,6 +6,7 @@ import argparse
 import sys
 import threading
 
+from ds4.backend import cuda_available
 from ds4.server.config import DEFAULT_MAX_TOKENS, ServerConfig
 
 
@@ -49,6 +50,9 @@ def config_from(argv: list[str] | None) -> ServerConfig:
     if a.parallel > 1 and a.ssd_streaming:
         p.error("--parallel > 1 cannot be combined with --ssd-streaming: interleaved sessions "
                 "would thrash the streamed expert cache; use --parallel 1")
+    if a.ssd_streaming and (a.backend == "cupy" or (a.backend == "auto" and cuda_available())):
+        p.error("--ssd-streaming is not supported on the CuPy backend yet; "
+                "use --backend numpy or drop --ssd-streaming")
     return ServerConfig(model_dir=a.model, host=a.host, port=a.port, parallel=a.parallel,
                         ctx=a.ctx, prefill_chunk=a.prefill_chunk, backend=a.backend,
                         cors=a.cors, api_key=a.api_key, trace=a.trace,
