@@ -161,6 +161,7 @@ def test_thinking_without_end_is_all_reasoning():
     ('<｜DSML｜invoke name="f">\n', 'hello</｜DSML｜invoke>', "expected a parameter"),
     ('', 'junk', "expected an invoke"),
     ('', '<｜DSML｜invoke nam="f">\n</｜DSML｜invoke>', "invalid invoke tag"),
+    ('', '<｜DSML｜invoke name="">\n</｜DSML｜invoke>', "invalid invoke tag"),
     ('<｜DSML｜invoke name="f">\n',
      ('<｜DSML｜parameter name="k" string="maybe">v</｜DSML｜parameter>'), "invalid parameter tag"),
     ('<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="k" string="true">', 'v<｜User｜>hi',

@@ -92,9 +92,9 @@ def parse_attrs(attrs: str) -> dict[str, str] | None:
 
 
 def invoke_name(attrs: str) -> str | None:
-    """The tool name of an invoke tag, None when the tag is malformed."""
+    """The tool name of an invoke tag, None when the tag is malformed or names no tool."""
     parsed = parse_attrs(attrs)
-    return parsed.get("name") if parsed else None
+    return (parsed or {}).get("name") or None
 
 
 def parameter_attrs(attrs: str) -> tuple[str, bool] | None:
