@@ -19,6 +19,9 @@ import numpy as np
 from ds4.jobs.events import SamplingOptions
 
 TOP_K_CAP = 1024  # larger top_k values are clamped to this
+# Below the smallest normal float32 a GPU kernel may flush T to zero (0/0 = NaN for the best
+# token); the T -> 0 limit is greedy anyway.
+MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
 _PARTIAL = 1024  # top_p first looks at this many best tokens before sorting everything
 
 
@@ -34,7 +37,7 @@ def greedy(logits: np.ndarray) -> int:
 
 def is_greedy(opts: SamplingOptions) -> bool:
     """True when the options leave one choice (no random draw is taken)."""
-    return opts.temperature <= 0 or opts.top_k == 1
+    return opts.temperature < MIN_TEMPERATURE or opts.top_k == 1
 
 
 def sample(logits, opts: SamplingOptions, rng: np.random.Generator) -> int:

@@ -140,11 +140,12 @@ def test_min_p_above_one_keeps_the_best_token(options) -> None:
     assert sample_masked(np, logits, options, make_rng(0)) == 1
 
 
-@pytest.mark.parametrize("options", [SamplingOptions(temperature=1e-38, min_p=0.0),
-                                     SamplingOptions(temperature=1e-38, top_p=0.9, min_p=0.0),
-                                     SamplingOptions(temperature=1e-38, top_k=2)], ids=str)
+@pytest.mark.parametrize("options", [SamplingOptions(temperature=t, **knobs) for t in (2e-38, 1e-38, 1e-45)
+                                     for knobs in ({"min_p": 0.0}, {"top_p": 0.9, "min_p": 0.0}, {"top_k": 2})],
+                         ids=str)
 def test_a_tiny_temperature_draws_the_best_token(options) -> None:
-    # logits / T overflows float32 here; the limit of T -> 0 is greedy, not an arbitrary token
+    # logits / T overflows float32 here (and 1e-38 is a subnormal float32 that a GPU may flush to
+    # zero); the limit of T -> 0 is greedy, not an arbitrary token
     from ds4.sampling import sample_masked
 
     logits = np.array([10.0, 30.0, 20.0, -5.0], dtype=np.float32)
