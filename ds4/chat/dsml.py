@@ -70,14 +70,14 @@ def find_start(text: str, pos: int = 0) -> tuple[int, Dialect | None]:
     return best, dialect
 
 
-def is_prefix_of_any(tail: str, candidates) -> bool:
+def is_prefix_of_any(tail: str, candidates: tuple[str, ...]) -> bool:
     """True when tail could still grow into one of the candidates."""
     return any(c.startswith(tail) for c in candidates)
 
 
-def held_tail(text: str, pos: int, candidates, hold: int) -> int:
-    """Where emission must stop so a partial candidate at the end is not split (≥ pos)."""
-    start = max(pos, len(text) - hold)
+def held_tail(text: str, candidates: tuple[str, ...]) -> int:
+    """Where emission must stop so that a partial candidate at the end is not split."""
+    start = max(0, len(text) - max(len(c) for c in candidates) + 1)  # partials are shorter
     for i in range(start, len(text)):
         if is_prefix_of_any(text[i:], candidates):
             return i

@@ -137,7 +137,8 @@ class ItemList:
         self.items.append(Assistant(reasoning, content, checked_calls(calls)))
         self._known_calls.update(c.id for c in calls if c.id)
 
-    def extend_assistant(self, reasoning: str = "", content: str = "", calls=()) -> None:
+    def extend_assistant(self, reasoning: str = "", content: str = "",
+                         calls: tuple[Call, ...] | list[Call] = ()) -> None:
         """Append to the assistant turn in progress (Responses items arrive piecewise)."""
         last = self.items[-1] if self.items else None
         if not isinstance(last, Assistant):

@@ -15,7 +15,6 @@ from ds4.chat import events as ev
 from ds4.chat.dsml import SEPARATOR, SPACE, START_MARKERS
 from ds4.chat.special_tokens import DSML, THINK, THINK_END
 
-LONGEST_MARKER = max(len(m) for m in START_MARKERS)
 TOOL_STATES = ("invokes", "params", "string_value", "json_value")
 
 
@@ -162,7 +161,7 @@ class OutputParser:
             self._take(len(THINK_END))
             self.state = "content"
             return True
-        keep = len(self.buf) if self.final else dsml.held_tail(self.buf, 0, (THINK_END,), 8)
+        keep = len(self.buf) if self.final else dsml.held_tail(self.buf, (THINK_END,))
         self._emit_reasoning(keep)
         return False
 
@@ -180,7 +179,7 @@ class OutputParser:
             return False
         start, dialect = dsml.find_start(self.buf)
         if start < 0:
-            keep = dsml.held_tail(self.buf, 0, START_MARKERS, LONGEST_MARKER)
+            keep = dsml.held_tail(self.buf, START_MARKERS)
             self._emit_text(len(self.buf[:keep].rstrip(SPACE)))
             return False
         cut = start - len(SEPARATOR) if self.buf[:start].endswith(SEPARATOR) else start
@@ -249,7 +248,7 @@ class OutputParser:
         if dsml.has_turn_marker(self.buf if close < 0 else self.buf[:close]):
             return self._fail(dsml.TURN_IN_BLOCK)
         if close < 0:
-            keep = dsml.held_tail(self.buf, 0, (end_tag, *dsml.TURN_MARKERS), len(end_tag))
+            keep = dsml.held_tail(self.buf, (end_tag, *dsml.TURN_MARKERS))
             self._emit_args(dsml.string_fragment(self._take(keep)))
             return False
         self._emit_args(dsml.string_fragment(self._take(close)) + '"')
