@@ -178,14 +178,15 @@ class Session:
     def _load(self, arrays: dict, meta: dict) -> None:
         self.state.load(arrays, meta["n"])
         self.tokens = list(meta["tokens"])
-        self.logits, self._device_logits = arrays.get("__logits__"), None
+        self.logits, self._device_logits = _read_only(arrays.get("__logits__")), None
         self._save_frontier()
         if "frontier" in meta:
             f = meta["frontier"]
             copies = self._frontier[3]
             for name in copies:
                 copies[name][...] = self.engine.backend.asarray(arrays[f"frontier/{name}"])
-            self._frontier = (self.tokens[: f["tokens"]], arrays.get("__frontier_logits__"), f["n"], copies)
+            self._frontier = (self.tokens[: f["tokens"]], _read_only(arrays.get("__frontier_logits__")), f["n"],
+                              copies)
 
     # ---- internals
 
@@ -199,7 +200,7 @@ class Session:
         try:
             logits = self.engine.model.forward(self.state, ids)
             self.tokens.extend(ids)
-            self.logits = np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32)
+            self.logits = _read_only(np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32))
         except BaseException:
             # earlier layers may have written rows and moved pending/overlap state: fall back
             # to a point whose state is whole (the frontier's rows lie below this step's)
@@ -249,6 +250,13 @@ def _read_snapshot(blob: bytes) -> tuple[dict, dict]:
     except (OSError, EOFError, ValueError, KeyError, AttributeError, zipfile.BadZipFile) as err:
         raise ValueError(f"not a session snapshot ({err})") from None
     return arrays, meta
+
+
+def _read_only(logits: np.ndarray | None) -> np.ndarray | None:
+    """Logits a caller gets are the ones the frontier keeps for a regenerate: no writing."""
+    if logits is not None:
+        logits.flags.writeable = False
+    return logits
 
 
 def _is_prefix(held: list[int], ids: list[int]) -> bool:

@@ -231,3 +231,20 @@ def test_a_damaged_or_foreign_snapshot_is_a_clear_error(engine):
         with pytest.raises(ValueError, match=match):
             s.restore(bad)
         np.testing.assert_allclose(s.sync(p + [3]), engine.new_session(128).sync(p + [3]), atol=1e-4)
+
+
+def test_returned_logits_are_read_only_so_a_regenerate_gets_them_unchanged(engine):
+    """sync and decode hand out the arrays the session keeps (the prompt frontier's logits serve
+    every regenerate), so writing into them is refused instead of corrupting later syncs."""
+    p = prompt(15, 30)
+    s = engine.new_session(128)
+    first = s.sync(p)
+    want = first.copy()
+    with pytest.raises(ValueError, match="read-only"):
+        first[0] = 1e9
+    with pytest.raises(ValueError, match="read-only"):
+        s.decode(4)[0] = 1e9
+    np.testing.assert_array_equal(s.sync(p), want)
+    r = engine.new_session(128).restore(s.snapshot())
+    with pytest.raises(ValueError, match="read-only"):
+        r.logits[0] = 1e9
