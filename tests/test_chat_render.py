@@ -280,4 +280,6 @@ def test_replay_memory_is_bounded_in_bytes_too():
     assert memory.lookup("a") is None and memory.lookup("b") is None
     assert memory.held_bytes == 5 and memory.lookup("e") == "xyz"
     memory.remember(["f"], "x" * 11)  # larger than the whole budget: not kept
+    memory.remember([], "no ids")  # nothing could ever free it
     assert memory.lookup("f") is None and memory.lookup("d") == "é"
+    assert memory.held_bytes == 5 and len(memory) == 2

@@ -43,7 +43,7 @@ class ToolMemory:
         """Store one turn's block under every call id of the turn, evicting the oldest ids."""
         size = len(raw_block.encode("utf-8", "surrogatepass"))
         size += len(reasoning.encode("utf-8", "surrogatepass"))
-        if self.max_ids <= 0 or not raw_block or size > self.max_bytes:
+        if self.max_ids <= 0 or not ids or not raw_block or size > self.max_bytes:
             return
         ids = list(dict.fromkeys(ids))  # a repeated id must not count the turn twice
         turn = StoredTurn(raw_block, frozenset(ids), reasoning, size)
