@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -87,6 +88,20 @@ class Engine:
                 "quantize": self.model.quantize}
 
 
+@dataclass
+class Frontier:
+    """The end of the last synced prompt, kept so a regenerate of it costs no prefill (spec §4.5).
+
+    Compressed rows are append-only, so besides the counters only the fixed-size arrays (raw
+    rings, pending rows, overlaps) need copies.
+    """
+
+    tokens: list[int]
+    logits: np.ndarray | None
+    n: int
+    arrays: dict  # state.frontier_arrays() name -> a copy
+
+
 class Session:
     """One context: the tokens held, their state, the last logits, and the last prompt frontier."""
 
@@ -97,15 +112,15 @@ class Session:
         self.tokens: list[int] = []
         self.logits: np.ndarray | None = None
         self._device_logits = None  # the same logits where the backend left them (GPU: CuPy)
-        self._frontier = None  # (tokens, logits, n, copies of the fixed-size arrays)
+        self._frontier: Frontier | None = None
 
     def reusable_prefix(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of token_ids sync would keep without recomputing."""
         ids = list(token_ids)
         if _is_prefix(self.tokens, ids):
             return len(self.tokens)
-        if self._frontier is not None and _is_prefix(self._frontier[0], ids):
-            return len(self._frontier[0])
+        if self._frontier is not None and _is_prefix(self._frontier.tokens, ids):
+            return len(self._frontier.tokens)
         return 0
 
     def sync(self, token_ids: Sequence[int], should_stop: Callable[[], bool] | None = None):
@@ -134,8 +149,8 @@ class Session:
         return self.logits
 
     def sample(self, opts, rng: np.random.Generator) -> int:
-        """Draw the next token from the last logits where they live (on the GPU only the id
-        comes back); the same seed gives the same tokens as ds4.sampling.sample on s.logits."""
+        """Next token drawn from the last logits where they live (GPU: only the id comes back)."""
+        # the same seed gives the same tokens as ds4.sampling.sample on s.logits
         logits = self._device_logits if self._device_logits is not None else self.logits
         if logits is None:
             raise ValueError("no logits yet: sync a prompt first")
@@ -147,11 +162,11 @@ class Session:
         meta = {"version": SNAPSHOT_VERSION, "fingerprint": self.engine.fingerprint(), "n": self.state.n,
                 "tokens": self.tokens}
         if self._frontier is not None:  # so a restored session can still regenerate for free
-            tokens, logits, n, copies = self._frontier
-            meta["frontier"] = {"tokens": len(tokens), "n": n}
-            arrays.update({f"frontier/{k}": self.engine.backend.to_numpy(v) for k, v in copies.items()})
-            if logits is not None:
-                arrays["__frontier_logits__"] = logits
+            f = self._frontier
+            meta["frontier"] = {"tokens": len(f.tokens), "n": f.n}
+            arrays.update({f"frontier/{k}": self.engine.backend.to_numpy(v) for k, v in f.arrays.items()})
+            if f.logits is not None:
+                arrays["__frontier_logits__"] = f.logits
         arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
         if self.logits is not None:
             arrays["__logits__"] = self.logits
@@ -182,11 +197,11 @@ class Session:
         self._save_frontier()
         if "frontier" in meta:
             f = meta["frontier"]
-            copies = self._frontier[3]
+            copies = self._frontier.arrays
             for name in copies:
                 copies[name][...] = self.engine.backend.asarray(arrays[f"frontier/{name}"])
-            self._frontier = (self.tokens[: f["tokens"]], _read_only(arrays.get("__frontier_logits__")), f["n"],
-                              copies)
+            self._frontier = Frontier(self.tokens[: f["tokens"]], _read_only(arrays.get("__frontier_logits__")),
+                                      f["n"], copies)
 
     # ---- internals
 
@@ -204,7 +219,7 @@ class Session:
         except BaseException:
             # earlier layers may have written rows and moved pending/overlap state: fall back
             # to a point whose state is whole (the frontier's rows lie below this step's)
-            self._rewind_to(len(self._frontier[0]) if self._frontier is not None else 0, force=True)
+            self._rewind_to(len(self._frontier.tokens) if self._frontier is not None else 0, force=True)
             raise
         self._device_logits = logits if self.engine.backend.is_gpu else None
 
@@ -213,17 +228,17 @@ class Session:
         when that is every held token, because the arrays no longer match them)."""
         if keep == len(self.tokens) and not force:
             return
-        if self._frontier is not None and keep == len(self._frontier[0]) and keep > 0:
+        if self._frontier is not None and keep == len(self._frontier.tokens) and keep > 0:
             self._restore_frontier()
         else:
             self._reset()
 
     def _restore_frontier(self) -> None:
-        tokens, logits, n, copies = self._frontier
+        f = self._frontier
         for name, arr in self.state.frontier_arrays().items():
-            arr[...] = copies[name]
-        self.state.n = n
-        self.tokens, self.logits, self._device_logits = list(tokens), logits, None
+            arr[...] = f.arrays[name]
+        self.state.n = f.n
+        self.tokens, self.logits, self._device_logits = list(f.tokens), f.logits, None
 
     def _reset(self) -> None:
         self.state.reset()
@@ -233,10 +248,10 @@ class Session:
     def _save_frontier(self) -> None:
         """Remember this point (the end of a synced prompt) so a retry can roll back to it."""
         current = self.state.frontier_arrays()
-        copies = self._frontier[3] if self._frontier is not None else {k: v.copy() for k, v in current.items()}
+        copies = self._frontier.arrays if self._frontier is not None else {k: v.copy() for k, v in current.items()}
         for name, arr in current.items():
             copies[name][...] = arr
-        self._frontier = (list(self.tokens), self.logits, self.state.n, copies)
+        self._frontier = Frontier(list(self.tokens), self.logits, self.state.n, copies)
 
 
 def _read_snapshot(blob: bytes) -> tuple[dict, dict]:
