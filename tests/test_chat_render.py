@@ -283,3 +283,9 @@ def test_replay_memory_is_bounded_in_bytes_too():
     memory.remember([], "no ids")  # nothing could ever free it
     assert memory.lookup("f") is None and memory.lookup("d") == "é"
     assert memory.held_bytes == 5 and len(memory) == 2
+
+
+def test_text_response_format_adds_nothing():
+    """OpenAI's {"type": "text"} is the default answer format, not a schema to adhere to."""
+    plain = render_chat([SYSTEM, U1], thinking="none")
+    assert render_chat([SYSTEM, U1], thinking="none", response_format={"type": "text"}) == plain

@@ -127,6 +127,8 @@ def render_chat(messages: list[dict], tools: list[dict] | None = None, thinking:
                 response_format: Any = None) -> str:
     """Prompt text of an OpenAI chat request; ChatError for input the server rejects (400)."""
     functions = active_functions(tools, tool_choice, openai_functions)
+    if isinstance(response_format, dict) and response_format.get("type") == "text":
+        response_format = None  # the default format: nothing for the model to adhere to
     items = attach_system(openai_items(messages), functions, response_format)
     return render_items(items, thinking, tool_memory)
 
