@@ -9,6 +9,7 @@ from ds4.chat import (
     ToolMemory,
     canonical_turn,
     parse_output,
+    render_anthropic,
     render_chat,
     render_completion,
 )
@@ -289,3 +290,15 @@ def test_text_response_format_adds_nothing():
     """OpenAI's {"type": "text"} is the default answer format, not a schema to adhere to."""
     plain = render_chat([SYSTEM, U1], thinking="none")
     assert render_chat([SYSTEM, U1], thinking="none", response_format={"type": "text"}) == plain
+
+
+def test_a_request_not_ending_in_a_user_turn_still_opens_the_reply():
+    """System-only and finished-assistant endings get the assistant prefix; a prefill does not."""
+    system_only = render_chat([{"role": "system", "content": "S"}], thinking="none")
+    assert system_only == "<｜begin▁of▁sentence｜>S<｜Assistant｜></think>"
+    after_reply = render_chat([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}],
+                              thinking="high")
+    assert after_reply.endswith("a<｜end▁of▁sentence｜><｜Assistant｜><think>")
+    prefill = render_anthropic([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}],
+                               thinking="none")
+    assert prefill.endswith("<｜Assistant｜></think>a")

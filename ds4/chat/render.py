@@ -109,6 +109,12 @@ def render_items(items: list[Item], thinking: str = "high",
             if think and (keep_reasoning or n > last_user):
                 out.append(turn_reasoning(item, tool_memory) + THINK_END)
             out.append(assistant_body(item, tool_memory))
+    last = items[-1] if items else None
+    if isinstance(last, System) or (isinstance(last, Assistant) and not last.open_end):
+        # The official encoder opens the assistant turn only after a user item; a request
+        # ending in a system or finished assistant message still asks for a new reply (ds4
+        # and add_generation_prompt servers do the same), so open one here.
+        out.append(ASSISTANT + (THINK if think else THINK_END))
     return "".join(out)
 
 
