@@ -95,6 +95,7 @@ def generate_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             break
     decode_s = time.perf_counter() - start
     out.write(text.decode(b"", final=True) + "\n")
+    out.flush()  # the text's last line before the speed lines on stderr
     report_speed(err, len(prompt), prefill_s, generated, decode_s)
     return 0
 
