@@ -122,9 +122,7 @@ class Runtime:
 
     def busy_slots(self) -> int:
         """Slots that run a job now."""
-        if self.scheduler is None:
-            return 0
-        return sum(1 for s in self.scheduler.slots_info() if s.get("busy"))
+        return self.scheduler.stats.busy_slots if self.scheduler is not None else 0
 
     def require_serving(self) -> None:
         """A 503 while the model loads (or failed to load)."""
