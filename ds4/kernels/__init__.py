@@ -60,12 +60,20 @@ def launch(family: str, name: str, grid, block, args, shared: int = 0) -> None:
     k(tuple(grid), tuple(block), tuple(args), shared_mem=shared)
 
 
-def widen(w: np.ndarray) -> np.ndarray:
-    """Weights as float32: bf16 words (uint16) widened as the kernels do; fp32 as is."""
-    w = np.asarray(w)
-    if w.dtype == np.uint16:
-        return (w.astype(np.uint32) << 16).view(np.float32)
-    return w.astype(np.float32, copy=False)
+def widen(w, xp=np):
+    """Weights as float32: bf16 words (uint16) widened as the kernels do (exact); fp32 as is."""
+    w = xp.asarray(w)
+    if w.dtype == xp.uint16:
+        return (w.astype(xp.uint32) << 16).view(xp.float32)
+    return w.astype(xp.float32, copy=False)
+
+
+def exact_bf16(w, xp=np):
+    """bf16 words of w when every value is exactly a bf16 value (no rounding), else None."""
+    bits = xp.ascontiguousarray(w, dtype=xp.float32).view(xp.uint32)
+    if bool((bits & 0xFFFF).any()):
+        return None
+    return (bits >> 16).astype(xp.uint16)
 
 
 def to_bf16(x: np.ndarray) -> np.ndarray:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ds4.kernels import exact_bf16
 from ds4.model.config import CSA, SLIDING
 
 LAYER_MATRICES = ("self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight",
@@ -23,11 +24,8 @@ def kernel_weight(xp, w):
     words pass through)."""
     if w.dtype == xp.uint16:
         return xp.ascontiguousarray(w)
-    w = xp.ascontiguousarray(w, dtype=xp.float32)
-    bits = w.view(xp.uint32)
-    if bool((bits & 0xFFFF).any()):
-        return w
-    return (bits >> 16).astype(xp.uint16)
+    words = exact_bf16(w, xp)
+    return words if words is not None else xp.ascontiguousarray(w, dtype=xp.float32)
 
 
 def _float(xp, w):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4.kernels import to_bf16
 from ds4.model.config import CSA, HCA, SLIDING
 from ds4.model.weights import HF_TO_OFFICIAL_LAYER
 from ds4.tokenizer import packaged_tokenizer_path
@@ -191,19 +192,12 @@ def mtp_tensors(rng: np.random.Generator, c: dict) -> dict[str, np.ndarray]:
     return out
 
 
-def bf16_words(a: np.ndarray) -> np.ndarray:
-    """fp32 values as bf16 bit patterns (round to nearest even)."""
-    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-    return (rounded >> np.uint32(16)).astype(np.uint16)
-
-
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     """A safetensors file with float tensors as BF16 and integer tables as I64."""
     header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
     for name in sorted(tensors):
         a = tensors[name]
-        data, dtype = (a.astype("<i8"), "I64") if a.dtype.kind == "i" else (bf16_words(a), "BF16")
+        data, dtype = (a.astype("<i8"), "I64") if a.dtype.kind == "i" else (to_bf16(a), "BF16")
         raw = data.tobytes()
         header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + len(raw)]}
         blobs.append(raw)

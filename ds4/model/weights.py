@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4.kernels import exact_bf16, widen
 from ds4.model.config import CSA, HCA, ModelConfig
 from ds4.model.safetensors_file import StoredTensor, read_checkpoint
 
@@ -156,7 +157,7 @@ class ExpertBank:
     def gather(self, ids) -> tuple:
         """(gate_up [k, 2I, D], down [k, D, I]) fp32 for expert ids [k] (streaming reads them on host)."""
         if self.resident:
-            return _widen(self.xp, self._gate_up[ids]), _widen(self.xp, self._down[ids])
+            return widen(self._gate_up[ids], self.xp), widen(self._down[ids], self.xp)
         ids = (ids.get() if hasattr(ids, "get") else np.asarray(ids)).tolist()
         gate_up = np.stack([_widen_source(self._gate_up_src[e]) for e in ids])
         down = np.stack([_widen_source(self._down_src[e]) for e in ids])
@@ -165,16 +166,9 @@ class ExpertBank:
     def expert(self, e: int) -> tuple:
         """(gate_up [2I, D], down [D, I]) fp32 of one expert."""
         if self.resident:
-            return _widen(self.xp, self._gate_up[e]), _widen(self.xp, self._down[e])
+            return widen(self._gate_up[e], self.xp), widen(self._down[e], self.xp)
         return (self.xp.asarray(_widen_source(self._gate_up_src[e])),
                 self.xp.asarray(_widen_source(self._down_src[e])))
-
-
-def _widen(xp, a):
-    """fp32 values of bf16 words (a 16-bit shift; exact); fp32 passes through."""
-    if a.dtype == xp.uint16:
-        return (a.astype(xp.uint32) << 16).view(xp.float32)
-    return a
 
 
 def _widen_source(src) -> np.ndarray:
@@ -189,11 +183,10 @@ def _stack(sources: list) -> np.ndarray:
     first = _widen_source(sources[0])
     words = np.empty((len(sources), *first.shape), dtype=np.uint16)
     for e in range(len(sources)):
-        bits = np.ascontiguousarray(first if e == 0 else _widen_source(sources[e]),
-                                    dtype=np.float32).view(np.uint32)
-        if (bits & 0xFFFF).any():
+        exact = exact_bf16(first if e == 0 else _widen_source(sources[e]))
+        if exact is None:
             return np.stack([_widen_source(s) for s in sources]).astype(np.float32, copy=False)
-        words[e] = bits >> 16
+        words[e] = exact
     return words
 
 
