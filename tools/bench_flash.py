@@ -11,6 +11,7 @@ import copy
 
 import numpy as np
 
+from ds4.kernels import widen
 from ds4.model.config import CSA, HCA, ModelConfig
 from ds4.model.weights import expected_shapes
 
@@ -46,11 +47,6 @@ def flash_config(kinds: list[str], small: bool = False) -> dict:
                mlp_layer_types=["moe"] * len(kinds), num_hash_layers=0,
                compress_ratios=[RATIOS[k] for k in kinds])
     return cfg
-
-
-def widen(cp, w):
-    """fp32 copy of bf16 words (fp32 passes through)."""
-    return (w.astype(cp.uint32) << 16).view(cp.float32) if w.dtype == cp.uint16 else w
 
 
 class DeviceBank:
@@ -156,12 +152,12 @@ class FlashStack:
         tensors = {}
         for name in expected_shapes(cfg):
             theirs = name.replace("model.layers.0.", src)
-            tensors[name] = widen(cp, self.weights[theirs])
+            tensors[name] = widen(self.weights[theirs], cp)
         gate_up, down = self.weights.experts[i].stacked
         bank = DeviceBank(cp.empty(gate_up.shape, cp.float32), cp.empty(down.shape, cp.float32))
         for e in range(gate_up.shape[0]):  # one expert at a time keeps the temporaries small
-            bank.stacked[0][e] = widen(cp, gate_up[e])
-            bank.stacked[1][e] = widen(cp, down[e])
+            bank.stacked[0][e] = widen(gate_up[e], cp)
+            bank.stacked[1][e] = widen(down[e], cp)
         return Model(cfg, Weights(tensors, [bank], {}, False), get_backend("cupy"), quantize=False)
 
 
