@@ -137,13 +137,14 @@ def test_engine_two_sessions_smoke_cupy():
     assert np.abs(a - b).max() < 1e-5
 
 
-def test_decoder_reads_the_engine_experts_in_place():
-    """Building the kernel decoder adds no second copy of the routed experts: its stacks are the
-    engine's own bf16 arrays, and the memory pool grows by the decoder's other tensors only."""
+def test_decoder_reads_the_engine_weights_in_place():
+    """Building the kernel decoder adds no second copy of any weight: its matrices and expert
+    stacks are the engine's own bf16 arrays, and the memory pool grows by its buffers only."""
     import cupy
 
     from ds4.engine import Engine
     from ds4.model.gpu_decode import KernelDecoder
+    from ds4.model.gpu_weights import LAYER_MATRICES
 
     eng = Engine.open(model_dir("tiny"), backend="cupy")
     banks = eng.model.weights.experts
@@ -153,13 +154,17 @@ def test_decoder_reads_the_engine_experts_in_place():
     before = pool.used_bytes()
     decoder = KernelDecoder.from_model(eng.model)
     grown = pool.used_bytes() - before
-    for t, bank in zip(decoder.layers, banks):
+    for i, (t, bank) in enumerate(zip(decoder.layers, banks)):
         assert t["experts.gate_up"].data.ptr == bank.stacked[0].data.ptr
         assert t["experts.down"].data.ptr == bank.stacked[1].data.ptr
+        for name in LAYER_MATRICES:
+            held = eng.model.weights.layer(i)[name]
+            assert held.dtype == cupy.uint16 and t[name].data.ptr == held.data.ptr, name
+    assert decoder.top["head"].data.ptr == eng.model.weights["lm_head.weight"].data.ptr
     rounded = lambda a: -(-a.nbytes // 512) * 512  # noqa: E731  (the pool's allocation unit)
     own = [a for t in decoder.layers for k, a in t.items() if not k.startswith("experts.")]
     own += list(decoder.top.values()) + list(decoder.buf.values())
-    engine_ptrs = {a.data.ptr for a in eng.model.weights.tensors.values()}  # fp32 kept as is
+    engine_ptrs = {a.data.ptr for a in eng.model.weights.tensors.values()}
     own = {a.data.ptr: a for a in own if a.data.ptr not in engine_ptrs}.values()
     own_bytes = sum(rounded(a) for a in own) + (64 << 10)  # + gemv tables, pos/token
     assert grown < own_bytes + expert_bytes // 2, (grown, own_bytes, expert_bytes)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -150,26 +151,73 @@ def gemv_profile(cp, stream, dec) -> dict:
     return out
 
 
+GEMM_MODES = ("bf16x2", "bf16")  # DS4_GEMM: activations as hi + lo bf16 pair, or rounded once
+
+
 def prefill_bench(cp, stack: FlashStack, chunks: list[int]) -> dict:
-    """Seconds per layer to prefill `chunk` tokens through the engine's model code on CuPy."""
+    """Seconds per layer to prefill `chunk` tokens through the engine's model code on CuPy, for
+    each DS4_GEMM mode, plus where the time goes at the largest chunk."""
     out = {}
     for i, kind in enumerate(stack.kinds):
         if kind in out:
             continue
-        model = stack.engine_model(i)  # fp32 copy of layer i alone
+        model = stack.engine_model(i)  # layer i alone, on the stack's own arrays
         out[kind] = {}
-        for chunk in chunks:
-            ids = np.random.default_rng(chunk).integers(2, stack.cfg.vocab_size, chunk).tolist()
-            state = stack.empty_state(model.cfg, chunk)
-
-            def run(model=model, state=state, ids=ids):
-                """One chunk from an empty context."""
-                state.reset()
-                model.forward(state, ids)
-
-            out[kind][chunk] = timed(cp, run, repeat=3, warmup=1)
+        for mode in GEMM_MODES:
+            os.environ["DS4_GEMM"] = mode
+            out[kind][mode] = {chunk: timed(cp, prefill_run(stack, model, chunk), repeat=3, warmup=1)
+                               for chunk in chunks}
+        os.environ["DS4_GEMM"] = GEMM_MODES[0]
+        out[kind]["stages"] = prefill_stages(cp, prefill_run(stack, model, chunks[-1]))
         model = None
         cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def prefill_run(stack: FlashStack, model, chunk: int):
+    """A function running one chunk of random tokens from an empty context."""
+    ids = np.random.default_rng(chunk).integers(2, stack.cfg.vocab_size, chunk).tolist()
+    state = stack.empty_state(model.cfg, chunk)
+
+    def run():
+        """One chunk from an empty context."""
+        state.reset()
+        model.forward(state, ids)
+    return run
+
+
+def prefill_stages(cp, run) -> dict:
+    """Device seconds inside attention (with compressor and indexer), the MoE and the rest of
+    one prefill run, from events around the forward module's calls."""
+    from ds4.model import forward
+
+    spans = {"attention": [], "moe": []}
+    originals = {name: getattr(forward, name) for name in spans}
+
+    def timed_call(name):
+        def call(*args, **kw):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            result = originals[name](*args, **kw)
+            end.record()
+            spans[name].append((start, end))
+            return result
+        return call
+
+    run()
+    for name in spans:
+        setattr(forward, name, timed_call(name))
+    try:
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+    finally:
+        for name, fn in originals.items():
+            setattr(forward, name, fn)
+    out = {name: sum(cp.cuda.get_elapsed_time(a, b) for a, b in pairs) / 1e3 for name, pairs in spans.items()}
+    out["total"] = cp.cuda.get_elapsed_time(start, end) / 1e3
     return out
 
 
@@ -227,17 +275,22 @@ def report(res: dict) -> None:
         cells = " ".join(f"{k}{'*' if k == g['chosen'] else ''}:{v / 1e12:.2f}"
                          for k, v in g["bytes_per_s"].items())
         print(f"  {name:60} {cells}")
-    print("\nprefill through the engine's model code on CuPy (fp32 weights, per layer, own process):")
+    print("\nprefill through the engine's model code on CuPy (bf16 weights, per layer, own process):")
     if "error" in res["prefill"]:
         print(res["prefill"]["error"])
     for kind, per in res["prefill"].items():
         if kind == "error":
             continue
-        for chunk, s in per.items():
-            flops = matrix_flops(res["cfg"], kind, chunk)
-            floor = prefill_floor(res["cfg"], kind, chunk, c)
-            print(f"{kind[:10]:10} chunk {chunk:5}: {s * 1e3:8.2f} ms, {chunk / s:9.0f} tok/s, "
-                  f"{flops / s / 1e12:6.1f} TFLOP/s, floor {floor * 1e3:.2f} ms ({s / floor:.1f}x)")
+        for mode in GEMM_MODES:
+            for chunk, s in per[mode].items():
+                flops = matrix_flops(res["cfg"], kind, chunk)
+                floor = prefill_floor(res["cfg"], kind, chunk, c)
+                print(f"{kind[:10]:10} {mode:6} chunk {chunk:5}: {s * 1e3:8.2f} ms, {chunk / s:9.0f} tok/s, "
+                      f"{flops / s / 1e12:6.1f} TFLOP/s, floor {floor * 1e3:.2f} ms ({s / floor:.1f}x)")
+        st = per["stages"]
+        rest = st["total"] - st["attention"] - st["moe"]
+        print(f"{'':10} where the time goes (bf16x2, largest chunk): attention {st['attention'] * 1e3:.2f} ms, "
+              f"moe {st['moe'] * 1e3:.2f} ms, mHC/norms/head {rest * 1e3:.2f} ms")
     hf = res.get("hf")
     if isinstance(hf, dict):
         print(f"\ntransformers DeepseekV4ForCausalLM eager bf16, same weights (per layer, "
@@ -258,7 +311,8 @@ def prefill_in_child(args) -> dict:
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:]}
     per = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {kind: {int(c): s for c, s in v.items()} for kind, v in per.items()}
+    return {kind: {mode: ({int(c): s for c, s in v.items()} if mode in GEMM_MODES else v)
+                   for mode, v in modes.items()} for kind, modes in per.items()}
 
 
 def main(argv=None) -> int:

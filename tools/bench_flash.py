@@ -55,6 +55,9 @@ class DeviceBank:
     resident = True
 
     def __init__(self, gate_up, down):
+        import cupy
+
+        self.xp = cupy.get_array_module(gate_up)
         self.stacked = (gate_up, down)
         self.count = gate_up.shape[0]
 
@@ -64,12 +67,12 @@ class DeviceBank:
         return int(self.stacked[0].nbytes + self.stacked[1].nbytes)
 
     def expert(self, e: int) -> tuple:
-        """(gate_up [2I, D], down [D, I]) of expert e."""
-        return self.stacked[0][e], self.stacked[1][e]
+        """(gate_up [2I, D], down [D, I]) of expert e in fp32."""
+        return widen(self.stacked[0][e], self.xp), widen(self.stacked[1][e], self.xp)
 
     def gather(self, ids) -> tuple:
-        """Stacks of the experts ids."""
-        return self.stacked[0][ids], self.stacked[1][ids]
+        """fp32 stacks of the experts ids."""
+        return widen(self.stacked[0][ids], self.xp), widen(self.stacked[1][ids], self.xp)
 
 
 class DeviceWeights:
@@ -140,24 +143,18 @@ class FlashStack:
         return state
 
     def engine_model(self, i: int):
-        """The engine's Model on CuPy holding only layer i, with fp32 weights (its format)."""
+        """The engine's Model on CuPy holding only layer i, on these very arrays: bf16 words for
+        the matrices and expert stacks, fp32 for the rest (the engine's own GPU format)."""
         from ds4.backend import get_backend
         from ds4.model.forward import Model
         from ds4.model.weights import Weights
 
-        cp, kind = self.cp, self.kinds[i]
+        kind = self.kinds[i]
         config = flash_config([kind], small=self.cfg.hidden_size != FLASH["hidden_size"])
         cfg = ModelConfig.from_dict(config)
         src = f"model.layers.{i}."
-        tensors = {}
-        for name in expected_shapes(cfg):
-            theirs = name.replace("model.layers.0.", src)
-            tensors[name] = widen(self.weights[theirs], cp)
-        gate_up, down = self.weights.experts[i].stacked
-        bank = DeviceBank(cp.empty(gate_up.shape, cp.float32), cp.empty(down.shape, cp.float32))
-        for e in range(gate_up.shape[0]):  # one expert at a time keeps the temporaries small
-            bank.stacked[0][e] = widen(gate_up[e], cp)
-            bank.stacked[1][e] = widen(down[e], cp)
+        tensors = {name: self.weights[name.replace("model.layers.0.", src)] for name in expected_shapes(cfg)}
+        bank = DeviceBank(*self.weights.experts[i].stacked)
         return Model(cfg, Weights(tensors, [bank], {}, False), get_backend("cupy"), quantize=False)
 
 

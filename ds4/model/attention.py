@@ -6,6 +6,7 @@ from ds4.model.compressor import compress
 from ds4.model.config import CSA, SLIDING
 from ds4.model.hyper_connection import rms_scale
 from ds4.model.indexer import select_entries
+from ds4.model.linear import batched_linear, linear
 
 
 def attention(xp, ctx, lw, layer_state, h, step):
@@ -18,31 +19,47 @@ def attention(xp, ctx, lw, layer_state, h, step):
     S, H, d, eps = h.shape[0], cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
     rope_kind = "main" if layer_state.kind == SLIDING else "compress"
     rope, (cos, sin) = ctx.ropes[rope_kind], step.cos_sin[rope_kind]
-    qlat = h @ lw["self_attn.q_a_proj.weight"].T
+    qlat = linear(xp, h, lw["self_attn.q_a_proj.weight"])
     qlat = qlat * rms_scale(xp, qlat, eps) * lw["self_attn.q_a_norm.weight"]
-    q = (qlat @ lw["self_attn.q_b_proj.weight"].T).reshape(S, H, d)
+    q = linear(xp, qlat, lw["self_attn.q_b_proj.weight"]).reshape(S, H, d)
     q = rope.apply(q * rms_scale(xp, q, eps), cos, sin)
-    kv = h @ lw["self_attn.kv_proj.weight"].T
+    kv = linear(xp, h, lw["self_attn.kv_proj.weight"])
     kv = rope.apply(kv * rms_scale(xp, kv, eps) * lw["self_attn.kv_norm.weight"], cos, sin)
     if ctx.kv_fp8 is not None:
         kv = ctx.kv_fp8(kv)
-    keys, bias = _raw_keys(xp, ctx, layer_state, kv, step)
-    picked = None
+    keys = _raw_keys(ctx, layer_state, kv)
+    parts = [_window_part(keys, step.window_bias, layer_state.raw.shape[0])]
     if layer_state.compressor is not None:
-        keys, bias, picked = _with_compressed(xp, ctx, lw, layer_state, h, qlat, step, keys, bias)
+        parts += _compressed_parts(xp, ctx, lw, layer_state, h, qlat, step)
     _store_raw(layer_state, kv, step.start)
-    out = _softmax_with_sink(xp, q, keys, bias, picked, lw["self_attn.sinks"], d ** -0.5)
+    out = xp.empty_like(q)
+    for i0 in range(0, S, QUERY_BLOCK):  # scores stay [block, H, window + block], not [S, H, S]
+        i1 = min(S, i0 + QUERY_BLOCK)
+        blocks = [part(i0, i1) for part in parts]
+        out[i0:i1] = _softmax_with_sink(xp, q[i0:i1], blocks, lw["self_attn.sinks"], d ** -0.5)
     out = rope.apply(out, cos, sin, inverse=True)
     return _grouped_output(xp, cfg, lw, out)
 
 
-def _raw_keys(xp, ctx, layer_state, kv, step):
-    """Ring rows (positions < start) then this chunk's rows, with the sliding-window mask."""
+QUERY_BLOCK = 256
+
+
+def _raw_keys(ctx, layer_state, kv):
+    """Ring rows (positions < start) then this chunk's rows: [W + S, d]."""
     W, S = layer_state.raw.shape[0], kv.shape[0]
     keys = ctx.scratch.view("raw_keys", (W + S, kv.shape[1]))
     keys[:W] = layer_state.raw
     keys[W:] = kv
-    return keys, step.window_bias
+    return keys
+
+
+def _window_part(keys, bias, W: int):
+    """Queries i0..i1 see ring rows only while i0 < W and chunk rows from i0 - W + 1 on: one
+    contiguous key range, the mask does the rest."""
+    def block(i0: int, i1: int):
+        lo = 0 if i0 < W else i0 + 1
+        return keys[lo : W + i1], bias[i0:i1, lo : W + i1]
+    return block
 
 
 def window_bias(xp, start: int, positions, window: int):
@@ -63,8 +80,8 @@ def _store_raw(layer_state, kv, start: int) -> None:
     layer_state.raw[slots] = kv[S - keep :]
 
 
-def _with_compressed(xp, ctx, lw, layer_state, h, qlat, step, keys, bias):
-    """Append the layer's usable compressed rows (HCA: all closed; CSA: indexer picks)."""
+def _compressed_parts(xp, ctx, lw, layer_state, h, qlat, step) -> list:
+    """The layer's usable compressed rows as key parts (HCA: all closed; CSA: indexer picks)."""
     cfg = ctx.cfg
     comp = layer_state.compressor
     rope = ctx.ropes["compress"]
@@ -78,38 +95,49 @@ def _with_compressed(xp, ctx, lw, layer_state, h, qlat, step, keys, bias):
         picks = select_entries(xp, lw, cfg, layer_state, h, qlat, step.positions, step.start, rope,
                                cos_q, sin_q, ctx.indexer_qat)
     if count == 0:
-        return keys, bias, None
+        return []
     rows = comp.rows[:count]
     if layer_state.kind != CSA:
         usable = (step.positions + 1) // comp.ratio
-        extra = xp.where(xp.arange(count)[None, :] < usable[:, None], 0.0, -xp.inf)
-        return xp.concatenate([keys, rows]), xp.concatenate([bias, extra.astype(xp.float32)], axis=1), None
-    # each query gathers its own picks: memory S x topk x d, never S x (all rows)
-    picked_rows = rows[xp.maximum(picks, 0)]
-    picked_bias = xp.where(picks >= 0, 0.0, -xp.inf).astype(xp.float32)
-    return keys, bias, (picked_rows, picked_bias)
+        bias = xp.where(xp.arange(count)[None, :] < usable[:, None], 0.0, -xp.inf).astype(xp.float32)
+        return [lambda i0, i1: (rows, bias[i0:i1])]
+    if not picks.shape[1]:
+        return []
+
+    def picked(i0: int, i1: int):
+        """Each query's own picks, gathered per block: [block, k, d], never [S, k, d]."""
+        ids = picks[i0:i1]
+        return rows[xp.maximum(ids, 0)], xp.where(ids >= 0, 0.0, -xp.inf).astype(xp.float32)
+    return [picked]
 
 
-def _softmax_with_sink(xp, q, keys, bias, picked, sinks, scale: float):
+def _softmax_with_sink(xp, q, blocks, sinks, scale: float):
     """o_h = sum_j p_j k_j with p = exp(l) / (exp(sink_h) + sum exp(l)) (V = K), fp32.
 
-    Keys come as rows shared by all queries ([K, d] with bias [S, K]) plus, for CSA, rows
-    picked per query ([S, k, d] with bias [S, k]).
+    Each block of keys is rows shared by all queries ([K, d], bias [S, K]) or rows per query
+    ([S, k, d], bias [S, k]).
     """
-    blocks = [(keys, xp.matmul(q, keys.T) * scale + bias[:, None, :])]  # [S, H, K]
-    if picked is not None and picked[0].shape[1]:
-        rows, picked_bias = picked
-        blocks.append((rows, xp.matmul(q, rows.transpose(0, 2, 1)) * scale + picked_bias[:, None, :]))
+    S, H, d = q.shape
+    logits = [_scores(xp, q, rows) * scale + bias[:, None, :] for rows, bias in blocks]
     top = sinks[None, :]
-    for _, logits in blocks:
-        top = xp.maximum(top, logits.max(axis=-1))  # [S, H]
+    for block in logits:
+        top = xp.maximum(top, block.max(axis=-1))  # [S, H]
     denom = xp.exp(sinks[None, :] - top)
     out = 0.0
-    for rows, logits in blocks:
-        p = xp.exp(logits - top[:, :, None])
+    for (rows, _), block in zip(blocks, logits):
+        p = xp.exp(block - top[:, :, None])
         denom = denom + p.sum(axis=-1)
-        out = out + xp.matmul(p, rows)
+        out = out + (p.reshape(S * H, -1) @ rows).reshape(S, H, d) if rows.ndim == 2 else \
+            out + xp.matmul(p, rows)
     return out / denom[:, :, None]
+
+
+def _scores(xp, q, rows):
+    """q [S, H, d] against shared rows [K, d] (one GEMM) or per-query rows [S, k, d]."""
+    S, H, d = q.shape
+    if rows.ndim == 2:
+        return (q.reshape(S * H, d) @ rows.T).reshape(S, H, -1)
+    return xp.matmul(q, rows.transpose(0, 2, 1))
 
 
 def _grouped_output(xp, cfg, lw, out):
@@ -117,6 +145,6 @@ def _grouped_output(xp, cfg, lw, out):
     S, G = out.shape[0], cfg.o_groups
     grouped = out.reshape(S, G, -1).transpose(1, 0, 2)  # [G, S, H/G*d]
     w_oa = lw["self_attn.o_a_proj.weight"].reshape(G, cfg.o_lora_rank, -1)
-    z = xp.matmul(grouped, w_oa.transpose(0, 2, 1))  # [G, S, o_lora_rank]
+    z = batched_linear(xp, grouped, w_oa)  # [G, S, o_lora_rank]
     z = z.transpose(1, 0, 2).reshape(S, -1)
-    return z @ lw["self_attn.o_b_proj.weight"].T
+    return linear(xp, z, lw["self_attn.o_b_proj.weight"])

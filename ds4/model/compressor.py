@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ds4.model.hyper_connection import rms_scale
+from ds4.model.linear import linear
 from ds4.model.state import CompressorState
 
 
@@ -59,8 +60,8 @@ def compress(xp, weights, comp: CompressorState, h, positions, start: int, rope,
     simulation applied after RoPE. Returns the number of valid compressed rows afterwards.
     """
     m = comp.ratio
-    kv = h @ weights("kv_proj.weight").T
-    score = h @ weights("gate_proj.weight").T + weights("position_bias")[positions % m]
+    kv = linear(xp, h, weights("kv_proj.weight"))
+    score = linear(xp, h, weights("gate_proj.weight")) + weights("position_bias")[positions % m]
     pooled, first = pool_windows(xp, comp, kv, score, start)
     if pooled is not None:
         rows = pooled * rms_scale(xp, pooled, eps) * weights("kv_norm.weight")

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+from ds4.kernels import widen
 from ds4.model import quant
 from ds4.model.attention import attention, window_bias
 from ds4.model.config import ModelConfig
 from ds4.model.gpu_decode import kernel_decoder_for
 from ds4.model.hyper_connection import hc_collapse, hc_expand, hc_weights, hyper_head, rms_scale
+from ds4.model.linear import linear
 from ds4.model.moe import moe
 from ds4.model.rope import Rope
 from ds4.model.scratch import Scratch
@@ -51,7 +53,7 @@ class Model:
             return self.kernel_decoder.decode(state, token_ids[0])
         xp, cfg = self.xp, self.cfg
         step = self._step(state.n, token_ids)
-        x = self.weights["model.embed_tokens.weight"][step.token_ids]
+        x = widen(self.weights["model.embed_tokens.weight"][step.token_ids], xp)
         X = xp.ascontiguousarray(xp.broadcast_to(x[:, None, :], (x.shape[0], cfg.hc_mult, x.shape[1])))
         for i, layer_state in enumerate(state.layers):
             X = self._layer(i, layer_state, X, step)
@@ -91,4 +93,4 @@ class Model:
         y = hyper_head(xp, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"], w["model.hc_head.hc_scale"],
                        X, cfg.hc_eps, cfg.rms_norm_eps)
         y = y * rms_scale(xp, y, cfg.rms_norm_eps) * w["model.norm.weight"]
-        return y @ w["lm_head.weight"].T
+        return linear(xp, y, w["lm_head.weight"])

@@ -1,8 +1,9 @@
 """The model's tensors in the form the decode kernels read: bf16 words where exact, else fp32.
 
-The engine widens every weight to fp32 on the device. A tensor whose values are all exactly
-bf16 (any bf16 checkpoint) is stored again as raw 16-bit words, so decode GEMVs read half the
-bytes and compute the same function; fp32-only tensors (fp32 test checkpoints) stay fp32.
+On the GPU the engine already holds every exactly-bf16 matrix and expert stack as raw 16-bit
+words (ds4.model.weights); those pass through here as the same arrays, so each weight is in
+device memory once. Other matrices (fp32 test checkpoints) are converted here when exact, and
+the small fp32 tensors (norms, mHC, biases) are used as they are.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ds4.model.compressor import compress
+from ds4.model.linear import linear
 
 SCORE_BLOCK = 1 << 26  # floats in one [queries, heads, entries] block of indexer scores
 
@@ -43,10 +44,10 @@ def select_entries(xp, lw, cfg, layer_state, h, qlat, positions, start: int, rop
 def index_scores(xp, weight, cfg, h, qlat, keys, rope, cos_q, sin_q, qat=None):
     """score[t, s] = sum_h w_th * relu(q_th . k_s) / sqrt(dim), w = W_proj h / sqrt(heads)."""
     S, heads, dim = h.shape[0], cfg.index_n_heads, cfg.index_head_dim
-    q = (qlat @ weight("q_b_proj.weight").T).reshape(S, heads, dim)
+    q = linear(xp, qlat, weight("q_b_proj.weight")).reshape(S, heads, dim)
     q = rope.apply(q, cos_q, sin_q)
     if qat is not None:
         q = qat(q)
-    head_w = (h @ weight("scorer.weights_proj.weight").T) * heads ** -0.5
+    head_w = linear(xp, h, weight("scorer.weights_proj.weight")) * heads ** -0.5
     scores = xp.maximum(xp.matmul(q, keys.T), 0.0) * dim ** -0.5  # [S, heads, count]
     return xp.matmul(head_w[:, None, :], scores)[:, 0, :]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ds4.model.hyper_connection import sigmoid
+from ds4.model.linear import batched_linear, linear
 
 
 def router_scores(xp, cfg, logits):
@@ -19,7 +20,7 @@ def router_scores(xp, cfg, logits):
 
 def route(xp, cfg, lw, x, token_ids, hashed: bool):
     """(expert ids [S, k], weights [S, k]); ties pick the lower expert id."""
-    scores = router_scores(xp, cfg, x @ lw["mlp.gate.weight"].T)
+    scores = router_scores(xp, cfg, linear(xp, x, lw["mlp.gate.weight"]))
     if hashed:
         ids = lw["mlp.gate.tid2eid"][token_ids]
     else:
@@ -44,13 +45,15 @@ def moe(xp, cfg, lw, x, token_ids, hashed: bool, to_host):
     ids, weights = route(xp, cfg, lw, x, token_ids, hashed)
     if x.shape[0] == 1:
         routed = _routed_one(xp, cfg, lw.experts, x[0], ids[0], weights[0])[None, :]
+    elif xp is not np and lw.experts.resident:
+        routed = _routed_grouped(xp, cfg, lw.experts, x, ids, weights, to_host)
     else:
         routed = _routed_many(xp, cfg, lw.experts, x, ids, weights, to_host(ids))
     if "mlp.shared_experts.gate_proj.weight" not in lw:
         return routed
-    gate = x @ lw["mlp.shared_experts.gate_proj.weight"].T
-    up = x @ lw["mlp.shared_experts.up_proj.weight"].T
-    return routed + swiglu(xp, gate, up, cfg.swiglu_limit) @ lw["mlp.shared_experts.down_proj.weight"].T
+    gate = linear(xp, x, lw["mlp.shared_experts.gate_proj.weight"])
+    up = linear(xp, x, lw["mlp.shared_experts.up_proj.weight"])
+    return routed + linear(xp, swiglu(xp, gate, up, cfg.swiglu_limit), lw["mlp.shared_experts.down_proj.weight"])
 
 
 def _routed_one(xp, cfg, bank, x, ids, weights):
@@ -74,3 +77,33 @@ def _routed_many(xp, cfg, bank, x, ids, weights, host_ids: np.ndarray):
         act = swiglu(xp, y[:, :inter], y[:, inter:], cfg.swiglu_limit) * w[:, None]
         out[rows] += act @ down.T
     return out
+
+
+PADDED_BYTES = 2 << 30  # the grouped path's largest [experts, rows, 2I] fp32 product
+
+
+def _routed_grouped(xp, cfg, bank, x, ids, weights, to_host):
+    """Prefill on the GPU: every expert's picks padded to the busiest one's count, so each of
+    gate/up and down is ONE batched GEMM over the stacked experts (each expert read once).
+    Routing so skewed that the padding would not fit falls back to one product per expert."""
+    S, k = ids.shape
+    E, inter = bank.count, cfg.moe_intermediate_size
+    flat = ids.reshape(-1)
+    counts = xp.bincount(flat, minlength=E)
+    M = int(counts.max())
+    if E * M * 2 * inter * 4 > PADDED_BYTES:
+        return _routed_many(xp, cfg, bank, x, ids, weights, to_host(ids))
+    order = xp.argsort(flat)
+    starts = xp.cumsum(counts) - counts
+    slot = xp.empty(S * k, dtype=xp.int64)  # where each (token, pick) sits in [E, M]
+    slot[order] = flat[order] * M + xp.arange(S * k) - starts[flat[order]]
+    token = xp.full(E * M, S, dtype=xp.int64)  # S = the zero row that pads
+    token[slot] = xp.arange(S * k) // k
+    scale = xp.zeros(E * M, dtype=xp.float32)
+    scale[slot] = weights.reshape(-1)
+    padded = xp.concatenate([x, xp.zeros((1, x.shape[1]), x.dtype)])[token].reshape(E, M, -1)
+    gate_up, down = bank.stacked
+    y = batched_linear(xp, padded, gate_up)  # [E, M, 2I]
+    act = swiglu(xp, y[..., :inter], y[..., inter:], cfg.swiglu_limit) * scale.reshape(E, M, 1)
+    out = batched_linear(xp, act, down).reshape(E * M, -1)
+    return out[slot].reshape(S, k, -1).sum(axis=1)

@@ -1,4 +1,4 @@
-"""Model weights: both checkpoint layouts (spec §2) mapped to HF names, checked, widened to fp32."""
+"""Model weights: both checkpoint layouts (spec §2) mapped to HF names, checked, held on the device."""
 
 from __future__ import annotations
 
@@ -195,7 +195,8 @@ class WeightsError(ValueError):
 
 
 class Weights:
-    """Named fp32 device arrays (HF names), per-layer expert banks, MTP tensors kept aside."""
+    """Named device arrays (HF names; fp32, or bf16 words for GPU matrices), per-layer expert
+    banks, MTP tensors kept aside."""
 
     def __init__(self, tensors: dict, experts: list, mtp: dict, low_precision: bool):
         self.tensors = tensors
@@ -249,7 +250,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
     progress = _progress(sum(named[n].nbytes for n in expected) + (expert_bytes if resident_experts else 0))
     tensors = {}
     for name in expected:
-        tensors[name] = xp.asarray(named[name].widen())
+        tensors[name] = _device_tensor(xp, name, named[name].widen())
         progress.update(named[name].nbytes)
     if "lm_head.weight" not in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
@@ -260,6 +261,20 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
     progress.close()
     low = any(t.is_low_precision for t in stored.values())
     return Weights(tensors, experts, mtp, low)
+
+
+WORD_MATRICES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")
+
+
+def _device_tensor(xp, name: str, w: np.ndarray):
+    """On the GPU a matrix whose values are all exactly bf16 stays as bf16 words: the kernels
+    and the tensor-core GEMMs of ds4.model.linear read those words, so it is held once. NumPy
+    keeps fp32, what its matmul reads fastest."""
+    if xp is not np and name.endswith(WORD_MATRICES):
+        words = exact_bf16(w)
+        if words is not None:
+            return xp.asarray(words)
+    return xp.asarray(w)
 
 
 HYBRID_RE = re.compile(r"^model\.layers\.\d+\.(attn|ffn)\.")

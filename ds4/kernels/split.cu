@@ -1,0 +1,26 @@
+// fp32 activations as two bf16 words each (hi + lo), the inputs of the tensor-core GEMMs.
+//
+// x = hi + lo + r with |r| <= 2^-16 |x|, so one bf16 GEMM over the stacked [hi; lo] rows with
+// fp32 accumulation gives W x to ~1e-5 relative: fp32-class results at tensor-core speed,
+// where one bf16 rounding of x alone would cost ~4e-3.
+
+#include "common.cuh"
+
+__device__ __forceinline__ unsigned short round_bf16(float v) {
+    unsigned int b = __float_as_uint(v);
+    return (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);  // nearest, ties to even
+}
+
+// x is [groups, rows, k] fp32; out is [groups, 2 * rows, k] bf16 words: each group's rows
+// rounded (hi), then their remainders rounded (lo). group_size = rows * k.
+extern "C" __global__ void split_bf16(const float* __restrict__ x, unsigned short* __restrict__ out,
+                                      long long group_size, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long g = i / group_size, r = i - g * group_size;
+        float v = x[i];
+        unsigned short hi = round_bf16(v);
+        out[2 * g * group_size + r] = hi;
+        out[(2 * g + 1) * group_size + r] = round_bf16(v - widen(hi));
+    }
+}

@@ -1,0 +1,29 @@
+"""Split fp32 rows into bf16 hi/lo words (ds4/kernels/split.cu) for the tensor-core GEMMs, and
+its NumPy twin."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds4.kernels import launch, ptr, to_bf16, widen
+
+THREADS = 256
+
+
+def split_bf16(x, out):
+    """out [G, 2R, K] words = per group: round(x) rows, then round(x - round(x)) rows; x [G, R, K]."""
+    groups = x.shape[0]
+    n = x.size
+    blocks = min(max(1, (n + THREADS - 1) // THREADS), 65535)
+    launch("split", "split_bf16", (blocks,), (THREADS,),
+           (ptr(x), ptr(out), np.int64(n // groups), np.int64(n)))
+    return out
+
+
+def split_bf16_numpy(x, out):
+    """NumPy twin of split_bf16."""
+    rows = x.shape[1]
+    hi = to_bf16(x)
+    out[:, :rows] = hi
+    out[:, rows:] = to_bf16(np.asarray(x, np.float32) - widen(hi))
+    return out

@@ -1,0 +1,71 @@
+"""The tensor-core prefill paths on the GPU against NumPy fp32 (needs CuPy and a GPU).
+
+Tolerances: the hi + lo split keeps ~16 bits of every activation, so products over K terms
+land within ~3e-5 relative of fp32; DS4_GEMM=bf16 (one rounding) is a bf16 run, ~1e-2."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds4.backend import cuda_available
+from ds4.kernels import to_bf16, widen
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_split_kernel_equals_its_twin():
+    import cupy
+
+    from ds4.kernels.split import split_bf16, split_bf16_numpy
+
+    x = np.random.default_rng(0).standard_normal((3, 77, 130)).astype(np.float32)
+    got = split_bf16(cupy.asarray(x), cupy.empty((3, 154, 130), cupy.uint16))
+    np.testing.assert_array_equal(cupy.asnumpy(got), split_bf16_numpy(x, np.empty((3, 154, 130), np.uint16)))
+
+
+@pytest.mark.parametrize("mode,tol", [("bf16x2", 3e-5), ("bf16", 1e-2)])
+@pytest.mark.parametrize("rows,n,k", [(1, 512, 4096), (300, 1024, 512), (2048, 256, 1024)])
+def test_linear_on_words_matches_fp32(monkeypatch, mode, tol, rows, n, k):
+    import cupy
+
+    from ds4.model.linear import batched_linear, linear
+
+    monkeypatch.setenv("DS4_GEMM", mode)
+    rng = np.random.default_rng(rows)
+    w = to_bf16(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    want = x @ widen(w).T
+    assert rel_err(cupy.asnumpy(linear(cupy, cupy.asarray(x), cupy.asarray(w))), want) < tol
+    ws = np.stack([w, w[::-1]])
+    xs = np.stack([x, -x[::-1]])
+    got = cupy.asnumpy(batched_linear(cupy, cupy.asarray(xs), cupy.asarray(ws)))
+    assert rel_err(got, np.matmul(xs, widen(ws).transpose(0, 2, 1))) < tol
+
+
+def test_grouped_experts_on_the_gpu_equal_the_numpy_loop():
+    import cupy
+
+    from test_linear import _Bank
+
+    from ds4.model import moe
+
+    rng = np.random.default_rng(3)
+    E, D, inter, S, k = 64, 256, 128, 300, 6
+    cfg = type("Cfg", (), {"moe_intermediate_size": inter, "swiglu_limit": 10.0})
+    gate_up = to_bf16(rng.standard_normal((E, 2 * inter, D)).astype(np.float32) * 0.1)
+    down = to_bf16(rng.standard_normal((E, D, inter)).astype(np.float32) * 0.1)
+    x = rng.standard_normal((S, D)).astype(np.float32)
+    ids = np.argsort(rng.random((S, E)), axis=1)[:, :k]
+    weights = rng.random((S, k)).astype(np.float32)
+    want = moe._routed_many(np, cfg, _Bank(gate_up, down), x, ids, weights, ids)
+    dev = _Bank(cupy.asarray(gate_up), cupy.asarray(down))
+    got = moe._routed_grouped(cupy, cfg, dev, cupy.asarray(x), cupy.asarray(ids), cupy.asarray(weights),
+                              cupy.asnumpy)
+    assert rel_err(cupy.asnumpy(got), want) < 3e-5
