@@ -246,3 +246,15 @@ def test_gemv_many(cp, rng, bf16):
     gemv.gemv_many_numpy(None, ws, x, outs)
     for g, n in zip(d_outs, outs):
         assert rel_err(cp.asnumpy(g), n) < RTOL
+
+
+def test_hc_weights_rows(cp, rng):
+    from ds4.kernels.hyper_connection import hc_weights_rows, hc_weights_rows_numpy
+
+    n = 4
+    mix = randn(rng, 33, (2 + n) * n)
+    scale, base = randn(rng, 3), randn(rng, (2 + n) * n)
+    out = np.zeros((33, (2 + n) * n), np.float32)
+    got, want = both(cp, hc_weights_rows, hc_weights_rows_numpy, mix, scale, base, out, n,
+                     out_index=3)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)

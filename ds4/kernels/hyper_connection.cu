@@ -135,6 +135,25 @@ extern "C" __global__ void hc_pre(const float* __restrict__ mix, const float* __
     u[d] = acc;
 }
 
+// Prefill: pre, post and comb for each of `rows` tokens, one thread per token running the
+// serial weights (the chunk's tokens are the parallelism). mix is [rows, (2 + n) * n];
+// out[r] = [pre (n), post (n), comb (n * n)].
+extern "C" __global__ void hc_weights_rows(const float* __restrict__ mix,
+                                           const float* __restrict__ scale,
+                                           const float* __restrict__ base, float* out, int rows,
+                                           int n, int iters, float eps) {
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    float pre[MAX_STREAMS], post[MAX_STREAMS], comb[MAX_STREAMS * MAX_STREAMS];
+    hc_weights(mix + (size_t)r * (2 + n) * n, scale, base, n, iters, eps, pre, post, comb);
+    float* o = out + (size_t)r * (2 + n) * n;
+    for (int i = 0; i < n; i++) {
+        o[i] = pre[i];
+        o[n + i] = post[i];
+    }
+    for (int i = 0; i < n * n; i++) o[2 * n + i] = comb[i];
+}
+
 // X_new[j] = post[j] * y + sum_i comb[i, j] X[i] (the C^T direction). Xout may alias X.
 extern "C" __global__ void hc_post(const float* X, const float* __restrict__ y,
                                    const float* __restrict__ post_comb, float* Xout, int D, int n) {

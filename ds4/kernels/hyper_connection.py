@@ -76,6 +76,22 @@ def hc_pre_numpy(mix, scale, base, X, u, post_comb, iters: int = 20, eps: float 
     return u
 
 
+def hc_weights_rows(mix, scale, base, out, n: int, iters: int = 20, eps: float = 1e-6):
+    """out[r] = [pre (n), post (n), comb (n*n)] of each row of mix [rows, (2 + n) * n]."""
+    rows = mix.shape[0]
+    args = (ptr(mix), ptr(scale), ptr(base), ptr(out), i32(rows), i32(n), i32(iters), f32(eps))
+    launch("hyper_connection", "hc_weights_rows", ((rows + 127) // 128,), (128,), args)
+    return out
+
+
+def hc_weights_rows_numpy(mix, scale, base, out, n: int, iters: int = 20, eps: float = 1e-6):
+    """NumPy twin of hc_weights_rows."""
+    for r in range(mix.shape[0]):
+        pre, post, comb = hc_weights_numpy(mix[r], scale, base, n, iters, eps)
+        out[r] = np.concatenate([pre, post, comb.reshape(-1)])
+    return out
+
+
 def hc_post(X, y, post_comb, out):
     """out[j] = post[j] * y + sum_i comb[i, j] X[i]; out may be X."""
     streams, D = X.shape

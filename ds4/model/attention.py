@@ -97,7 +97,7 @@ def _compressed_parts(xp, ctx, lw, layer_state, h, qlat, step) -> list:
     if count == 0:
         return []
     rows = comp.rows[:count]
-    if layer_state.kind != CSA:
+    if layer_state.kind != CSA or count <= cfg.index_topk:  # every usable row (CSA: all picked)
         usable = (step.positions + 1) // comp.ratio
         bias = xp.where(xp.arange(count)[None, :] < usable[:, None], 0.0, -xp.inf).astype(xp.float32)
         return [lambda i0, i1: (rows, bias[i0:i1])]

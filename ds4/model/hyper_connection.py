@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 
 def rms_scale(xp, x, eps: float):
     """rsqrt(mean(x^2) + eps) over the last axis, keepdims."""
@@ -18,6 +20,12 @@ def hc_weights(xp, fn, base, scale, X, iters: int, hc_eps: float, norm_eps: floa
     S, n, _ = X.shape
     flat = X.reshape(S, -1)
     mix = (flat @ fn.T) * rms_scale(xp, flat, norm_eps)
+    if xp is not np and n <= 8:  # one thread per token, not ~45 launches of small array ops
+        from ds4.kernels.hyper_connection import hc_weights_rows
+
+        out = hc_weights_rows(xp.ascontiguousarray(mix), scale, base,
+                              xp.empty((S, (2 + n) * n), xp.float32), n, iters, hc_eps)
+        return out[:, :n], out[:, n : 2 * n], out[:, 2 * n :].reshape(S, n, n)
     pre = sigmoid(xp, mix[:, :n] * scale[0] + base[:n]) + hc_eps
     post = 2.0 * sigmoid(xp, mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
     logits = (mix[:, 2 * n :] * scale[2] + base[2 * n :]).reshape(S, n, n)

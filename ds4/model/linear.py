@@ -2,14 +2,12 @@
 
 On CuPy, bf16 words go to cuBLAS GemmEx on tensor cores: the weights stay in device memory
 once, in their own 16-bit form, and the fp32 activations enter as a hi + lo pair of bf16 rows
-(ds4/kernels/split.cu), so the product keeps fp32-class accuracy (~1e-5 relative). Setting
-DS4_GEMM=bf16 rounds the activations once instead: twice the speed of the matrix work and the
-numerics of a bf16 reference run. On NumPy the words are widened (exact) and multiplied in fp32.
+(ds4/kernels/split.cu), so the product keeps fp32-class accuracy (~1e-5 relative). Rounding the
+activations once instead was measured no faster in prefill (docs/PERF.md): the GEMMs are not
+what bounds it. On NumPy the words are widened (exact) and multiplied in fp32.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 
@@ -17,11 +15,6 @@ from ds4.kernels import widen
 
 CUDA_R_32F, CUDA_R_16BF, CUBLAS_COMPUTE_32F = 0, 14, 68
 ONE, ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)  # host scalars cuBLAS reads
-
-
-def split_inputs() -> bool:
-    """True unless DS4_GEMM=bf16 asks for one bf16 rounding of the activations."""
-    return os.environ.get("DS4_GEMM", "bf16x2") != "bf16"
 
 
 def linear(xp, x, w):
@@ -41,35 +34,54 @@ def batched_linear(xp, x, w):
         return xp.matmul(x, w.transpose(0, 2, 1))
     if xp is np:
         return np.matmul(x, widen(w).transpose(0, 2, 1))
-    return _gemm_words(xp, xp.ascontiguousarray(x, dtype=xp.float32), xp.ascontiguousarray(w))
-
-
-def _gemm_words(cp, x, w):
-    from cupy.cuda import cublas
-
-    from ds4.kernels.split import split_bf16
-
     B, M, K = x.shape
     N = w.shape[1]
-    if split_inputs():
-        rows = 2 * M
-        words = split_bf16(x, cp.empty((B, rows, K), cp.uint16))
-    else:
-        rows = M
-        words = _round_bf16(cp, x)
-    y = cp.empty((B, rows, N), cp.float32)
+    words = _words(xp, x.reshape(B * M, K))  # [B*M, 2, K]: row r's hi and lo
+    y = xp.empty((B * M, 2, N), xp.float32)
+    _gemm(xp, w, words, y, N, 2 * M, K, batch=B, w_stride=N * K if w.shape[0] > 1 else 0)
+    return _join(y).reshape(B, M, N)
+
+
+def grouped_linear(xp, x, w, groups: list[tuple[int, int, int]]):
+    """Rows x [R, K] sorted by group; each (g, start, end) of groups multiplies x[start:end] by
+    w[g] [N, K] transposed -> [R, N] fp32. One cuBLAS call per group, no padding."""
+    R, K = x.shape
+    N = w.shape[1]
+    if w.dtype != xp.uint16 or xp is np:
+        y = xp.empty((R, N), xp.float32)
+        for g, start, end in groups:
+            y[start:end] = x[start:end] @ widen(w[g], xp).T
+        return y
+    words = _words(xp, x)
+    y = xp.empty((R, 2, N), xp.float32)
+    for g, start, end in groups:
+        _gemm(xp, w[g], words[start:], y[start:], N, 2 * (end - start), K)
+    return _join(y)
+
+
+def _words(cp, x):
+    """x [R, K] fp32 -> [R, 2, K] bf16 words: each row's rounding (hi), then its remainder's (lo)."""
+    from ds4.kernels.split import split_bf16
+
+    x = cp.ascontiguousarray(x, dtype=cp.float32).reshape(x.shape[0], 1, -1)
+    return split_bf16(x, cp.empty((x.shape[0], 2, x.shape[2]), cp.uint16))
+
+
+def _join(y):
+    """[R, 2, N] products of the hi and lo rows -> [R, N]."""
+    return y[:, 0] + y[:, 1]
+
+
+def _gemm(cp, w, words, y, N: int, rows: int, K: int, batch: int = 1, w_stride: int = 0) -> None:
+    """y[b] (rows x N, fp32) = words[b] (rows x K, bf16) times w[b] (N x K, bf16) transposed."""
+    from cupy.cuda import cublas
+
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
-    # Row-major y[b] = x[b] w[b]^T is column-major y^T = w x^T: A = w (transposed), B = x.
+    # Row-major y = x w^T is column-major y^T = w x^T: A = w (transposed), B = x.
     cublas.gemmStridedBatchedEx(
         handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, N, rows, K,
-        ONE.ctypes.data, w.data.ptr, CUDA_R_16BF, K, N * K if w.shape[0] > 1 else 0,
+        ONE.ctypes.data, w.data.ptr, CUDA_R_16BF, K, w_stride,
         words.data.ptr, CUDA_R_16BF, K, rows * K,
         ZERO.ctypes.data, y.data.ptr, CUDA_R_32F, N, rows * N,
-        B, CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
-    return y[:, :M] + y[:, M:] if rows > M else y
-
-
-def _round_bf16(cp, x):
-    bits = x.view(cp.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(cp.uint16)
+        batch, CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ds4.model.hyper_connection import sigmoid
-from ds4.model.linear import batched_linear, linear
+from ds4.model.linear import grouped_linear, linear
 
 
 def router_scores(xp, cfg, logits):
@@ -79,31 +79,22 @@ def _routed_many(xp, cfg, bank, x, ids, weights, host_ids: np.ndarray):
     return out
 
 
-PADDED_BYTES = 2 << 30  # the grouped path's largest [experts, rows, 2I] fp32 product
-
-
 def _routed_grouped(xp, cfg, bank, x, ids, weights, to_host):
-    """Prefill on the GPU: every expert's picks padded to the busiest one's count, so each of
-    gate/up and down is ONE batched GEMM over the stacked experts (each expert read once).
-    Routing so skewed that the padding would not fit falls back to one product per expert."""
+    """Prefill from resident stacks: the chunk's (token, pick) rows sorted by expert, then one
+    gate/up and one down product per expert hit, on its slice of rows (each expert read once)."""
     S, k = ids.shape
-    E, inter = bank.count, cfg.moe_intermediate_size
+    inter = cfg.moe_intermediate_size
     flat = ids.reshape(-1)
-    counts = xp.bincount(flat, minlength=E)
-    M = int(counts.max())
-    if E * M * 2 * inter * 4 > PADDED_BYTES:
-        return _routed_many(xp, cfg, bank, x, ids, weights, to_host(ids))
-    order = xp.argsort(flat)
-    starts = xp.cumsum(counts) - counts
-    slot = xp.empty(S * k, dtype=xp.int64)  # where each (token, pick) sits in [E, M]
-    slot[order] = flat[order] * M + xp.arange(S * k) - starts[flat[order]]
-    token = xp.full(E * M, S, dtype=xp.int64)  # S = the zero row that pads
-    token[slot] = xp.arange(S * k) // k
-    scale = xp.zeros(E * M, dtype=xp.float32)
-    scale[slot] = weights.reshape(-1)
-    padded = xp.concatenate([x, xp.zeros((1, x.shape[1]), x.dtype)])[token].reshape(E, M, -1)
+    order = xp.argsort(flat)  # (token, pick) rows grouped by expert
+    counts = to_host(xp.bincount(flat, minlength=bank.count)).tolist()
+    groups, end = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            groups.append((e, end, end + n))
+            end += n
     gate_up, down = bank.stacked
-    y = batched_linear(xp, padded, gate_up)  # [E, M, 2I]
-    act = swiglu(xp, y[..., :inter], y[..., inter:], cfg.swiglu_limit) * scale.reshape(E, M, 1)
-    out = batched_linear(xp, act, down).reshape(E * M, -1)
-    return out[slot].reshape(S, k, -1).sum(axis=1)
+    y = grouped_linear(xp, x[order // k], gate_up, groups)  # [S*k, 2I]
+    act = swiglu(xp, y[:, :inter], y[:, inter:], cfg.swiglu_limit) * weights.reshape(-1)[order][:, None]
+    out = xp.empty((S * k, x.shape[1]), xp.float32)
+    out[order] = grouped_linear(xp, act, down, groups)
+    return out.reshape(S, k, -1).sum(axis=1)
