@@ -129,9 +129,9 @@ class ExpertBank:
     """One layer's routed experts: stacks resident on the device, or mapped views widened per use.
 
     Resident stacks hold bf16 words (uint16) when every value is exactly bf16 (any bf16, FP8
-    or FP4 checkpoint): half the bytes of fp32 and the same numbers. The decode kernels read
-    these stacks in place and the engine's model code widens the experts it uses, so every
-    expert is in device memory once.
+    or FP4 checkpoint): half the bytes of fp32 and the same numbers. On the GPU the decode
+    kernels and the prefill GEMMs read these stacks in place, so every expert is in device
+    memory once; the NumPy path widens the experts a chunk uses.
     """
 
     def __init__(self, xp, gate_up: list, down: list, resident: bool):
