@@ -31,6 +31,8 @@ def test_split_rows_keep_16_bits_of_each_activation():
     back = widen(out[:, :7]) + widen(out[:, 7:])
     assert float(np.max(np.abs(back - x) / np.abs(x))) <= 2.0 ** -16
     np.testing.assert_array_equal(out[:, :7], to_bf16(x))
+    alone = split_bf16_numpy(x, np.empty((2, 7, 33), np.uint16))  # one part: the rounding alone
+    np.testing.assert_array_equal(alone, out[:, :7])
 
 
 class _Bank:

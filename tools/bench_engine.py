@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -150,16 +151,23 @@ def gemv_profile(cp, stream, dec) -> dict:
     return out
 
 
+GEMM_MODES = ("bf16x2", "bf16")  # DS4_GEMM: activations as a hi + lo bf16 pair, or rounded once
+
+
 def prefill_bench(cp, stack: FlashStack, chunks: list[int]) -> dict:
-    """Seconds per layer to prefill `chunk` tokens through the engine's model code on CuPy, plus
-    where the time goes at the largest chunk."""
+    """Seconds per layer to prefill `chunk` tokens through the engine's model code on CuPy, for
+    each DS4_GEMM mode, plus where the time goes at the largest chunk (default mode)."""
     out = {}
     for i, kind in enumerate(stack.kinds):
         if kind in out:
             continue
         model = stack.engine_model(i)  # layer i alone, on the stack's own arrays
-        out[kind] = {chunk: timed(cp, prefill_run(stack, model, chunk), repeat=3, warmup=1)
-                     for chunk in chunks}
+        out[kind] = {}
+        for mode in GEMM_MODES:
+            os.environ["DS4_GEMM"] = mode
+            out[kind][mode] = {chunk: timed(cp, prefill_run(stack, model, chunk), repeat=3, warmup=1)
+                               for chunk in chunks}
+        os.environ["DS4_GEMM"] = GEMM_MODES[0]
         out[kind]["stages"] = prefill_stages(cp, prefill_run(stack, model, chunks[-1]))
         model = None
         cp.get_default_memory_pool().free_all_blocks()
@@ -273,16 +281,15 @@ def report(res: dict) -> None:
     for kind, per in res["prefill"].items():
         if kind == "error":
             continue
-        for chunk, s in per.items():
-            if chunk == "stages":
-                continue
-            flops = matrix_flops(res["cfg"], kind, chunk)
-            floor = prefill_floor(res["cfg"], kind, chunk, c)
-            print(f"{kind[:10]:10} chunk {chunk:5}: {s * 1e3:8.2f} ms, {chunk / s:9.0f} tok/s, "
-                  f"{flops / s / 1e12:6.1f} TFLOP/s, floor {floor * 1e3:.2f} ms ({s / floor:.1f}x)")
+        for mode in GEMM_MODES:
+            for chunk, s in per[mode].items():
+                flops = matrix_flops(res["cfg"], kind, chunk)
+                floor = prefill_floor(res["cfg"], kind, chunk, c)
+                print(f"{kind[:10]:10} {mode:6} chunk {chunk:5}: {s * 1e3:8.2f} ms, {chunk / s:9.0f} tok/s, "
+                      f"{flops / s / 1e12:6.1f} TFLOP/s, floor {floor * 1e3:.2f} ms ({s / floor:.1f}x)")
         st = per["stages"]
         rest = st["total"] - st["attention"] - st["moe"]
-        print(f"{'':10} where the time goes (largest chunk): attention {st['attention'] * 1e3:.2f} ms, "
+        print(f"{'':10} where the time goes ({GEMM_MODES[0]}, largest chunk): attention {st['attention'] * 1e3:.2f} ms, "
               f"moe {st['moe'] * 1e3:.2f} ms, mHC/norms/head {rest * 1e3:.2f} ms")
     hf = res.get("hf")
     if isinstance(hf, dict):
@@ -304,7 +311,8 @@ def prefill_in_child(args) -> dict:
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:]}
     per = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {kind: {(c if c == "stages" else int(c)): s for c, s in v.items()} for kind, v in per.items()}
+    return {kind: {mode: (v if mode == "stages" else {int(c): s for c, s in v.items()})
+                   for mode, v in modes.items()} for kind, modes in per.items()}
 
 
 def main(argv=None) -> int:

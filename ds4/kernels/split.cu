@@ -2,7 +2,7 @@
 //
 // x = hi + lo + r with |r| <= 2^-16 |x|, so one bf16 GEMM over the stacked [hi; lo] rows with
 // fp32 accumulation gives W x to ~1e-5 relative: fp32-class results at tensor-core speed,
-// where one bf16 rounding of x alone would cost ~4e-3.
+// where one bf16 rounding of x alone (parts = 1: hi only) costs ~3e-3 but half the GEMM work.
 
 #include "common.cuh"
 
@@ -11,16 +11,16 @@ __device__ __forceinline__ unsigned short round_bf16(float v) {
     return (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);  // nearest, ties to even
 }
 
-// x is [groups, rows, k] fp32; out is [groups, 2 * rows, k] bf16 words: each group's rows
-// rounded (hi), then their remainders rounded (lo). group_size = rows * k.
+// x is [groups, rows, k] fp32; out is [groups, parts * rows, k] bf16 words: each group's rows
+// rounded (hi), then, when parts == 2, their remainders rounded (lo). group_size = rows * k.
 extern "C" __global__ void split_bf16(const float* __restrict__ x, unsigned short* __restrict__ out,
-                                      long long group_size, long long n) {
+                                      long long group_size, long long n, int parts) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         long long g = i / group_size, r = i - g * group_size;
         float v = x[i];
         unsigned short hi = round_bf16(v);
-        out[2 * g * group_size + r] = hi;
-        out[(2 * g + 1) * group_size + r] = round_bf16(v - widen(hi));
+        out[parts * g * group_size + r] = hi;
+        if (parts == 2) out[(2 * g + 1) * group_size + r] = round_bf16(v - widen(hi));
     }
 }

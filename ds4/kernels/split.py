@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4.kernels import launch, ptr, to_bf16, widen
+from ds4.kernels import i32, launch, ptr, to_bf16, widen
 
 THREADS = 256
 
 
 def split_bf16(x, out):
-    """out [G, 2R, K] words = per group: round(x) rows, then round(x - round(x)) rows; x [G, R, K]."""
+    """out [G, 2R, K] words = per group: round(x) rows, then round(x - round(x)) rows; x [G, R, K].
+    An out of [G, R, K] gets the rounded rows alone."""
     groups = x.shape[0]
     n = x.size
     blocks = min(max(1, (n + THREADS - 1) // THREADS), 65535)
     launch("split", "split_bf16", (blocks,), (THREADS,),
-           (ptr(x), ptr(out), np.int64(n // groups), np.int64(n)))
+           (ptr(x), ptr(out), np.int64(n // groups), np.int64(n), i32(out.shape[1] // x.shape[1])))
     return out
 
 
@@ -25,5 +26,6 @@ def split_bf16_numpy(x, out):
     rows = x.shape[1]
     hi = to_bf16(x)
     out[:, :rows] = hi
-    out[:, rows:] = to_bf16(np.asarray(x, np.float32) - widen(hi))
+    if out.shape[1] == 2 * rows:
+        out[:, rows:] = to_bf16(np.asarray(x, np.float32) - widen(hi))
     return out

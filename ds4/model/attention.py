@@ -35,7 +35,7 @@ def attention(xp, ctx, lw, layer_state, h, step):
     out = xp.empty_like(q)
     for i0 in range(0, S, QUERY_BLOCK):  # scores stay [block, H, window + block], not [S, H, S]
         i1 = min(S, i0 + QUERY_BLOCK)
-        blocks = [part(i0, i1) for part in parts]
+        blocks = [b for b in (part(i0, i1) for part in parts) if b[1].shape[-1]]  # keys there
         out[i0:i1] = _softmax_with_sink(xp, q[i0:i1], blocks, lw["self_attn.sinks"], d ** -0.5)
     out = rope.apply(out, cos, sin, inverse=True)
     return _grouped_output(xp, cfg, lw, out)
@@ -100,7 +100,13 @@ def _compressed_parts(xp, ctx, lw, layer_state, h, qlat, step) -> list:
     if layer_state.kind != CSA or count <= cfg.index_topk:  # every usable row (CSA: all picked)
         usable = (step.positions + 1) // comp.ratio
         bias = xp.where(xp.arange(count)[None, :] < usable[:, None], 0.0, -xp.inf).astype(xp.float32)
-        return [lambda i0, i1: (rows, bias[i0:i1])]
+
+        def shared(i0: int, i1: int):
+            """Rows up to the last one the block's newest query may see: no scores for rows
+            masked for the whole block (half of them in a prefill from position 0)."""
+            seen = min(count, (step.start + i1) // comp.ratio)
+            return rows[:seen], bias[i0:i1, :seen]
+        return [shared]
     if not picks.shape[1]:
         return []
 

@@ -2,12 +2,14 @@
 
 On CuPy, bf16 words go to cuBLAS GemmEx on tensor cores: the weights stay in device memory
 once, in their own 16-bit form, and the fp32 activations enter as a hi + lo pair of bf16 rows
-(ds4/kernels/split.cu), so the product keeps fp32-class accuracy (~1e-5 relative). Rounding the
-activations once instead was measured no faster in prefill (docs/PERF.md): the GEMMs are not
-what bounds it. On NumPy the words are widened (exact) and multiplied in fp32.
+(ds4/kernels/split.cu), so the product keeps fp32-class accuracy (~1e-5 relative). DS4_GEMM=bf16
+rounds the activations once instead (~3e-3 relative, what bf16 engines do): half the GEMM work,
+see docs/PERF.md for what it buys. On NumPy the words are widened (exact) and multiplied in fp32.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -15,6 +17,11 @@ from ds4.kernels import widen
 
 CUDA_R_32F, CUDA_R_16BF, CUBLAS_COMPUTE_32F = 0, 14, 68
 ONE, ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)  # host scalars cuBLAS reads
+
+
+def parts() -> int:
+    """bf16 words per activation: 2 (hi + lo, the default) or 1 with DS4_GEMM=bf16."""
+    return 1 if os.environ.get("DS4_GEMM", "bf16x2") == "bf16" else 2
 
 
 def linear(xp, x, w):
@@ -36,9 +43,10 @@ def batched_linear(xp, x, w):
         return np.matmul(x, widen(w).transpose(0, 2, 1))
     B, M, K = x.shape
     N = w.shape[1]
-    words = _words(xp, x.reshape(B * M, K))  # [B*M, 2, K]: row r's hi and lo
-    y = xp.empty((B * M, 2, N), xp.float32)
-    _gemm(xp, w, words, y, N, 2 * M, K, batch=B, w_stride=N * K if w.shape[0] > 1 else 0)
+    words = _words(xp, x.reshape(B * M, K))  # [B*M, p, K]: row r's hi (and lo)
+    p = words.shape[1]
+    y = xp.empty((B * M, p, N), xp.float32)
+    _gemm(xp, w, words, y, N, p * M, K, batch=B, w_stride=N * K if w.shape[0] > 1 else 0)
     return _join(y).reshape(B, M, N)
 
 
@@ -53,23 +61,24 @@ def grouped_linear(xp, x, w, groups: list[tuple[int, int, int]]):
             y[start:end] = x[start:end] @ widen(w[g], xp).T
         return y
     words = _words(xp, x)
-    y = xp.empty((R, 2, N), xp.float32)
+    p = words.shape[1]
+    y = xp.empty((R, p, N), xp.float32)
     for g, start, end in groups:
-        _gemm(xp, w[g], words[start:], y[start:], N, 2 * (end - start), K)
+        _gemm(xp, w[g], words[start:], y[start:], N, p * (end - start), K)
     return _join(y)
 
 
 def _words(cp, x):
-    """x [R, K] fp32 -> [R, 2, K] bf16 words: each row's rounding (hi), then its remainder's (lo)."""
+    """x [R, K] fp32 -> [R, p, K] bf16 words: each row's rounding (hi), then its remainder's (lo)."""
     from ds4.kernels.split import split_bf16
 
     x = cp.ascontiguousarray(x, dtype=cp.float32).reshape(x.shape[0], 1, -1)
-    return split_bf16(x, cp.empty((x.shape[0], 2, x.shape[2]), cp.uint16))
+    return split_bf16(x, cp.empty((x.shape[0], parts(), x.shape[2]), cp.uint16))
 
 
 def _join(y):
-    """[R, 2, N] products of the hi and lo rows -> [R, N]."""
-    return y[:, 0] + y[:, 1]
+    """[R, p, N] products of the hi (and lo) rows -> [R, N]."""
+    return y[:, 0] + y[:, 1] if y.shape[1] == 2 else y[:, 0]
 
 
 def _gemm(cp, w, words, y, N: int, rows: int, K: int, batch: int = 1, w_stride: int = 0) -> None:
