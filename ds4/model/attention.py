@@ -133,8 +133,8 @@ def _softmax_with_sink(xp, q, blocks, sinks, scale: float):
     for (rows, _), block in zip(blocks, logits):
         p = xp.exp(block - top[:, :, None])
         denom = denom + p.sum(axis=-1)
-        out = out + (p.reshape(S * H, -1) @ rows).reshape(S, H, d) if rows.ndim == 2 else \
-            out + xp.matmul(p, rows)
+        shared = rows.ndim == 2
+        out = out + ((p.reshape(S * H, -1) @ rows).reshape(S, H, d) if shared else xp.matmul(p, rows))
     return out / denom[:, :, None]
 
 
