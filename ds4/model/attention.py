@@ -6,7 +6,7 @@ from ds4.model.compressor import compress
 from ds4.model.config import CSA, SLIDING
 from ds4.model.hyper_connection import rms_scale
 from ds4.model.indexer import select_entries
-from ds4.model.linear import batched_linear, dot_rows, linear
+from ds4.model.linear import batched_linear, linear
 
 
 def attention(xp, ctx, lw, layer_state, h, step):
@@ -134,17 +134,15 @@ def _softmax_with_sink(xp, q, blocks, sinks, scale: float):
         p = xp.exp(block - top[:, :, None])
         denom = denom + p.sum(axis=-1)
         shared = rows.ndim == 2
-        out = out + (dot_rows(xp, p.reshape(S * H, -1), rows.T).reshape(S, H, d) if shared
-                     else xp.matmul(p, rows))
+        out = out + ((p.reshape(S * H, -1) @ rows).reshape(S, H, d) if shared else xp.matmul(p, rows))
     return out / denom[:, :, None]
 
 
 def _scores(xp, q, rows):
-    """q [S, H, d] against shared rows [K, d] (one tensor-core GEMM on the GPU) or per-query
-    rows [S, k, d]."""
+    """q [S, H, d] against shared rows [K, d] (one GEMM) or per-query rows [S, k, d]."""
     S, H, d = q.shape
     if rows.ndim == 2:
-        return dot_rows(xp, q.reshape(S * H, d), rows).reshape(S, H, -1)
+        return (q.reshape(S * H, d) @ rows.T).reshape(S, H, -1)
     return xp.matmul(q, rows.transpose(0, 2, 1))
 
 

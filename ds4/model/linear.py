@@ -68,17 +68,6 @@ def grouped_linear(xp, x, w, groups: list[tuple[int, int, int]]):
     return _join(y)
 
 
-def dot_rows(xp, x, rows):
-    """x [M, K] times rows [N, K] transposed -> [M, N] when both are fp32 activations (attention
-    scores and values): on the GPU rows enter as words too, hi and lo interleaved as 2N rows."""
-    if xp is np:
-        return x @ rows.T
-    words = _words(xp, rows)  # [N, p, K]
-    N, p, K = words.shape
-    y = linear(xp, x, words.reshape(N * p, K)).reshape(x.shape[0], N, p)
-    return y[..., 0] + y[..., 1] if p == 2 else y[..., 0]
-
-
 def _words(cp, x):
     """x [R, K] fp32 -> [R, p, K] bf16 words: each row's rounding (hi), then its remainder's (lo)."""
     from ds4.kernels.split import split_bf16
