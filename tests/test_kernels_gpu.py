@@ -258,3 +258,24 @@ def test_hc_weights_rows(cp, rng):
     got, want = both(cp, hc_weights_rows, hc_weights_rows_numpy, mix, scale, base, out, n,
                      out_index=3)
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)
+
+
+def test_hc_post_rows(cp, rng):
+    from ds4.kernels.hyper_connection import hc_post_rows, hc_post_rows_numpy
+
+    S, n, D = 5, 4, 300
+    X, y = randn(rng, S, n, D), randn(rng, S, D)
+    post, comb = randn(rng, S, n), randn(rng, S, n, n)
+    out = np.zeros((S, n, D), np.float32)
+    got, want = both(cp, hc_post_rows, hc_post_rows_numpy, X, y, post, comb, out, out_index=4)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5)
+
+
+@pytest.mark.parametrize("limit", [0.0, 1.5])
+def test_swiglu_rows(cp, rng, limit):
+    from ds4.kernels.moe import swiglu_rows, swiglu_rows_numpy
+
+    y, scale = randn(rng, 37, 2 * 48, scale=3.0), randn(rng, 37)
+    act = np.zeros((37, 48), np.float32)
+    got, want = both(cp, swiglu_rows, swiglu_rows_numpy, y, scale, act, limit, out_index=2)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)

@@ -173,6 +173,30 @@ extern "C" __global__ void hc_post(const float* X, const float* __restrict__ y,
     }
 }
 
+// Prefill: hc_post for each of `rows` tokens (blockIdx.y), with that token's post [rows, n]
+// and comb [rows, n, n]. X and Xout are [rows, n, D].
+extern "C" __global__ void hc_post_rows(const float* __restrict__ X, const float* __restrict__ y,
+                                        const float* __restrict__ post,
+                                        const float* __restrict__ comb, float* __restrict__ Xout,
+                                        int D, int n) {
+    int d = blockIdx.x * blockDim.x + threadIdx.x;
+    if (d >= D) return;
+    size_t r = blockIdx.y;
+    const float* Xr = X + r * n * D;
+    const float* c = comb + r * n * n;
+    float xs[MAX_STREAMS];
+#pragma unroll
+    for (int i = 0; i < MAX_STREAMS; i++) xs[i] = i < n ? Xr[(size_t)i * D + d] : 0.f;
+    float yd = y[r * D + d];
+    for (int j = 0; j < n; j++) {
+        float acc = post[r * n + j] * yd;
+#pragma unroll
+        for (int i = 0; i < MAX_STREAMS; i++)
+            if (i < n) acc += c[i * n + j] * xs[i];
+        Xout[(r * n + j) * D + d] = acc;
+    }
+}
+
 // hc_pre and the sub-block's RMSNorm in one block of 1024 threads (D <= 8192):
 // u = sum_i pre_i X_i, h = u * rsqrt(mean(u^2) + norm_eps) * norm_w; post/comb as hc_pre.
 extern "C" __global__ void hc_pre_norm(const float* __restrict__ mix,

@@ -108,6 +108,20 @@ def hc_post_numpy(X, y, post_comb, out):
     return out
 
 
+def hc_post_rows(X, y, post, comb, out):
+    """out[r, j] = post[r, j] * y[r] + sum_i comb[r, i, j] X[r, i] for X [rows, n, D]."""
+    rows, n, D = X.shape
+    launch("hyper_connection", "hc_post_rows", ((D + 255) // 256, rows), (256,),
+           (ptr(X), ptr(y), ptr(post), ptr(comb), ptr(out), i32(D), i32(n)))
+    return out
+
+
+def hc_post_rows_numpy(X, y, post, comb, out):
+    """NumPy twin of hc_post_rows."""
+    out[...] = post[:, :, None] * y[:, None, :] + np.matmul(comb.transpose(0, 2, 1), X)
+    return out
+
+
 def hc_pre_norm(mix, scale, base, X, norm_w, h, post_comb, iters: int = 20, eps: float = 1e-6,
                 norm_eps: float = 1e-6):
     """h = RMSNorm_w(sum_i pre_i X[i]) in one launch; post_comb as hc_pre (D <= 8192)."""

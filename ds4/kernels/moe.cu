@@ -146,3 +146,19 @@ extern "C" __global__ void moe_down_bf16(DOWN_ARGS(unsigned short)) {
 extern "C" __global__ void moe_down_f32(DOWN_ARGS(float)) {
     down(down_base, expert_stride, idx, act, y, rows, inter, n_sel, accumulate, shared_down);
 }
+
+// Prefill: act[r, j] = silu(min(g, limit)) * clamp(u, -limit, limit) * scale[r] for the rows of a
+// GEMM's output y [rows, 2 * inter] (gate products, then up); scale null means 1.
+extern "C" __global__ void swiglu_rows(const float* __restrict__ y, const float* __restrict__ scale,
+                                       float* __restrict__ act, int rows, int inter, float limit) {
+    long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (t >= (long long)rows * inter) return;
+    long long r = t / inter;
+    int j = (int)(t - r * inter);
+    float g = y[r * 2 * inter + j], u = y[r * 2 * inter + inter + j];
+    if (limit > 0.f) {
+        g = fminf(g, limit);
+        u = fminf(fmaxf(u, -limit), limit);
+    }
+    act[t] = g / (1.f + expf(-g)) * u * (scale ? scale[r] : 1.f);
+}

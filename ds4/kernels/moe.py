@@ -95,3 +95,19 @@ def moe_down_numpy(down, idx, act, out, accumulate: bool = False, shared_down=No
         total = total + widen(shared_down) @ act[n_sel]
     out[...] = (out if accumulate else 0) + total
     return out
+
+
+def swiglu_rows(y, scale, act, limit: float):
+    """act [rows, I] = swiglu(y[:, :I], y[:, I:]) * scale[:, None] for y [rows, 2I]; scale None = 1."""
+    rows, inter = act.shape
+    n = rows * inter
+    launch("moe", "swiglu_rows", ((n + 255) // 256,), (256,),
+           (ptr(y), ptr(scale), ptr(act), i32(rows), i32(inter), f32(limit)))
+    return act
+
+
+def swiglu_rows_numpy(y, scale, act, limit: float):
+    """NumPy twin of swiglu_rows."""
+    inter = act.shape[1]
+    act[...] = _swiglu(y[:, :inter], y[:, inter:], limit) * (1.0 if scale is None else scale[:, None])
+    return act

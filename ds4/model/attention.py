@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ds4.model.compressor import compress
 from ds4.model.config import CSA, SLIDING
-from ds4.model.hyper_connection import rms_scale
+from ds4.model.hyper_connection import rms_norm
 from ds4.model.indexer import select_entries
 from ds4.model.linear import batched_linear, linear
 
@@ -20,11 +20,11 @@ def attention(xp, ctx, lw, layer_state, h, step):
     rope_kind = "main" if layer_state.kind == SLIDING else "compress"
     rope, (cos, sin) = ctx.ropes[rope_kind], step.cos_sin[rope_kind]
     qlat = linear(xp, h, lw["self_attn.q_a_proj.weight"])
-    qlat = qlat * rms_scale(xp, qlat, eps) * lw["self_attn.q_a_norm.weight"]
+    qlat = rms_norm(xp, qlat, lw["self_attn.q_a_norm.weight"], eps)
     q = linear(xp, qlat, lw["self_attn.q_b_proj.weight"]).reshape(S, H, d)
-    q = rope.apply(q * rms_scale(xp, q, eps), cos, sin)
+    q = rope.apply(rms_norm(xp, q, None, eps), cos, sin)
     kv = linear(xp, h, lw["self_attn.kv_proj.weight"])
-    kv = rope.apply(kv * rms_scale(xp, kv, eps) * lw["self_attn.kv_norm.weight"], cos, sin)
+    kv = rope.apply(rms_norm(xp, kv, lw["self_attn.kv_norm.weight"], eps), cos, sin)
     if ctx.kv_fp8 is not None:
         kv = ctx.kv_fp8(kv)
     keys = _raw_keys(ctx, layer_state, kv)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ds4.model.hyper_connection import rms_scale
+from ds4.model.hyper_connection import rms_norm
 from ds4.model.linear import linear
 from ds4.model.state import CompressorState
 
@@ -64,7 +64,7 @@ def compress(xp, weights, comp: CompressorState, h, positions, start: int, rope,
     score = linear(xp, h, weights("gate_proj.weight")) + weights("position_bias")[positions % m]
     pooled, first = pool_windows(xp, comp, kv, score, start)
     if pooled is not None:
-        rows = pooled * rms_scale(xp, pooled, eps) * weights("kv_norm.weight")
+        rows = rms_norm(xp, pooled, weights("kv_norm.weight"), eps)
         window_starts = (xp.arange(pooled.shape[0]) + first) * m
         cos, sin = rope.cos_sin(window_starts)
         rows = rope.apply(rows, cos, sin)

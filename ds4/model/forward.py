@@ -10,7 +10,7 @@ from ds4.model import quant
 from ds4.model.attention import attention, window_bias
 from ds4.model.config import ModelConfig
 from ds4.model.gpu_decode import kernel_decoder_for
-from ds4.model.hyper_connection import hc_collapse, hc_expand, hc_weights, hyper_head, rms_scale
+from ds4.model.hyper_connection import hc_collapse, hc_expand, hc_weights, hyper_head, rms_norm
 from ds4.model.linear import linear
 from ds4.model.moe import moe
 from ds4.model.rope import Rope
@@ -73,11 +73,11 @@ class Model:
         eps = cfg.rms_norm_eps
         pre, post, comb = self._hc(lw, "attn_hc", X)
         u = hc_collapse(xp, pre, X)
-        h = u * rms_scale(xp, u, eps) * lw["input_layernorm.weight"]
+        h = rms_norm(xp, u, lw["input_layernorm.weight"], eps)
         X = hc_expand(xp, X, attention(xp, self, lw, layer_state, h, step), post, comb)
         pre, post, comb = self._hc(lw, "ffn_hc", X)
         u = hc_collapse(xp, pre, X)
-        h = u * rms_scale(xp, u, eps) * lw["post_attention_layernorm.weight"]
+        h = rms_norm(xp, u, lw["post_attention_layernorm.weight"], eps)
         hashed = cfg.mlp_layer_types[i] == "hash_moe"
         f = moe(xp, cfg, lw, h, step.token_ids, hashed, self.backend.to_numpy)
         return hc_expand(xp, X, f, post, comb)
@@ -92,5 +92,5 @@ class Model:
         xp, cfg, w = self.xp, self.cfg, self.weights
         y = hyper_head(xp, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"], w["model.hc_head.hc_scale"],
                        X, cfg.hc_eps, cfg.rms_norm_eps)
-        y = y * rms_scale(xp, y, cfg.rms_norm_eps) * w["model.norm.weight"]
+        y = rms_norm(xp, y, w["model.norm.weight"], cfg.rms_norm_eps)
         return linear(xp, y, w["lm_head.weight"])

@@ -10,6 +10,17 @@ def rms_scale(xp, x, eps: float):
     return 1.0 / xp.sqrt((x * x).sum(axis=-1, keepdims=True) * (1.0 / x.shape[-1]) + eps)
 
 
+def rms_norm(xp, x, w, eps: float):
+    """x * rsqrt(mean(x^2) + eps) * w over the last axis (w None: unweighted)."""
+    if xp is not np:  # one pass in one kernel instead of five over the array
+        from ds4.kernels.norm import rms_norm as rms_norm_kernel
+
+        rows = xp.ascontiguousarray(x, dtype=xp.float32).reshape(-1, x.shape[-1])
+        return rms_norm_kernel(rows, w, xp.empty_like(rows), eps).reshape(x.shape)
+    y = x * rms_scale(xp, x, eps)
+    return y if w is None else y * w
+
+
 def sigmoid(xp, x):
     """Logistic function."""
     return 1.0 / (1.0 + xp.exp(-x))
@@ -46,6 +57,11 @@ def hc_collapse(xp, pre, X):
 
 def hc_expand(xp, X, y, post, comb):
     """New streams X'[j] = post[j] * y + sum_i comb[i, j] * X[i] (comb transposed)."""
+    if xp is not np and X.shape[1] <= 8 and X.shape[0] < 65536:  # one pass, not a batched 4x4 GEMM
+        from ds4.kernels.hyper_connection import hc_post_rows
+
+        return hc_post_rows(xp.ascontiguousarray(X), xp.ascontiguousarray(y), xp.ascontiguousarray(post),
+                            xp.ascontiguousarray(comb), xp.empty(X.shape, xp.float32))
     return post[:, :, None] * y[:, None, :] + xp.matmul(comb.transpose(0, 2, 1), X)
 
 

@@ -94,7 +94,17 @@ def _routed_grouped(xp, cfg, bank, x, ids, weights, to_host):
             end += n
     gate_up, down = bank.stacked
     y = grouped_linear(xp, x[order // k], gate_up, groups)  # [S*k, 2I]
-    act = swiglu(xp, y[:, :inter], y[:, inter:], cfg.swiglu_limit) * weights.reshape(-1)[order][:, None]
+    act = _scaled_swiglu(xp, y, inter, weights.reshape(-1)[order], cfg.swiglu_limit)
     out = xp.empty((S * k, x.shape[1]), xp.float32)
     out[order] = grouped_linear(xp, act, down, groups)
     return out.reshape(S, k, -1).sum(axis=1)
+
+
+def _scaled_swiglu(xp, y, inter: int, scale, limit: float):
+    """swiglu of a GEMM's [rows, 2I] output (gate | up), times a weight per row."""
+    if xp is np:
+        return swiglu(xp, y[:, :inter], y[:, inter:], limit) * scale[:, None]
+    from ds4.kernels.moe import swiglu_rows
+
+    return swiglu_rows(xp.ascontiguousarray(y), xp.ascontiguousarray(scale, dtype=xp.float32),
+                       xp.empty((y.shape[0], inter), xp.float32), limit)
