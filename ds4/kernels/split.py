@@ -1,5 +1,4 @@
-"""Split fp32 rows into bf16 hi/lo words (ds4/kernels/split.cu) for the tensor-core GEMMs, and
-its NumPy twin."""
+"""fp32 rows as bf16 hi/lo words for the tensor-core GEMMs (ds4/kernels/split.cu), and a twin."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ THREADS = 256
 
 
 def split_bf16(x, out):
-    """out [G, 2R, K] words = per group: round(x) rows, then round(x - round(x)) rows; x [G, R, K].
-    An out of [G, R, K] gets the rounded rows alone."""
+    """out [G, pR, K] words per group of x [G, R, K]: round(x) rows, then (p = 2) round(x - round(x))."""
     groups = x.shape[0]
     n = x.size
     blocks = min(max(1, (n + THREADS - 1) // THREADS), 65535)

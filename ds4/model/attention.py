@@ -54,8 +54,7 @@ def _raw_keys(ctx, layer_state, kv):
 
 
 def _window_part(keys, bias, W: int):
-    """Queries i0..i1 see ring rows only while i0 < W and chunk rows from i0 - W + 1 on: one
-    contiguous key range, the mask does the rest."""
+    """Keys of queries i0..i1: ring rows while i0 < W, then chunk rows from i0 - W + 1 on."""
     def block(i0: int, i1: int):
         lo = 0 if i0 < W else i0 + 1
         return keys[lo : W + i1], bias[i0:i1, lo : W + i1]
@@ -102,8 +101,7 @@ def _compressed_parts(xp, ctx, lw, layer_state, h, qlat, step) -> list:
         bias = xp.where(xp.arange(count)[None, :] < usable[:, None], 0.0, -xp.inf).astype(xp.float32)
 
         def shared(i0: int, i1: int):
-            """Rows up to the last one the block's newest query may see: no scores for rows
-            masked for the whole block (half of them in a prefill from position 0)."""
+            """Rows up to the last one the block's newest query may see (none masked for all)."""
             seen = min(count, (step.start + i1) // comp.ratio)
             return rows[:seen], bias[i0:i1, :seen]
         return [shared]

@@ -51,8 +51,7 @@ def batched_linear(xp, x, w):
 
 
 def grouped_linear(xp, x, w, groups: list[tuple[int, int, int]]):
-    """Rows x [R, K] sorted by group; each (g, start, end) of groups multiplies x[start:end] by
-    w[g] [N, K] transposed -> [R, N] fp32. One cuBLAS call per group, no padding."""
+    """y[start:end] = x[start:end] w[g]^T for each (g, start, end): one cuBLAS call per group."""
     R, K = x.shape
     N = w.shape[1]
     if w.dtype != xp.uint16 or xp is np:

@@ -53,7 +53,8 @@ def moe(xp, cfg, lw, x, token_ids, hashed: bool, to_host):
         return routed
     gate = linear(xp, x, lw["mlp.shared_experts.gate_proj.weight"])
     up = linear(xp, x, lw["mlp.shared_experts.up_proj.weight"])
-    return routed + linear(xp, swiglu(xp, gate, up, cfg.swiglu_limit), lw["mlp.shared_experts.down_proj.weight"])
+    shared = swiglu(xp, gate, up, cfg.swiglu_limit)
+    return routed + linear(xp, shared, lw["mlp.shared_experts.down_proj.weight"])
 
 
 def _routed_one(xp, cfg, bank, x, ids, weights):
@@ -80,8 +81,7 @@ def _routed_many(xp, cfg, bank, x, ids, weights, host_ids: np.ndarray):
 
 
 def _routed_grouped(xp, cfg, bank, x, ids, weights, to_host):
-    """Prefill from resident stacks: the chunk's (token, pick) rows sorted by expert, then one
-    gate/up and one down product per expert hit, on its slice of rows (each expert read once)."""
+    """Prefill: (token, pick) rows sorted by expert, one gate/up and one down GEMM per expert hit."""
     S, k = ids.shape
     inter = cfg.moe_intermediate_size
     flat = ids.reshape(-1)

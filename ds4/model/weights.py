@@ -195,8 +195,7 @@ class WeightsError(ValueError):
 
 
 class Weights:
-    """Named device arrays (HF names; fp32, or bf16 words for GPU matrices), per-layer expert
-    banks, MTP tensors kept aside."""
+    """Named device arrays (HF names; GPU matrices as bf16 words), expert banks, MTP kept aside."""
 
     def __init__(self, tensors: dict, experts: list, mtp: dict, low_precision: bool):
         self.tensors = tensors
@@ -267,9 +266,9 @@ WORD_MATRICES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight", "mlp.g
 
 
 def _device_tensor(xp, name: str, w: np.ndarray):
-    """On the GPU a matrix whose values are all exactly bf16 stays as bf16 words: the kernels
-    and the tensor-core GEMMs of ds4.model.linear read those words, so it is held once. NumPy
-    keeps fp32, what its matmul reads fastest."""
+    """A GPU matrix of exact bf16 values as bf16 words (kernels and GEMMs read them); else fp32."""
+    # held once in the form both decode kernels and GemmEx read; NumPy keeps fp32, which its
+    # matmul reads fastest
     if xp is not np and name.endswith(WORD_MATRICES):
         words = exact_bf16(w)
         if words is not None:
