@@ -154,47 +154,41 @@ extern "C" __global__ void hc_weights_rows(const float* __restrict__ mix,
     for (int i = 0; i < n * n; i++) o[2 * n + i] = comb[i];
 }
 
-// X_new[j] = post[j] * y + sum_i comb[i, j] X[i] (the C^T direction). Xout may alias X.
-extern "C" __global__ void hc_post(const float* X, const float* __restrict__ y,
-                                   const float* __restrict__ post_comb, float* Xout, int D, int n) {
-    int d = blockIdx.x * blockDim.x + threadIdx.x;
-    if (d >= D) return;
+// X_new[j] = post[j] * y + sum_i comb[i, j] X[i] (the C^T direction) at channel d of one
+// token's streams X [n, D]. All of X[:, d] is read before any write, so Xout may alias X.
+__device__ __forceinline__ void expand_streams(const float* X, const float* y, const float* post,
+                                               const float* comb, float* Xout, int D, int n,
+                                               int d) {
     float xs[MAX_STREAMS];
     // Constant trip counts keep xs in registers.
 #pragma unroll
     for (int i = 0; i < MAX_STREAMS; i++) xs[i] = i < n ? X[(size_t)i * D + d] : 0.f;
     float yd = y[d];
     for (int j = 0; j < n; j++) {
-        float acc = post_comb[j] * yd;
+        float acc = post[j] * yd;
 #pragma unroll
         for (int i = 0; i < MAX_STREAMS; i++)
-            if (i < n) acc += post_comb[n + i * n + j] * xs[i];
+            if (i < n) acc += comb[i * n + j] * xs[i];
         Xout[(size_t)j * D + d] = acc;
     }
 }
 
-// Prefill: hc_post for each of `rows` tokens (blockIdx.y), with that token's post [rows, n]
-// and comb [rows, n, n]. X and Xout are [rows, n, D].
-extern "C" __global__ void hc_post_rows(const float* __restrict__ X, const float* __restrict__ y,
-                                        const float* __restrict__ post,
-                                        const float* __restrict__ comb, float* __restrict__ Xout,
-                                        int D, int n) {
+// Decode: one token; post_comb = [post (n), comb (n*n)] as hc_pre stored it.
+extern "C" __global__ void hc_post(const float* X, const float* __restrict__ y,
+                                   const float* __restrict__ post_comb, float* Xout, int D, int n) {
     int d = blockIdx.x * blockDim.x + threadIdx.x;
-    if (d >= D) return;
+    if (d < D) expand_streams(X, y, post_comb, post_comb + n, Xout, D, n, d);
+}
+
+// Prefill: token r = blockIdx.y with its own post [rows, n] and comb [rows, n, n]; X and Xout
+// are [rows, n, D].
+extern "C" __global__ void hc_post_rows(const float* X, const float* __restrict__ y,
+                                        const float* __restrict__ post,
+                                        const float* __restrict__ comb, float* Xout, int D, int n) {
+    int d = blockIdx.x * blockDim.x + threadIdx.x;
     size_t r = blockIdx.y;
-    const float* Xr = X + r * n * D;
-    const float* c = comb + r * n * n;
-    float xs[MAX_STREAMS];
-#pragma unroll
-    for (int i = 0; i < MAX_STREAMS; i++) xs[i] = i < n ? Xr[(size_t)i * D + d] : 0.f;
-    float yd = y[r * D + d];
-    for (int j = 0; j < n; j++) {
-        float acc = post[r * n + j] * yd;
-#pragma unroll
-        for (int i = 0; i < MAX_STREAMS; i++)
-            if (i < n) acc += c[i * n + j] * xs[i];
-        Xout[(r * n + j) * D + d] = acc;
-    }
+    if (d < D) expand_streams(X + r * n * D, y + r * D, post + r * n, comb + r * n * n,
+                              Xout + r * n * D, D, n, d);
 }
 
 // hc_pre and the sub-block's RMSNorm in one block of 1024 threads (D <= 8192):
