@@ -117,8 +117,9 @@ def hc_post_rows(X, y, post, comb, out):
 
 
 def hc_post_rows_numpy(X, y, post, comb, out):
-    """NumPy twin of hc_post_rows."""
-    out[...] = post[:, :, None] * y[:, None, :] + np.matmul(comb.transpose(0, 2, 1), X)
+    """NumPy twin of hc_post_rows: hc_post's twin on each token."""
+    for r in range(X.shape[0]):
+        hc_post_numpy(X[r], y[r], np.concatenate([post[r], comb[r].reshape(-1)]), out[r])
     return out
 
 

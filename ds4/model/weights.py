@@ -249,7 +249,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
     progress = _progress(sum(named[n].nbytes for n in expected) + (expert_bytes if resident_experts else 0))
     tensors = {}
     for name in expected:
-        tensors[name] = _device_tensor(xp, name, named[name].widen())
+        tensors[name] = _device_tensor(xp, name, named[name])
         progress.update(named[name].nbytes)
     if "lm_head.weight" not in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
@@ -265,15 +265,17 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
 WORD_MATRICES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")
 
 
-def _device_tensor(xp, name: str, w: np.ndarray):
+def _device_tensor(xp, name: str, stored: StoredTensor):
     """A GPU matrix of exact bf16 values as bf16 words (kernels and GEMMs read them); else fp32."""
     # held once in the form both decode kernels and GemmEx read; NumPy keeps fp32, which its
     # matmul reads fastest
     if xp is not np and name.endswith(WORD_MATRICES):
-        words = exact_bf16(w)
+        if stored.dtype == "BF16":  # already the words: no fp32 copy to narrow again
+            return xp.asarray(stored.data)
+        words = exact_bf16(stored.widen())
         if words is not None:
             return xp.asarray(words)
-    return xp.asarray(w)
+    return xp.asarray(stored.widen())
 
 
 HYBRID_RE = re.compile(r"^model\.layers\.\d+\.(attn|ffn)\.")
