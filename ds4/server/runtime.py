@@ -14,6 +14,7 @@ from ds4.jobs.events import Failed, Finished, JobRequest
 from ds4.server.config import ServerConfig
 from ds4.server.errors import ApiError
 from ds4.server.metrics import Metrics
+from ds4.server.sealed_reasoning import ReasoningSeal
 from ds4.server.sse import JobEvents
 from ds4.server.turn import Prompt, Turn
 
@@ -70,6 +71,7 @@ class Runtime:
         self.engine = None
         self.scheduler = None
         self.tool_memory = ToolMemory()
+        self.reasoning_seal = ReasoningSeal()  # Responses encrypted_content, this process's key
         self.metrics = Metrics(self.queue_depth, self.busy_slots,
                                lambda: self.scheduler.stats if self.scheduler else None)
 
@@ -136,7 +138,8 @@ class Runtime:
 
         def work() -> Prompt:
             text = turn.render()
-            return Prompt(text, self.engine.tokenizer.encode(text))
+            ids = turn.prompt_ids
+            return Prompt(text, self.engine.tokenizer.encode(text) if ids is None else ids)
 
         try:
             return await run_in_threadpool(work)
@@ -154,7 +157,7 @@ class Runtime:
             stop=turn.stop, thinking=turn.thinking != "none" and not turn.raw_text,
             tools_active=turn.tools_active,
             forced_text=turn.forced_text, id_prefix=turn.id_prefix, call_ids=turn.call_ids,
-            endpoint=turn.endpoint, raw_body=turn.raw_body)
+            streamed=turn.stream, endpoint=turn.endpoint, raw_body=turn.raw_body)
         running.job = self.scheduler.submit(request, running.events.sink)
         return running
 
