@@ -115,7 +115,9 @@ def test_claude_code_turns(live):
                          json={k: v for k, v in claude_body(FOLLOW_UP).items()
                                if k in ("model", "system", "messages", "tools", "thinking")})
     assert counted.status_code == 200
-    assert counted.json()["input_tokens"] == follow[0][1]["message"]["usage"]["input_tokens"]
+    start = next(d for n, d in follow if n == "message_start")["message"]["usage"]
+    assert counted.json()["input_tokens"] == (start["input_tokens"] + start[
+        "cache_read_input_tokens"] + start["cache_creation_input_tokens"])
     quick = {**claude_body(FIRST_TURN), "stream": False, "thinking": {"type": "disabled"}}
     r = httpx.post(url, json=quick, headers=CLAUDE_HEADERS, timeout=60)
     assert r.status_code == 200 and r.json()["content"][-1]["type"] in ("text", "tool_use")
