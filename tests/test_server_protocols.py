@@ -130,6 +130,7 @@ def test_reasoning_tokens_are_counted_on_chat_and_responses(live, tok):
     r, record = traced(url, trace, CHAT, body)
     expected = reasoning_count(record, tok)
     assert expected >= 1  # the turn opened in <think>: its first token is reasoning
+    assert record["reasoning_tokens"] == expected
     assert r.json()["usage"]["completion_tokens_details"] == {"reasoning_tokens": expected}
 
     streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
