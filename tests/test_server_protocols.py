@@ -18,6 +18,7 @@ from test_server_support import GREEDY, live_server, sse
 
 from ds4.engine import Session
 from ds4.jobs.trace import read_trace
+from ds4.server.sealed_reasoning import PREFIX, ReasoningSeal
 from ds4.tokenizer import BOS_ID, Tokenizer
 
 THINKING = "deepseek-v4-flash"  # thinking on by default
@@ -241,6 +242,17 @@ def test_encrypted_reasoning_restores_the_exact_turn_and_its_prefix(live, tok):
         assert got["usage"]["input_tokens"] == without["usage"]["input_tokens"]
         assert got["usage"]["input_tokens"] == second["usage"]["input_tokens"] - len(
             first["generated_tokens"])
+
+
+def test_sealed_reasoning_opens_only_under_the_key_that_sealed_it():
+    seal = ReasoningSeal()
+    text = "Plan: run ls.\n思考 </think> ｜DSML｜ \u00e9" * 20
+    sealed = seal.seal(text)
+    assert seal.open(sealed) == text and text[:20] not in sealed
+    assert ReasoningSeal().open(sealed) is None  # another server process: another key
+    cut = sealed[:len(sealed) // 2]
+    for bad in (None, 7, "", cut, sealed + "A", PREFIX + "!!!", PREFIX + "é", sealed[6:]):
+        assert seal.open(bad) is None, bad
 
 
 def test_reasoning_items_stream_with_encrypted_content_and_named_events(live):

@@ -37,10 +37,13 @@ class ReasoningSeal:
         """The reasoning text sealed in `sealed`; None for anything this process did not seal."""
         if not isinstance(sealed, str) or not sealed.startswith(PREFIX):
             return None
+        payload = sealed[len(PREFIX):]
         try:
-            raw = base64.urlsafe_b64decode(sealed[len(PREFIX):])
+            raw = base64.urlsafe_b64decode(payload)
         except (ValueError, binascii.Error):
             return None
+        if base64.urlsafe_b64encode(raw).decode("ascii") != payload:
+            return None  # the decoder skips stray characters: only the form seal() writes
         tag, body = raw[:TAG_BYTES], raw[TAG_BYTES:]
         if not hmac.compare_digest(tag, self._tag(body)):
             return None
