@@ -173,6 +173,7 @@ def test_codex_turn(live):
                          {"authorization": "Bearer unused", "originator": "codex_cli_rs",
                           "session_id": "0199a2b4"})
     events = [d for _, d in frames]
+    assert [name for name, _ in frames] == [e["type"] for e in events]  # `event:` lines
     sdk = TypeAdapter(ResponseStreamEvent)
     assert [sdk.validate_python(e).type for e in events] == [e["type"] for e in events]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
@@ -186,6 +187,10 @@ def test_codex_turn(live):
     final = events[-1]["response"]
     assert [item["id"] for item in final["output"]] == [added[i] for i in sorted(added)]
     assert final["usage"]["output_tokens"] <= 8
+    # it asked for summaries and for encrypted reasoning: the reasoning item has both
+    reasoning = final["output"][0]
+    assert reasoning["type"] == "reasoning" and reasoning["summary"][0]["text"]
+    assert reasoning["encrypted_content"]
 
 
 # ---- opencode / the OpenAI SDK -----------------------------------------------------------

@@ -244,6 +244,26 @@ def test_encrypted_reasoning_restores_the_exact_turn_and_its_prefix(live, tok):
             first["generated_tokens"])
 
 
+def test_a_summary_sent_back_with_its_encrypted_reasoning_renders_once(live):
+    url = live[0]
+    body = {"model": THINKING, "input": "Say hi", "tools": [SHELL], "max_output_tokens": 4,
+            "reasoning": {"summary": "auto"}, "include": ENCRYPTED}
+    out = post(url + RESP, body)
+    reasoning = next(i for i in out["output"] if i["type"] == "reasoning")
+    assert reasoning["summary"][0]["text"] and reasoning["encrypted_content"]
+
+    def input_tokens(item: dict) -> int:
+        history = [{"type": "message", "role": "user", "content": "Say hi"}, item,
+                   {"type": "message", "role": "user", "content": "Go on"}]
+        return post(url + RESP, {**body, "input": history,
+                                 "max_output_tokens": 1})["usage"]["input_tokens"]
+
+    both = input_tokens(sent_back(reasoning))
+    assert both == input_tokens(sent_back(reasoning, summary=[]))
+    assert both == input_tokens({k: v for k, v in sent_back(reasoning).items()
+                                 if k != "encrypted_content"})
+
+
 def test_sealed_reasoning_opens_only_under_the_key_that_sealed_it():
     seal = ReasoningSeal()
     text = "Plan: run ls.\n思考 </think> ｜DSML｜ \u00e9" * 20
