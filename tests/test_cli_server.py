@@ -224,3 +224,20 @@ def test_a_stop_signal_ends_anthropic_streams_with_an_error_event() -> None:
     assert error["type"] == "error" and "shut" in error["error"]["message"]
     assert code == 0
     assert "Traceback" not in stderr
+
+
+# -- --ssd-streaming ------------------------------------------------------------------------
+
+
+def test_ssd_streaming_holds_fewer_weight_bytes_and_answers_the_same() -> None:
+    from test_server_support import GREEDY, live_server
+
+    body = {"model": GREEDY, "prompt": "The sea", "max_tokens": 8, "temperature": 0}
+    seen = {}
+    for streaming in (False, True):
+        with live_server(ctx=512, backend="numpy", ssd_streaming=streaming) as (url, runtime):
+            reply = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+            seen[streaming] = (reply["choices"][0]["text"],
+                               runtime.engine.memory_report()["weight_bytes"])
+    assert seen[True][0] == seen[False][0]
+    assert seen[True][1] < seen[False][1]  # the routed experts stay in the mapped file
