@@ -113,6 +113,8 @@ def spoiled(tmp_path: Path, how: str) -> Path:
         return tmp_path / "absent"
     if how == "file":
         return model / "config.json"
+    if how == "unreadable":
+        model.chmod(0)
     if how == "no config":
         (model / "config.json").unlink()
     if how == "bad json":
@@ -131,6 +133,8 @@ def spoiled(tmp_path: Path, how: str) -> Path:
 @pytest.mark.parametrize("how, words", [
     ("missing", "no such directory"),
     ("file", "not a directory"),
+    pytest.param("unreadable", "directory is not readable", marks=pytest.mark.skipif(
+        os.geteuid() == 0, reason="root reads every directory")),
     ("no config", "no config.json"),
     ("bad json", "config.json cannot be read as JSON"),
     ("bad field", "'hidden_size'"),
