@@ -111,7 +111,8 @@ def generate_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0
 
 
-def report_speed(err: TextIO, prompt_tokens: int, prefill_s: float, generated: int, decode_s: float) -> None:
+def report_speed(err: TextIO, prompt_tokens: int, prefill_s: float, generated: int,
+                 decode_s: float) -> None:
     """The two tokens/s lines printed after generation."""
     print(f"prefill: {prompt_tokens} tokens in {prefill_s:.3f} s, "
           f"{prompt_tokens / max(prefill_s, 1e-9):.1f} tokens/s", file=err)
