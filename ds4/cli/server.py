@@ -176,8 +176,9 @@ def serve(config: ServerConfig) -> int:
     runtime = Runtime(config)
     server = Server(uvicorn_config(build_app(config, runtime, load=False), config), runtime)
     threading.Thread(target=load_and_report, args=(runtime, server), daemon=True).start()
-    host, port = sock.getsockname()[:2]
-    print(f"ds4-server: listening on http://{config.host}:{port} "
+    port = sock.getsockname()[1]
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    print(f"ds4-server: listening on http://{host}:{port} "
           "(GET /health is 503 until the model is loaded)", flush=True)
     server.run(sockets=[sock])
     return server.exit_code
