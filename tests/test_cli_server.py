@@ -152,6 +152,15 @@ def test_a_model_that_cannot_load_ends_the_server(tmp_path: Path, how: str, word
     assert words in lines[0]
 
 
+def test_ds4_generate_refuses_a_tokenizer_too_big_for_the_model(tmp_path: Path) -> None:
+    model = spoiled(tmp_path, "big tokenizer")
+    result = run(sys.executable, "-m", "ds4", "generate", "--backend", "numpy", "-p", "Hi",
+                 "--model", str(model))
+    assert result.returncode == 1
+    assert result.stderr.startswith("ds4: tokenizer ") and "vocab_size is 129280" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.skipif(cuda_available(), reason="this machine has a GPU")
 def test_cupy_backend_without_a_gpu_ends_the_server() -> None:
     result = run(*SERVER, "--port", "0", "--backend", "cupy")

@@ -80,9 +80,11 @@ def generate_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from ds4.engine import ContextOverflow, Engine
     from ds4.model.tiny import default_model_dir
     from ds4.sampling import make_rng, sample
+    from ds4.server.runtime import check_vocabulary
 
     model = args.model or default_model_dir()
     engine = Engine.open(model, backend=args.backend)
+    check_vocabulary(engine)  # as the server does: no id may fall outside the embedding
     options = SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed)
     prompt = engine.tokenizer.encode(args.prompt if args.raw else plain_chat(args.prompt))

@@ -25,7 +25,7 @@ LOADING, SERVING, BROKEN = "loading", "serving", "broken"
 log = logging.getLogger("ds4.server")
 
 
-class LoadError(Exception):
+class LoadError(ValueError):
     """A model directory that cannot be served; the message says what and where."""
 
 
