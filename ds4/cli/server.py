@@ -8,12 +8,19 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from ds4.backend import cuda_available
 from ds4.cli.flags import ShowDefaults, add_version
 from ds4.server.config import DEFAULT_MAX_TOKENS, ServerConfig
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
+
+    from ds4.server.runtime import Runtime
 
 
 def positive_int(text: str) -> int:
@@ -103,7 +110,7 @@ def report_memory(engine: object, config: ServerConfig) -> None:
     print("ds4-server: model memory\n" + "\n".join(lines), flush=True)
 
 
-def load_and_report(runtime, server) -> None:
+def load_and_report(runtime: Runtime, server: Server) -> None:
     """Load the model (the server already answers /health with 503), then print figures;
     a model that cannot load ends the server: one line on stderr, exit status 1."""
     if not runtime.load():
@@ -137,7 +144,7 @@ class Server(uvicorn.Server):
     queued or running ("server shutting down"), so each stream ends with its protocol's
     error event at once instead of running on until the graceful timeout cuts it."""
 
-    def __init__(self, config: uvicorn.Config, runtime) -> None:
+    def __init__(self, config: uvicorn.Config, runtime: Runtime) -> None:
         super().__init__(config)
         self.runtime = runtime
         self.exit_code = 0
@@ -149,7 +156,7 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
-    def capture_signals(self):
+    def capture_signals(self) -> Iterator[None]:
         """Take SIGINT/SIGTERM while serving; unlike uvicorn's, do not raise them again
         afterwards (that would print a KeyboardInterrupt traceback): the stop was clean."""
         previous = {sig: signal.signal(sig, self.handle_exit)
@@ -161,7 +168,7 @@ class Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def uvicorn_config(app, config: ServerConfig) -> uvicorn.Config:
+def uvicorn_config(app: ASGIApp, config: ServerConfig) -> uvicorn.Config:
     """How uvicorn runs the app: one worker, warnings only, a short graceful stop (the jobs
     are failed first, so open streams end within it)."""
     return uvicorn.Config(app, workers=1, log_level="warning", timeout_graceful_shutdown=1)
