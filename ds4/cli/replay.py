@@ -237,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     except OwnTrace as exc:
         print(f"ds4-replay: {exc}", file=sys.stderr)
         return 2
-    except (OSError, ValueError, httpx.HTTPError) as exc:
+    except httpx.HTTPError as exc:
+        print(f"ds4-replay: {a.url}: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:  # no such trace, or not a trace
         print(f"ds4-replay: {exc}", file=sys.stderr)
         return 1
     for line in report.problems:
