@@ -90,32 +90,36 @@ struct Fp4 {
     }
 };
 
-// x of a chunk, staged in shared memory: a lane's chunk spans CODES floats, so lanes reading
-// x straight from global memory touch one cache line each per load (measured: FP4 GEMVs at a
-// sixth of the copy rate). A chunk's F4 = CODES / 4 float4 sit at a stride of F4 + 1, so the 8
-// lanes of a 16-byte shared-memory phase (consecutive chunks) hit 8 different bank groups.
-template <class F>
-__device__ __forceinline__ int x_stride() { return F::CODES / 4 + 1; }
-
-// Bytes of shared memory that stage_x needs for n chunks.
-template <class F>
-__host__ __device__ constexpr int x_bytes(int n) { return n * (F::CODES / 4 + 1) * 16; }
-
-// The block copies chunks [c0, c0 + n) of x into sx (coalesced 16-byte loads).
-template <class F>
-__device__ __forceinline__ void stage_x(const float* x, int c0, int n, float4* sx) {
-    const int f4 = F::CODES / 4;
-    const float4* src = (const float4*)(x + (size_t)c0 * F::CODES);
-    for (int f = threadIdx.x; f < n * f4; f += blockDim.x)
-        sx[(f / f4) * (f4 + 1) + f % f4] = __ldg(src + f);
-}
+// x of a warp's 32 chunks, staged through the warp's own slice of shared memory: a lane's
+// chunk spans CODES floats, so lanes reading their x straight from global memory touch one cache
+// line each per load (measured: FP4 GEMVs at a sixth of the copy rate). The warp loads the
+// span coalesced, stores it with each chunk's F4 = CODES / 4 float4 at a stride of F4 + 1 (the 8
+// lanes of a 16-byte shared-memory phase then hit 8 different bank groups) and reads its own.
+// No block barrier: every warp streams on its own. Blocks are WARPS warps.
+constexpr int WARPS = 8;
 
 template <class F>
-__device__ __forceinline__ void load_sx(const float4* sx, int chunk, float* xr) {
-    const float4* v = sx + chunk * x_stride<F>();
+__device__ __forceinline__ void warp_x(const float* x, int i0, int c1, float* xr) {
+    constexpr int f4 = F::CODES / 4;
+    __shared__ float4 staged[WARPS][32 * (f4 + 1)];
+    float4* wx = staged[threadIdx.x >> 5];
+    int lane = threadIdx.x & 31, n = min(32, c1 - i0) * f4;
+    const float4* src = (const float4*)(x + (size_t)i0 * F::CODES);
+    float4 v[f4];
 #pragma unroll
-    for (int k = 0; k < F::CODES / 4; k++) {
-        float4 t = v[k];
+    for (int k = 0; k < f4; k++)
+        if (k * 32 + lane < n) v[k] = __ldg(src + k * 32 + lane);
+    __syncwarp();  // the previous step's reads are done
+#pragma unroll
+    for (int k = 0; k < f4; k++) {
+        int f = k * 32 + lane;
+        if (f < n) wx[(f / f4) * (f4 + 1) + f % f4] = v[k];
+    }
+    __syncwarp();
+    const float4* own = wx + lane * (f4 + 1);
+#pragma unroll
+    for (int k = 0; k < f4; k++) {
+        float4 t = own[k];
         xr[4 * k] = t.x; xr[4 * k + 1] = t.y; xr[4 * k + 2] = t.z; xr[4 * k + 3] = t.w;
     }
 }
@@ -160,13 +164,16 @@ struct RowSet {
     }
 };
 
-// acc[j] += this lane's share of row (row0 + j) . x over chunks [c0, c1), x staged in sx from
-// chunk c0 on: one read of x per chunk serves all R rows.
+// acc[j] += this lane's share of row (row0 + j) . x over chunks [c0, c1): lane l takes chunks
+// c0 + l, c0 + l + 32, ...; one read of x per chunk serves all R rows. The whole warp runs the
+// loop (warp_x is collective); lanes past c1 only help stage x.
 template <class F, int R>
-__device__ __forceinline__ void rows_dot(const RowSet<F, R>& rs, const float4* sx, int c0, int c1,
+__device__ __forceinline__ void rows_dot(const RowSet<F, R>& rs, const float* x, int c0, int c1,
                                          int shift, float* acc) {
+    int lane = threadIdx.x & 31;
 #pragma unroll 2
-    for (int i = c0 + (threadIdx.x & 31); i < c1; i += 32) {
+    for (int i0 = c0; i0 < c1; i0 += 32) {
+        int i = min(i0 + lane, c1 - 1);
         uint4 w[R];
         float sc[R];
 #pragma unroll
@@ -175,7 +182,8 @@ __device__ __forceinline__ void rows_dot(const RowSet<F, R>& rs, const float4* s
             sc[j] = e8m0(__ldg(rs.s[j] + F::scale_col(i, shift))) * F::UNIT;
         }
         float xr[F::CODES];
-        load_sx<F>(sx, i - c0, xr);
+        warp_x<F>(x, i0, c1, xr);
+        if (i0 + lane >= c1) continue;
 #pragma unroll
         for (int j = 0; j < R; j++) acc[j] = fmaf(dot_chunk<F>(w[j], xr), sc[j], acc[j]);
     }
@@ -212,22 +220,14 @@ __device__ __forceinline__ void rows_dot_batch(const RowSet<F, R>& rs, const flo
 
 // y[b * y_ld + r] (+)= W[r] . x_b. Warp g computes rows g*R .. g*R+R-1 over the column span of
 // split blockIdx.y (splits > 1: partial sums added atomically onto a zeroed or accumulating y).
-// Row r reads x_b + (r / rows_per_group) * cols (the grouped output projection); with NB == 1
-// the block stages its span of x in shared memory (x_bytes(span)), so a block's rows must lie
-// in one group.
+// Row r reads x_b + (r / rows_per_group) * cols (the grouped output projection).
 template <class F, int R, int NB>
 __device__ void packed_gemv(const u8* __restrict__ W, const u8* __restrict__ S, int rows,
                             int cols, int sc_ld, int shift, const float* __restrict__ x,
                             long long x_ld, int rows_per_group, float* y, long long y_ld, int nb,
                             int splits, int accumulate) {
-    extern __shared__ float4 sx[];
     int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
     int span = cols / F::CODES / splits, c0 = blockIdx.y * span;
-    if (NB == 1) {
-        int block_row = blockIdx.x * (blockDim.x >> 5) * R;
-        stage_x<F>(x + (size_t)(block_row / rows_per_group) * cols, c0, span, sx);
-        __syncthreads();
-    }
     if (row0 >= rows) return;
     RowSet<F, R> rs(W, S, row0, rows, cols, sc_ld, shift);
     const float* xg = x + (size_t)(row0 / rows_per_group) * cols;
@@ -240,7 +240,7 @@ __device__ void packed_gemv(const u8* __restrict__ W, const u8* __restrict__ S, 
         float a1[R];
 #pragma unroll
         for (int j = 0; j < R; j++) a1[j] = 0.f;
-        rows_dot<F, R>(rs, sx, c0, c0 + span, shift, a1);
+        rows_dot<F, R>(rs, xg, c0, c0 + span, shift, a1);
 #pragma unroll
         for (int j = 0; j < R; j++) acc[j][0] = a1[j];
     } else {
@@ -280,17 +280,14 @@ GEMV(gemv_fp4_b8, Fp4, 2, 8)
 // Routed experts of one token (experts stacked [E, rows, ...], expert e at e * w_stride bytes
 // and e * s_stride scale bytes). gate_up: act[k, j] = silu(min(g_j, limit)) *
 // clamp(u_j, +-limit) * wts[k] for expert idx[k], k = blockIdx.y (idx null: expert k; wts null:
-// weight 1); R rows j per warp, x staged in shared memory. limit <= 0 turns the clamps off.
+// weight 1); R rows j per warp. limit <= 0 turns the clamps off.
 template <class F, int R>
 __device__ void packed_gate_up(const u8* gate, const u8* gate_s, const u8* up, const u8* up_s,
                                long long w_stride, long long s_stride, const int* idx,
                                const float* wts, const float* x, float* act, int inter,
                                int cols, int sc_ld, int shift, float limit) {
-    extern __shared__ float4 sx[];
     int j0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
     int k = blockIdx.y, chunks = cols / F::CODES;
-    stage_x<F>(x, 0, chunks, sx);
-    __syncthreads();
     if (j0 >= inter) return;
     long long e = idx ? idx[k] : k;
     float wk = wts ? wts[k] : 1.f;
@@ -298,9 +295,9 @@ __device__ void packed_gate_up(const u8* gate, const u8* gate_s, const u8* up, c
 #pragma unroll
     for (int j = 0; j < R; j++) g[j] = u[j] = 0.f;
     RowSet<F, R> rg(gate + e * w_stride, gate_s + e * s_stride, j0, inter, cols, sc_ld, shift);
-    rows_dot<F, R>(rg, sx, 0, chunks, shift, g);
+    rows_dot<F, R>(rg, x, 0, chunks, shift, g);
     RowSet<F, R> ru(up + e * w_stride, up_s + e * s_stride, j0, inter, cols, sc_ld, shift);
-    rows_dot<F, R>(ru, sx, 0, chunks, shift, u);
+    rows_dot<F, R>(ru, x, 0, chunks, shift, u);
 #pragma unroll
     for (int j = 0; j < R; j++) {
         float gs = warp_sum(g[j]), us = warp_sum(u[j]);
@@ -314,17 +311,14 @@ __device__ void packed_gate_up(const u8* gate, const u8* gate_s, const u8* up, c
 }
 
 // down: y[r] (+)= sum_k down_{idx[k]}[r] . act[k] over the n_sel experts, R rows per warp, all
-// experts in one warp (no atomics); act [n_sel, inter] is staged in shared memory.
+// experts in one warp (no atomics).
 template <class F, int R>
 __device__ void packed_down(const u8* down, const u8* down_s, long long w_stride,
                             long long s_stride, const int* idx, const float* act, float* y,
                             int rows, int inter, int sc_ld, int shift, int n_sel,
                             int accumulate) {
-    extern __shared__ float4 sx[];  // act, staged: x_bytes(n_sel * chunks)
     int r0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
     int chunks = inter / F::CODES;
-    stage_x<F>(act, 0, n_sel * chunks, sx);
-    __syncthreads();
     if (r0 >= rows) return;
     float acc[R];
 #pragma unroll
@@ -333,7 +327,7 @@ __device__ void packed_down(const u8* down, const u8* down_s, long long w_stride
         long long e = idx ? idx[k] : k;
         RowSet<F, R> rs(down + e * w_stride, down_s + e * s_stride, r0, rows, inter, sc_ld,
                         shift);
-        rows_dot<F, R>(rs, sx + k * chunks * x_stride<F>(), 0, chunks, shift, acc);
+        rows_dot<F, R>(rs, act + (size_t)k * inter, 0, chunks, shift, acc);
     }
 #pragma unroll
     for (int j = 0; j < R; j++) {

@@ -20,16 +20,11 @@ import numpy as np
 from ds4.kernels import f32, i32, launch, ptr, to_bf16
 from ds4.kernels.moe import _swiglu
 
-WARPS_PER_BLOCK = 8
+WARPS_PER_BLOCK = 8  # fixed: packed.cu sizes each warp's shared-memory slice for 8 warps
 TARGET_WARPS = 4096  # warps x splits that keep every SM streaming (as for the bf16 GEMV)
 MIN_CHUNKS = 32  # 16-byte chunks per lane-row of a split: fewer leave lanes idle
 MAX_BATCH = 8  # vectors per batched GEMV launch
 CHUNK_CODES = {"fp8": 16, "fp4": 32}  # codes in one 16-byte load
-
-
-def x_bytes(fmt: str, chunks: int) -> int:
-    """Shared memory that stages x for this many chunks (padded: conflict-free reads)."""
-    return chunks * (CHUNK_CODES[fmt] // 4 + 1) * 16
 
 
 def _e4m3_table() -> np.ndarray:
@@ -127,9 +122,7 @@ def _gemv(fmt: str, w, s, sc_ld: int, shift: int, cols: int, x, out, rows_per_gr
     assert nb <= MAX_BATCH, f"at most {MAX_BATCH} vectors per batched GEMV"
     per_warp = (4 if nb == 1 else 2) if rows_per_warp is None else rows_per_warp
     group = rows if rows_per_group is None else rows_per_group
-    # a block stages one group's x: its rows must not straddle two groups
-    assert rows_per_group is None or (group % (WARPS_PER_BLOCK * per_warp) == 0
-                                      and rows % group == 0)
+    assert rows_per_group is None or (group % per_warp == 0 and rows % group == 0)
     warps = (rows + per_warp - 1) // per_warp
     splits = pick_splits(warps, cols // codes) if splits is None else splits
     assert (cols // codes) % splits == 0
@@ -142,8 +135,7 @@ def _gemv(fmt: str, w, s, sc_ld: int, shift: int, cols: int, x, out, rows_per_gr
     grid = ((warps + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, splits)
     args = (ptr(w), ptr(s), i32(rows), i32(cols), i32(sc_ld), i32(shift), ptr(x), np.int64(x_ld),
             i32(group), ptr(out), np.int64(rows), i32(nb), i32(splits), i32(int(accumulate)))
-    shared = x_bytes(fmt, cols // codes // splits) if nb == 1 else 0
-    launch("packed", name, grid, (32 * WARPS_PER_BLOCK,), args, shared=shared)
+    launch("packed", name, grid, (32 * WARPS_PER_BLOCK,), args)
     return out
 
 
@@ -207,8 +199,7 @@ def _gate_up(fmt: str, gate, gate_s, up, up_s, shift: int, idx, wts, x, act, lim
     args = (ptr(gate), ptr(gate_s), ptr(up), ptr(up_s), np.int64(_stride(gate)),
             np.int64(_stride(gate_s)), ptr(idx), ptr(wts), ptr(x), ptr(act), i32(inter),
             i32(cols), i32(gate_s.shape[-1]), i32(shift), f32(limit))
-    launch("packed", f"moe_gate_up_{fmt}_r{per_warp}", grid, (32 * WARPS_PER_BLOCK,), args,
-           shared=x_bytes(fmt, cols // CHUNK_CODES[fmt]))
+    launch("packed", f"moe_gate_up_{fmt}_r{per_warp}", grid, (32 * WARPS_PER_BLOCK,), args)
     return act
 
 
@@ -222,8 +213,7 @@ def _down(fmt: str, down, down_s, shift: int, idx, act, out, accumulate: bool, r
     args = (ptr(down), ptr(down_s), np.int64(_stride(down)), np.int64(_stride(down_s)),
             ptr(idx), ptr(act), ptr(out), i32(rows), i32(inter), i32(down_s.shape[-1]),
             i32(shift), i32(n_sel), i32(int(accumulate)))
-    launch("packed", f"moe_down_{fmt}_r{per_warp}", grid, (32 * WARPS_PER_BLOCK,), args,
-           shared=x_bytes(fmt, n_sel * inter // CHUNK_CODES[fmt]))
+    launch("packed", f"moe_down_{fmt}_r{per_warp}", grid, (32 * WARPS_PER_BLOCK,), args)
     return out
 
 
