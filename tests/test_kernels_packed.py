@@ -206,6 +206,21 @@ def test_gemv_packed_batched(cp, rng, fmt, nb):
     check(cp, *run_gemv(cp, fmt, rng, rows, cols, x, out))
 
 
+
+@on_gpu
+def test_gemv_many_fp8_runs_several_projections_in_one_launch(cp, rng):
+    cols = 1024
+    mats = [packed_matrix(rng, "fp8", rows, cols) for rows in (512, 64, 129, 1)]
+    x = rng.standard_normal(cols).astype(np.float32)
+    outs = [cp.full(m[0].shape[0], np.nan, cp.float32) for m in mats]
+    codes, scs = [cp.asarray(m[0]) for m in mats], [cp.asarray(m[1]) for m in mats]
+    table = P.gemv_table_fp8(cp, codes, scs, outs)
+    P.gemv_many_fp8(table, codes, scs, 128, cp.asarray(x), outs)
+    want = [np.empty(m[0].shape[0], np.float32) for m in mats]
+    P.gemv_many_fp8_numpy(None, [m[0] for m in mats], [m[1] for m in mats], 128, x, want)
+    for got, w, m in zip(outs, want, mats):
+        check(cp, got, w, np.abs(m[2]).astype(np.float64) @ np.abs(x))
+
 def experts(rng, fmt, n, rows, cols):
     """Stacked experts [n, rows, ...] as (weights, scales)."""
     parts = [packed_matrix(rng, fmt, rows, cols)[:2] for _ in range(n)]

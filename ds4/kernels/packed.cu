@@ -277,6 +277,32 @@ GEMV(gemv_fp4_r4, Fp4, 4, 1)
 GEMV(gemv_fp8_b8, Fp8, 2, 8)
 GEMV(gemv_fp4_b8, Fp4, 2, 8)
 
+// Several FP8 matrices that multiply the same x (decode's small projections of one input), in
+// one launch: table[4 * m ..] = (codes, scales, y, rows) of matrix m, all with `cols` columns
+// and block 2^shift. Warp g computes rows 2g', 2g' + 1 of the matrix it falls in.
+extern "C" __global__ void gemv_many_fp8(const long long* __restrict__ table, int count,
+                                         const float* __restrict__ x, int cols, int shift) {
+    int g = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, m = 0;
+    for (; m < count; m++) {
+        int warps = (int)((table[4 * m + 3] + 1) / 2);
+        if (g < warps) break;
+        g -= warps;
+    }
+    if (m >= count) return;
+    int rows = (int)table[4 * m + 3], row0 = 2 * g;
+    int sc_ld = ((cols - 1) >> shift) + 1;
+    RowSet<Fp8, 2> rs((const u8*)table[4 * m], (const u8*)table[4 * m + 1], row0, rows, cols,
+                      sc_ld, shift);
+    float acc[2] = {0.f, 0.f};
+    rows_dot<Fp8, 2>(rs, x, 0, cols / Fp8::CODES, shift, acc);
+    float* y = (float*)table[4 * m + 2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        float v = warp_sum(acc[j]);
+        if ((threadIdx.x & 31) == 0 && row0 + j < rows) y[row0 + j] = v;
+    }
+}
+
 // Routed experts of one token (experts stacked [E, rows, ...], expert e at e * w_stride bytes
 // and e * s_stride scale bytes). gate_up: act[k, j] = silu(min(g_j, limit)) *
 // clamp(u_j, +-limit) * wts[k] for expert idx[k], k = blockIdx.y (idx null: expert k; wts null:

@@ -182,6 +182,34 @@ def gemv_fp4_numpy(packed, scales, x, out, rows_per_group: int | None = None,
     return _gemv_numpy(dequant_fp4(packed, scales), x, out, rows_per_group, accumulate)
 
 
+
+def gemv_table_fp8(xp, codes: list, scales: list, outs: list):
+    """The device table gemv_many_fp8 reads: (codes, scales, y, rows) per matrix, built once."""
+    rows = [c.shape[0] for c in codes]
+    entries = [[int(ptr(c)), int(ptr(s)), int(ptr(y)), r]
+               for c, s, y, r in zip(codes, scales, outs, rows)]
+    return xp.asarray(np.array(entries, dtype=np.int64).reshape(-1))
+
+
+def gemv_many_fp8(table, codes: list, scales: list, block: int, x, outs: list):
+    """outs[m] = W_m x for FP8 matrices of one column count, in one launch (decode's small
+    projections of one input). table: gemv_table_fp8(xp, codes, scales, outs)."""
+    cols = codes[0].shape[1]
+    assert cols % CHUNK_CODES["fp8"] == 0 and all(c.shape[1] == cols for c in codes)
+    assert all(s.shape[-1] == -(-cols // block) for s in scales)
+    warps = sum((c.shape[0] + 1) // 2 for c in codes)
+    grid = ((warps + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
+    launch("packed", "gemv_many_fp8", grid, (32 * WARPS_PER_BLOCK,),
+           (ptr(table), i32(len(codes)), ptr(x), i32(cols), i32(_shift(block))))
+    return outs
+
+
+def gemv_many_fp8_numpy(table, codes: list, scales: list, block: int, x, outs: list):
+    """NumPy twin of gemv_many_fp8 (the table is unused)."""
+    for c, s, y in zip(codes, scales, outs):
+        y[...] = dequant_fp8(c, s, block) @ x
+    return outs
+
 def _stride(a) -> int:
     """Bytes from one stacked expert to the next (0 for a single matrix)."""
     return a.strides[0] if a.ndim == 3 else 0
