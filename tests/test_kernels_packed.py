@@ -188,12 +188,14 @@ def test_gemv_packed(cp, rng, fmt, rows, cols, splits, per_warp):
 
 
 @on_gpu
-@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-def test_gemv_packed_groups_and_accumulate(cp, rng, fmt):
-    rows, cols = 1024, 512  # 8 groups of 128 rows, each with its own x slice
-    x = rng.standard_normal(8 * cols).astype(np.float32)
+@pytest.mark.parametrize("fmt,groups", [("fp8", 8), ("fp4", 1)])
+def test_gemv_packed_groups_and_accumulate(cp, rng, fmt, groups):
+    rows, cols = 1024, 512  # FP8: 8 groups of 128 rows, each with its own x slice
+    x = rng.standard_normal(groups * cols).astype(np.float32)
     out = rng.standard_normal(rows).astype(np.float32)
-    check(cp, *run_gemv(cp, fmt, rng, rows, cols, x, out, rows_per_group=128, accumulate=True))
+    group = rows // groups if groups > 1 else None
+    check(cp, *run_gemv(cp, fmt, rng, rows, cols, x, out, rows_per_group=group,
+                        accumulate=True, splits=2))
 
 
 @on_gpu

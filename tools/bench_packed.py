@@ -201,7 +201,7 @@ def main() -> None:
         for nb in (2, 4, 8):
             t, rate = bench_gemv(cp, fmt, rows, cols, None, copy, nb=nb)
             row(f"{fmt} batched {rows}x{cols}", f"nb={nb}", t, rate, copy)
-    for per_warp in ([None] if args.quick else [None, 1, 4]):
+    for per_warp in ([None] if args.quick else [None, 2, 4]):
         for name, t, rate in bench_moe(cp, copy, per_warp):
             row(name, f"r{per_warp or 'def'}", t, rate, copy)
     name, t, rate = bench_many(cp)
