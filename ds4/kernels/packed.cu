@@ -159,14 +159,15 @@ template <class F, int R>
 struct RowSet {
     const u8* w[R];
     const u8* s[R];
+    RowSet() = default;
     __device__ RowSet(const u8* W, const u8* S, int row0, int rows, int cols, int sc_ld,
                       int shift) {
 #pragma unroll
-        for (int j = 0; j < R; j++) {
-            int r = min(row0 + j, rows - 1);
-            w[j] = W + (size_t)r * F::row_bytes(cols);
-            s[j] = F::scale_row(S, r, sc_ld, shift);
-        }
+        for (int j = 0; j < R; j++) set(j, W, S, min(row0 + j, rows - 1), cols, sc_ld, shift);
+    }
+    __device__ void set(int j, const u8* W, const u8* S, int r, int cols, int sc_ld, int shift) {
+        w[j] = W + (size_t)r * F::row_bytes(cols);
+        s[j] = F::scale_row(S, r, sc_ld, shift);
     }
 };
 
@@ -355,17 +356,20 @@ __device__ void packed_gate_up(const u8* gate, const u8* gate_s, const u8* up, c
         if (j0 >= inter) continue;
         long long e = idx ? idx[k] : k;
         float wk = wts ? wts[k] : 1.f;
-        float g[R], u[R];
-#pragma unroll
-        for (int j = 0; j < R; j++) g[j] = u[j] = 0.f;
-        RowSet<F, R> rg(gate + e * w_stride, gate_s + e * s_stride, j0, inter, cols, sc_ld,
-                        shift);
-        rows_dot<F, R>(rg, SharedX{sx, 0}, 0, chunks, shift, g);
-        RowSet<F, R> ru(up + e * w_stride, up_s + e * s_stride, j0, inter, cols, sc_ld, shift);
-        rows_dot<F, R>(ru, SharedX{sx, 0}, 0, chunks, shift, u);
+        // gate and up rows in one row set: twice the loads in flight, one read of x for both
+        RowSet<F, 2 * R> rs;
+        float acc[2 * R];
 #pragma unroll
         for (int j = 0; j < R; j++) {
-            float gs = warp_sum(g[j]), us = warp_sum(u[j]);
+            int r = min(j0 + j, inter - 1);
+            rs.set(2 * j, gate + e * w_stride, gate_s + e * s_stride, r, cols, sc_ld, shift);
+            rs.set(2 * j + 1, up + e * w_stride, up_s + e * s_stride, r, cols, sc_ld, shift);
+            acc[2 * j] = acc[2 * j + 1] = 0.f;
+        }
+        rows_dot<F, 2 * R>(rs, SharedX{sx, 0}, 0, chunks, shift, acc);
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+            float gs = warp_sum(acc[2 * j]), us = warp_sum(acc[2 * j + 1]);
             if ((threadIdx.x & 31) != 0 || j0 + j >= inter) continue;
             if (limit > 0.f) {
                 gs = fminf(gs, limit);
@@ -377,7 +381,9 @@ __device__ void packed_gate_up(const u8* gate, const u8* gate_s, const u8* up, c
 }
 
 // down: y[r] (+)= sum_k down_{idx[k]}[r] . act[k] over the n_sel experts, all of them in one
-// warp (no atomics); act [n_sel, inter] staged.
+// warp (no atomics); act [n_sel, inter] staged. A lane walks the experts' chunks as one flat
+// range f = k * chunks + i, so the loads of several experts are in flight together (one
+// expert's row of 2048 codes is only two chunks per lane).
 template <class F, int R>
 __device__ void packed_down(const u8* down, const u8* down_s, long long w_stride,
                             long long s_stride, const int* idx, const float* act, float* y,
@@ -394,12 +400,26 @@ __device__ void packed_down(const u8* down, const u8* down_s, long long w_stride
         float acc[R];
 #pragma unroll
         for (int j = 0; j < R; j++) acc[j] = 0.f;
-        for (int k = 0; k < n_sel; k++) {
+        int lane = threadIdx.x & 31, k = lane / chunks, i = lane - k * chunks;
+        SharedX xs{sx, 0};
+#pragma unroll 4
+        for (int f = lane; f < n_sel * chunks; f += 32) {
             long long e = idx ? idx[k] : k;
-            RowSet<F, R> rs(down + e * w_stride, down_s + e * s_stride, r0, rows, inter, sc_ld,
-                            shift);
-            rows_dot<F, R>(rs, SharedX{sx + k * chunks * (F::CODES / 4 + 1), 0}, 0, chunks,
-                           shift, acc);
+            uint4 w[R];
+            float sc[R];
+#pragma unroll
+            for (int j = 0; j < R; j++) {
+                int r = min(r0 + j, rows - 1);
+                const u8* row = down + e * w_stride + (size_t)r * F::row_bytes(inter);
+                w[j] = __ldcs((const uint4*)row + i);
+                sc[j] = e8m0(__ldg(F::scale_row(down_s + e * s_stride, r, sc_ld, shift)
+                                   + F::scale_col(i, shift))) * F::UNIT;
+            }
+            float xr[F::CODES];
+            xs.template load<F>(f, xr);
+#pragma unroll
+            for (int j = 0; j < R; j++) acc[j] = fmaf(dot_chunk<F>(w[j], xr), sc[j], acc[j]);
+            for (i += 32; i >= chunks; i -= chunks) k++;
         }
         store_rows<R>(acc, y, r0, rows, false, accumulate);
     }
