@@ -3,10 +3,9 @@
 // byte (low nibble = even column), with one E8M0 scale per 32 columns of a row.
 //
 // Decode GEMVs turn a 16-byte load into halves with a few instructions per pair of codes (the
-// hardware e4m3x2 -> f16x2 conversion, then halves to fp32; for E2M1 a shift-and-mask that
-// lands each nibble in the sign, exponent and mantissa bits of a bf16 lane, exact up to a
-// constant 2^-126) and accumulate in fp32 against fp32 x: every product is exact (the rounding
-// of fp32 products of exact values), as in the NumPy twin.
+// hardware e4m3x2 -> f16x2 conversion; for E2M1 a shift-and-mask that lands each nibble in a
+// half's sign, exponent and mantissa bits, exact up to a constant 2^-14), widen the halves to
+// fp32 and accumulate in fp32 against fp32 x: every product is exact, as in the NumPy twin.
 // Each lane holds one 16-byte chunk of R rows at a time, so one load of x serves R rows, and a
 // chunk lies inside one scale block, so its scale is applied once per chunk.
 // Prefill kernels widen a slab of rows into bf16 words for the tensor-core GEMMs (exact: every
@@ -34,25 +33,21 @@ __device__ __forceinline__ void e4m3x4(unsigned int q, unsigned int& lo, unsigne
         "cvt.rn.f16x2.e4m3x2 %1, b;}" : "=r"(lo), "=r"(hi) : "r"(q));
 }
 
-// Eight E2M1 codes (nibbles of q, low first) as four words h[i] of two bf16 lanes (code i,
-// code i + 4), each lane = value * 2^-126: sign to bit 15, exponent and mantissa bits to bits
-// 8..6, the E2M1 layout with the exponent bias moved from 1 to 127 (0.5 lands on the fp32
-// subnormal 2^-127). A lane widens to fp32 with one integer op, where a half's conversion
-// instruction runs at a quarter of the FMA rate and bounded the kernels (measured).
+// Eight E2M1 codes (nibbles of q, low first) as four half2 words h[i] = (code i, code i + 4),
+// each half = value * 2^-14: sign to bit 15, exponent and mantissa bits to bits 11..9, which
+// is the E2M1 layout with the exponent bias moved from 1 to 15 (subnormal 0.5 included).
 __device__ __forceinline__ void e2m1x8(unsigned int q, unsigned int* h) {
-    const unsigned int S = 0x80008000u, M = 0x01c001c0u;
-    h[0] = ((q << 12) & S) | ((q << 6) & M);
-    h[1] = ((q << 8) & S) | ((q << 2) & M);
-    h[2] = ((q << 4) & S) | ((q >> 2) & M);
-    h[3] = (q & S) | ((q >> 6) & M);
+    const unsigned int S = 0x80008000u, M = 0x0e000e00u;
+    h[0] = ((q << 12) & S) | ((q << 9) & M);
+    h[1] = ((q << 8) & S) | ((q << 5) & M);
+    h[2] = ((q << 4) & S) | ((q << 1) & M);
+    h[3] = (q & S) | ((q >> 3) & M);
 }
 
 // One 16-byte chunk of a row: 16 E4M3 codes, or 32 E2M1 codes (one MXFP4 scale block).
 struct Fp8 {
     static constexpr int CODES = 16;
-    static constexpr float TO_VALUE = 1.f;  // decoded * TO_VALUE = the code's value
-    static constexpr float X_SCALE = 1.f;   // x is staged times this
-    static constexpr float UNIT = 1.f;      // TO_VALUE / X_SCALE: applied to each chunk's sum
+    static constexpr float UNIT = 1.f;
     __device__ static int row_bytes(int cols) { return cols; }
     __device__ static const u8* scale_row(const u8* s, int row, int ld, int shift) {
         return s + (size_t)(row >> shift) * ld;
@@ -73,11 +68,7 @@ struct Fp8 {
 
 struct Fp4 {
     static constexpr int CODES = 32;
-    // Decoded codes are value * 2^-126; x times 2^100 keeps their products normal fp32 numbers
-    // (exact) for any |x| < 2^27.
-    static constexpr float TO_VALUE = 0x1p126f;
-    static constexpr float X_SCALE = 0x1p100f;
-    static constexpr float UNIT = 0x1p26f;
+    static constexpr float UNIT = 16384.f;  // e2m1x8's halves are value * 2^-14
     __device__ static int row_bytes(int cols) { return cols >> 1; }
     __device__ static const u8* scale_row(const u8* s, int row, int ld, int) {
         return s + (size_t)row * ld;
@@ -91,8 +82,9 @@ struct Fp4 {
             e2m1x8(q[j], h);
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                f[8 * j + i] = __uint_as_float(h[i] << 16);
-                f[8 * j + i + 4] = __uint_as_float(h[i] & 0xffff0000u);
+                float2 v = halves(h[i]);
+                f[8 * j + i] = v.x;
+                f[8 * j + i + 4] = v.y;
             }
         }
     }
@@ -134,13 +126,8 @@ template <class F>
 __device__ __forceinline__ void stage_x(const float* x, int c0, int n, float4* sx) {
     const int f4 = F::CODES / 4;
     const float4* src = (const float4*)(x + (size_t)c0 * F::CODES);
-    for (int f = threadIdx.x; f < n * f4; f += blockDim.x) {
-        float4 v = __ldg(src + f);
-        if (F::X_SCALE != 1.f) {
-            v.x *= F::X_SCALE; v.y *= F::X_SCALE; v.z *= F::X_SCALE; v.w *= F::X_SCALE;
-        }
-        sx[(f / f4) * (f4 + 1) + f % f4] = v;
-    }
+    for (int f = threadIdx.x; f < n * f4; f += blockDim.x)
+        sx[(f / f4) * (f4 + 1) + f % f4] = __ldg(src + f);
 }
 
 // x[chunk * CODES ...] as CODES floats in registers (16-byte loads through L1).
@@ -150,8 +137,7 @@ __device__ __forceinline__ void load_x(const float* x, int chunk, float* xr) {
 #pragma unroll
     for (int k = 0; k < F::CODES / 4; k++) {
         float4 t = __ldg(v + k);
-        xr[4 * k] = t.x * F::X_SCALE; xr[4 * k + 1] = t.y * F::X_SCALE;
-        xr[4 * k + 2] = t.z * F::X_SCALE; xr[4 * k + 3] = t.w * F::X_SCALE;
+        xr[4 * k] = t.x; xr[4 * k + 1] = t.y; xr[4 * k + 2] = t.z; xr[4 * k + 3] = t.w;
     }
 }
 
@@ -475,7 +461,7 @@ __device__ void dequant_bf16(const u8* __restrict__ W, const u8* __restrict__ S,
          t += (long long)gridDim.x * blockDim.x) {
         int r = (int)(t / per_row), i = (int)(t - (long long)r * per_row);
         const u8* w = W + (size_t)(row0 + r) * F::row_bytes(cols);
-        float s = e8m0(F::scale_row(S, row0 + r, sc_ld, shift)[F::scale_col(i, shift)]);
+        float s = e8m0(F::scale_row(S, row0 + r, sc_ld, shift)[F::scale_col(i, shift)]) * F::UNIT;
         float f[F::CODES];
         F::decode(__ldcs((const uint4*)w + i), f);
         uint4* o = (uint4*)(out + (size_t)r * cols + (size_t)i * F::CODES);
@@ -484,9 +470,8 @@ __device__ void dequant_bf16(const u8* __restrict__ W, const u8* __restrict__ S,
             unsigned int p[4];
 #pragma unroll
             for (int m = 0; m < 4; m++)
-                p[m] = __byte_perm(__float_as_uint(f[8 * k + 2 * m] * F::TO_VALUE * s),
-                                   __float_as_uint(f[8 * k + 2 * m + 1] * F::TO_VALUE * s),
-                                   0x7632);
+                p[m] = __byte_perm(__float_as_uint(f[8 * k + 2 * m] * s),
+                                   __float_as_uint(f[8 * k + 2 * m + 1] * s), 0x7632);
             o[k] = make_uint4(p[0], p[1], p[2], p[3]);
         }
     }
