@@ -26,7 +26,8 @@ WARPS_PER_BLOCK = 8  # fixed: packed.cu sizes each warp's shared-memory slice fo
 TARGET_WARPS = 4096  # warps x splits that keep every SM streaming (as for the bf16 GEMV)
 MIN_CHUNKS = 32  # 16-byte chunks per lane-row of a split: fewer leave lanes idle
 MAX_BATCH = 8  # vectors per batched GEMV launch
-ROWS_PER_WARP_MOE = 1  # expert kernels: best on the H200 (docs/PERF.md)
+ROWS_PER_WARP = {"fp8": 4, "fp4": 1}  # GEMV rows per warp: best on the H200 (bench_packed)
+ROWS_PER_WARP_MOE = 1  # expert kernels: best on the H200 (tools/bench_packed.py)
 CHUNK_CODES = {"fp8": 16, "fp4": 32}  # codes in one 16-byte load
 SHARED_PER_SM = 227 * 1024
 
@@ -147,7 +148,8 @@ def _gemv(fmt: str, w, s, sc_ld: int, shift: int, cols: int, x, out, rows_per_gr
     assert cols % codes == 0 and w.flags.c_contiguous and s.flags.c_contiguous
     nb = 1 if x.ndim == 1 else x.shape[0]
     assert nb <= MAX_BATCH, f"at most {MAX_BATCH} vectors per batched GEMV"
-    per_warp = (4 if nb == 1 else 2) if rows_per_warp is None else rows_per_warp
+    per_warp = ROWS_PER_WARP[fmt] if nb == 1 else 2
+    per_warp = per_warp if rows_per_warp is None else rows_per_warp
     group = rows if rows_per_group is None else rows_per_group
     assert rows_per_group is None or (group % per_warp == 0 and rows % group == 0)
     warps = (rows + per_warp - 1) // per_warp
