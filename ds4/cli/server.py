@@ -21,6 +21,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line of ds4-server."""
     p = argparse.ArgumentParser(prog="ds4-server", description=__doc__)
@@ -40,6 +51,10 @@ def parser() -> argparse.ArgumentParser:
                    help="stream experts from disk (needs --parallel 1)")
     p.add_argument("--tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
                    help="default max output tokens of a request")
+    p.add_argument("--client-timeout", type=positive_float, default=10.0, metavar="S",
+                   help="seconds a client may take to send a request's headers, or stall its "
+                        "body, before it gets a 408 (default 10)")
+    p.add_argument("--quiet", action="store_true", help="no access-log line per request")
     return p
 
 
@@ -56,7 +71,8 @@ def config_from(argv: list[str] | None) -> ServerConfig:
     return ServerConfig(model_dir=a.model, host=a.host, port=a.port, parallel=a.parallel,
                         ctx=a.ctx, prefill_chunk=a.prefill_chunk, backend=a.backend,
                         cors=a.cors, api_key=a.api_key, trace=a.trace,
-                        ssd_streaming=a.ssd_streaming, tokens=a.tokens)
+                        ssd_streaming=a.ssd_streaming, tokens=a.tokens,
+                        client_timeout_s=a.client_timeout, quiet=a.quiet)
 
 
 def figure(name: str, value: object) -> str:
@@ -95,9 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from ds4.server.app import build_app
+    from ds4.server.connection import client_protocol
+    from ds4.server.exchange import log_access_to_stderr
     from ds4.server.runtime import Runtime
 
     config = config_from(argv)
+    if not config.quiet:
+        log_access_to_stderr()
     runtime = Runtime(config)
     app = build_app(config, runtime, load=False)
     threading.Thread(target=load_and_report, args=(runtime,), daemon=True).start()
@@ -105,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
           "(GET /health is 503 until the model is loaded)", flush=True)
     # a stream may run for minutes: on Ctrl-C give open requests 5 s, then cancel their jobs
     uvicorn.run(app, host=config.host, port=config.port, workers=1, log_level="warning",
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, http=client_protocol(config.client_timeout_s))
     return 0
 
 

@@ -13,7 +13,9 @@ from ds4.chat import ChatError, ToolMemory
 from ds4.jobs.events import Failed, Finished, JobRequest
 from ds4.server.config import ServerConfig
 from ds4.server.errors import ApiError
+from ds4.server.exchange import note_tokens
 from ds4.server.metrics import Metrics
+from ds4.server.request_fields import lone_surrogate, lone_surrogate_error
 from ds4.server.sse import JobEvents
 from ds4.server.turn import Prompt, Turn
 
@@ -54,6 +56,7 @@ class Running:
             metrics.requests.labels(self.turn.endpoint, "failed").inc()
             return
         metrics.requests.labels(self.turn.endpoint, event.finish_reason).inc()
+        note_tokens(event.usage.prompt_tokens, event.usage.completion_tokens)
         calls = event.output.tool_calls
         if calls and event.output.raw_block:
             self.runtime.tool_memory.remember([c.id for c in calls], event.output.raw_block,
@@ -136,12 +139,16 @@ class Runtime:
 
         def work() -> Prompt:
             text = turn.render()
+            if hit := lone_surrogate(text):  # one inside a JSON string, e.g. tool arguments
+                raise lone_surrogate_error("", hit[1])
             return Prompt(text, self.engine.tokenizer.encode(text))
 
         try:
-            return await run_in_threadpool(work)
+            prompt = await run_in_threadpool(work)
         except ChatError as exc:
             raise ApiError(400, str(exc)) from exc
+        note_tokens(prompt=len(prompt.tokens))
+        return prompt
 
     async def start(self, turn: Turn) -> Running:
         """Render, check the context, and queue the job."""
