@@ -58,7 +58,7 @@ def live():
 
 def post(url: str, path: str, body: dict, **kw) -> httpx.Response:
     """POST with the body as ASCII JSON: lone surrogates travel as their escapes."""
-    return httpx.post(url + path, content=json.dumps(body),
+    return httpx.post(url + path, content=json.dumps(body), timeout=60,
                       headers={"content-type": "application/json"}, **kw)
 
 
@@ -111,7 +111,8 @@ def test_a_lone_surrogate_anywhere_is_a_400_in_the_protocols_shape(live, path, b
 
 
 def test_paired_surrogate_escapes_are_text(live):
-    body = {"model": GREEDY, "max_tokens": 2, "messages": [{"role": "user", "content": "\U0001F600"}]}
+    body = {"model": GREEDY, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "\U0001F600"}]}
     assert post(live[0], CHAT, body).status_code == 200
 
 
@@ -225,16 +226,18 @@ def test_a_client_gone_while_its_body_is_read_is_one_log_line(live, caplog):
     url = live[0]
     caplog.set_level(logging.INFO)
     with connect(url) as sock:
+        me = "127.0.0.1:%d " % sock.getsockname()[1]
         sock.sendall(body_head(CHAT, 1000) + b'{"messages": [')
         time.sleep(0.2)
     deadline = time.monotonic() + 5
-    while not any("499" in line for line in access_lines(caplog)):
+    while not any(me in line for line in access_lines(caplog)):
         assert time.monotonic() < deadline, caplog.text
         time.sleep(0.05)
     time.sleep(0.3)  # anything else it would log comes now
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "POST /v1/chat/completions 499" in lines[0]
+    lines = [r.getMessage() for r in caplog.records
+             if r.name != "ds4.access" or me in r.getMessage()]
+    assert len(lines) == 1 and me + "POST /v1/chat/completions 499" in lines[0], lines
     assert "closed the connection" in lines[0]
 
 
@@ -281,3 +284,17 @@ def test_access_line_of_a_stream_is_written_when_it_ends(live, caplog):
     assert words[1:4] == ["POST", CHAT, "200"] and words[4].endswith("s")
     assert f"prompt_tokens={usage['prompt_tokens']}" in words
     assert f"completion_tokens={usage['completion_tokens']}" in words
+
+
+def test_a_prompt_far_past_the_context_is_refused_from_a_prefix(live):
+    url, runtime = live
+    text = " ".join(f"w{i}" for i in range(60_000))  # ~350k characters, ~100k tokens
+    r = post(url, CHAT, {"model": GREEDY, "max_tokens": 2,
+                         "messages": [{"role": "user", "content": text}]})
+    assert r.status_code == 400, r.text
+    error = error_of(CHAT, r.json())
+    assert error["code"] == "context_length_exceeded" and error["n_ctx"] == 2048
+    assert "Prompt has more than" in error["message"] and error["n_prompt_tokens"] > 2048
+    assert error["n_prompt_tokens"] < len(runtime.engine.tokenizer.encode(text))
+    r = post(url, COUNT, {"messages": [{"role": "user", "content": text}]})
+    assert r.json()["input_tokens"] > len(runtime.engine.tokenizer.encode(text))  # the whole

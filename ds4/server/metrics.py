@@ -9,6 +9,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily
@@ -31,6 +32,7 @@ class Metrics:
         Gauge("ds4_queue_depth", "Jobs waiting for a slot", registry=reg).set_function(queue_depth)
         Gauge("ds4_busy_slots", "Slots running a job", registry=reg).set_function(busy_slots)
         reg.register(TokenCounters(stats))
+        ProcessCollector(registry=reg)  # process_resident_memory_bytes and friends
         self.requests = Counter("ds4_requests", "Finished generation requests",
                                 ["endpoint", "outcome"], registry=reg)
         self.ttft = Histogram("ds4_time_to_first_token_seconds",

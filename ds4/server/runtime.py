@@ -15,6 +15,7 @@ from ds4.server.config import ServerConfig
 from ds4.server.errors import ApiError
 from ds4.server.exchange import note_tokens
 from ds4.server.metrics import Metrics
+from ds4.server.prompt_tokens import encode_prompt
 from ds4.server.request_fields import lone_surrogate, lone_surrogate_error
 from ds4.server.sse import JobEvents
 from ds4.server.turn import Prompt, Turn
@@ -133,15 +134,17 @@ class Runtime:
             raise ApiError(503, "model is loading" if self.state == LOADING
                            else f"model failed to load: {self.error}")
 
-    async def tokenize(self, turn: Turn) -> Prompt:
-        """Render and tokenize off the event loop; bad chat input becomes a 400."""
+    async def tokenize(self, turn: Turn, limit: int | None = None) -> Prompt:
+        """Render and tokenize off the event loop; bad chat input becomes a 400, and so does a
+        prompt that surely has more than `limit` tokens."""
         self.require_serving()
 
         def work() -> Prompt:
             text = turn.render()
             if hit := lone_surrogate(text):  # one inside a JSON string, e.g. tool arguments
                 raise lone_surrogate_error("", hit[1])
-            return Prompt(text, self.engine.tokenizer.encode(text))
+            return Prompt(text, encode_prompt(self.engine.tokenizer, text, limit,
+                                              turn.prompt_field))
 
         try:
             prompt = await run_in_threadpool(work)
@@ -152,7 +155,7 @@ class Runtime:
 
     async def start(self, turn: Turn) -> Running:
         """Render, check the context, and queue the job."""
-        prompt = await self.tokenize(turn)
+        prompt = await self.tokenize(turn, self.config.ctx)
         self.check_context(turn, len(prompt.tokens))
         running = Running(self, turn, prompt)
         request = JobRequest(
