@@ -36,7 +36,8 @@ def hostile_server(**overrides):
     app = build_app(config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port,
                                            log_config=None, log_level="warning",
-                                           http=client_protocol(config.client_timeout_s)))
+                                           http=client_protocol(config.client_timeout_s,
+                                                                app.state.runtime.metrics)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{config.port}"
@@ -205,6 +206,7 @@ def test_slow_headers_and_bodies_get_a_408_and_are_released(live, caplog):
     while len(lines := access_lines(caplog)) < len(heads) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sum("(request headers incomplete)" in ln for ln in lines) == 6
+    assert metric(url, 'ds4_http_requests_total{route="other",status="4xx"}') >= 6
     assert sum("POST /v1/chat/completions 408" in ln for ln in lines) == 3
     assert sum("POST /v1/messages 408" in ln and "too slowly" in ln for ln in lines) == 1
     r = httpx.post(url + CHAT, json={"model": GREEDY, "messages": HI, "max_tokens": 2})

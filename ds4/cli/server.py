@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ds4-server: listening on http://{config.host}:{config.port} "
           "(GET /health is 503 until the model is loaded)", flush=True)
     # a stream may run for minutes: on Ctrl-C give open requests 5 s, then cancel their jobs
+    protocol = client_protocol(config.client_timeout_s, runtime.metrics)  # slow clients: 408
     uvicorn.run(app, host=config.host, port=config.port, workers=1, log_level="warning",
-                timeout_graceful_shutdown=5, http=client_protocol(config.client_timeout_s))
+                timeout_graceful_shutdown=5, http=protocol)
     return 0
 
 

@@ -19,6 +19,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ds4.server.errors import OPENAI, ApiError, error_body, protocol_of_path
 from ds4.server.exchange import ACCESS, TIMED_OUT_KEY
+from ds4.server.metrics import Metrics
 
 MIN_BODY_RATE = 16 * 1024  # bytes/s: slower than any real link, faster than a trickle
 HEADERS, BODY = "headers", "body"
@@ -37,6 +38,7 @@ class ClientTimedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol plus a deadline on the request part it waits for."""
 
     client_timeout_s = 10.0
+    metrics: Metrics | None = None  # counts requests that never reached the app
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         """Start the clock: a fresh connection waits for its first request's headers."""
@@ -112,13 +114,15 @@ class ClientTimedH11Protocol(H11Protocol):
         self.transport.close()
 
     def log_headers_timeout(self) -> None:
-        """The access line of a request that never reached the app."""
+        """Count and log a request that never reached the app."""
+        if self.metrics is not None:
+            self.metrics.http_requests.labels("other", "4xx").inc()
         who = f"{self.client[0]}:{self.client[1]}" if self.client else "-"
         ACCESS.info(f"{who} - - 408 {time.monotonic() - self.phase_start:.3f}s "
                     "(request headers incomplete)")
 
 
-def client_protocol(timeout_s: float) -> type[H11Protocol]:
+def client_protocol(timeout_s: float, metrics: Metrics | None = None) -> type[H11Protocol]:
     """The uvicorn `http` protocol class that gives clients `timeout_s` to send a request."""
     return type("ClientTimedH11Protocol", (ClientTimedH11Protocol,),
-                {"client_timeout_s": timeout_s})
+                {"client_timeout_s": timeout_s, "metrics": metrics})
