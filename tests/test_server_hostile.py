@@ -23,6 +23,7 @@ from ds4.server.config import ServerConfig
 from ds4.server.connection import client_protocol
 
 TIMEOUT_S = 1.0  # the client timeout of the server under test
+CTX = 4096
 HI = [{"role": "user", "content": "Say hi"}]
 LONE = "hi \ud800"  # json.dumps writes it as the escape "\ud800"
 
@@ -31,7 +32,7 @@ LONE = "hi \ud800"  # json.dumps writes it as the escape "\ud800"
 def hostile_server(**overrides):
     """A live server as ds4-server builds it; log_config=None so every log record reaches
     pytest's caplog (uvicorn's own config stops its loggers propagating)."""
-    config = ServerConfig(port=free_port(), client_timeout_s=TIMEOUT_S, parallel=2, ctx=2048,
+    config = ServerConfig(port=free_port(), client_timeout_s=TIMEOUT_S, parallel=2, ctx=CTX,
                           **overrides)
     app = build_app(config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port,
@@ -307,15 +308,20 @@ def test_access_line_of_a_stream_is_written_when_it_ends(live, caplog):
     assert f"completion_tokens={usage['completion_tokens']}" in words
 
 
-def test_a_prompt_far_past_the_context_is_refused_from_a_prefix(live):
+def test_a_prompt_far_past_the_context_is_refused_without_tokenizing_it_whole(live):
     url, runtime = live
-    text = " ".join(f"w{i}" for i in range(60_000))  # ~350k characters, ~100k tokens
-    r = post(url, CHAT, {"model": GREEDY, "max_tokens": 2,
-                         "messages": [{"role": "user", "content": text}]})
-    assert r.status_code == 400, r.text
-    error = error_of(CHAT, r.json())
-    assert error["code"] == "context_length_exceeded" and error["n_ctx"] == 2048
-    assert "Prompt has more than" in error["message"] and error["n_prompt_tokens"] > 2048
-    assert error["n_prompt_tokens"] < len(runtime.engine.tokenizer.encode(text))
+    tokens = runtime.engine.tokenizer.encode
+    for words, rule in ((60_000, "prefix"), (200_000, "length")):
+        text = " ".join(f"w{i}" for i in range(words))  # ~6 characters a word, ~1.7 tokens
+        r = post(url, CHAT, {"model": GREEDY, "max_tokens": 2,
+                             "messages": [{"role": "user", "content": text}]})
+        assert r.status_code == 400, r.text
+        error = error_of(CHAT, r.json())
+        assert error["code"] == "context_length_exceeded" and error["n_ctx"] == CTX
+        assert "Prompt has more than" in error["message"], rule
+        assert CTX < error["n_prompt_tokens"] < len(tokens(text)), rule  # a lower bound
+        if rule == "length":
+            # the rendered prompt's length / 128 (it adds a few characters of template)
+            assert 0 <= error["n_prompt_tokens"] - len(text) // 128 < 4
     r = post(url, COUNT, {"messages": [{"role": "user", "content": text}]})
-    assert r.json()["input_tokens"] > len(runtime.engine.tokenizer.encode(text))  # the whole
+    assert r.json()["input_tokens"] > len(tokens(text))  # counted whole, with the template
