@@ -29,12 +29,12 @@ LONE = "hi \ud800"  # json.dumps writes it as the escape "\ud800"
 
 
 @contextlib.contextmanager
-def hostile_server(**overrides):
+def hostile_server(load: bool = True, **overrides):
     """A live server as ds4-server builds it; log_config=None so every log record reaches
     pytest's caplog (uvicorn's own config stops its loggers propagating)."""
     config = ServerConfig(port=free_port(), client_timeout_s=TIMEOUT_S, parallel=2, ctx=CTX,
                           **overrides)
-    app = build_app(config)
+    app = build_app(config, load=load)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port,
                                            log_config=None, log_level="warning",
                                            http=client_protocol(config.client_timeout_s,
@@ -43,7 +43,7 @@ def hostile_server(**overrides):
     thread.start()
     url = f"http://127.0.0.1:{config.port}"
     deadline = time.monotonic() + 120
-    while not server.started or httpx.get(url + "/health").status_code != 200:
+    while not server.started or (load and httpx.get(url + "/health").status_code != 200):
         assert time.monotonic() < deadline, "server did not come up"
         time.sleep(0.05)
     try:
@@ -138,6 +138,14 @@ def test_a_500_closes_its_keep_alive_connection_cleanly(live, monkeypatch):
         monkeypatch.undo()
         ok = client.post(CHAT, json={"model": GREEDY, "messages": HI, "max_tokens": 2})
         assert ok.status_code == 200 and "connection" not in ok.headers  # kept alive
+
+
+def test_a_500_carries_the_cors_headers(monkeypatch):
+    monkeypatch.setattr(models, "model_card", lambda *a: 1 / 0)
+    with hostile_server(load=False, cors=True) as (url, _):
+        r = httpx.get(url + "/v1/models")
+    assert r.status_code == 500 and r.headers["access-control-allow-origin"] == "*"
+    assert "ZeroDivisionError" in r.json()["error"]["message"]
 
 
 def connect(url: str) -> socket.socket:
@@ -257,8 +265,8 @@ def test_a_client_gone_while_its_body_is_read_is_one_log_line(live, caplog):
         time.sleep(0.05)
     time.sleep(0.3)  # anything else it would log comes now
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]
-    lines = [r.getMessage() for r in caplog.records
-             if r.name != "ds4.access" or me in r.getMessage()]
+    server = [r for r in caplog.records if r.name.startswith(("ds4", "uvicorn"))]
+    lines = [r.getMessage() for r in server if r.name != "ds4.access" or me in r.getMessage()]
     assert len(lines) == 1 and me + "POST /v1/chat/completions 499" in lines[0], lines
     assert "closed the connection" in lines[0]
 

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ds4.server import anthropic, completions, models, openai_chat, responses
 from ds4.server.config import ServerConfig
 from ds4.server.errors import ApiError, error_response, protocol_of_path
-from ds4.server.exchange import ExchangeLayer
+from ds4.server.exchange import ExchangeLayer, InternalErrorLayer
 from ds4.server.runtime import BROKEN, SERVING, Runtime
 from ds4.server.wire import json_response
 
@@ -91,10 +91,11 @@ def build_app(config: ServerConfig, runtime: Runtime | None = None, load: bool =
         yield
         runtime.stop()
 
-    # a bug's 500 is the ExchangeLayer's: Starlette's own would drop the keep-alive connection
+    # a bug's 500 is InternalErrorLayer's: Starlette's own would drop a keep-alive connection
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         ApiError: api_error, HTTPException: http_error})
     app.state.runtime = runtime
+    app.add_middleware(InternalErrorLayer)  # the last added runs first: Exchange, Gate, this
     app.add_middleware(Gate, config=config)
     app.add_middleware(ExchangeLayer, metrics=runtime.metrics)
     return app

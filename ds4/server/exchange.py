@@ -1,5 +1,5 @@
-"""Each HTTP exchange from request to last byte: a whole 500 for a bug, a quiet end for a
-client that hung up, the per-route counters and latency, and one access-log line."""
+"""Each HTTP exchange from request to last byte: a quiet end for a client that hung up, the
+per-route counters and latency, one access-log line; and a whole 500 for a bug."""
 
 from __future__ import annotations
 
@@ -65,30 +65,35 @@ def log_access_to_stderr() -> None:
     ACCESS.propagate = False
 
 
+class StatusWatch:
+    """A `send` that remembers the response's status once it started."""
+
+    def __init__(self, send: Send):
+        self.inner = send
+        self.status: int | None = None
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        await self.inner(message)
+
+
 class Exchange:
     """What one request's access line and metrics need: status, timing, tokens, a note."""
 
     def __init__(self, scope: Scope):
         self.scope = scope
         self.started = time.monotonic()
-        self.status: int | None = None
+        self.send: StatusWatch | None = None
         self.tokens = TokenCounts()
         self.note = ""
-
-    def watch(self, send: Send) -> Send:
-        """`send` that remembers the response status."""
-        async def watched(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                self.status = message["status"]
-            await send(message)
-        return watched
 
     def final_status(self) -> int:
         """The status the client got (408 when the connection timed it out, 499 for none)."""
         if self.scope.get(TIMED_OUT_KEY):
             self.note = "the client sent its body too slowly"
             return 408
-        return self.status or CLIENT_CLOSED
+        return (self.send and self.send.status) or CLIENT_CLOSED
 
     def line(self, status: int, seconds: float) -> str:
         """The access-log line."""
@@ -121,25 +126,12 @@ class ExchangeLayer:
             self.finish(exchange)
 
     async def run(self, exchange: Exchange, receive: Receive, send: Send) -> None:
-        """The app; a bug before the response started becomes a whole 500."""
-        scope = exchange.scope
+        """The app; a client gone before its request was read is a note, not an error."""
+        exchange.send = StatusWatch(send)
         try:
-            await self.app(scope, receive, exchange.watch(send))
+            await self.app(exchange.scope, receive, exchange.send)
         except ClientDisconnect:
             exchange.note = "the client closed the connection before its request was read"
-        except Exception as exc:
-            if exchange.status is not None:
-                raise  # headers went out: the server must cut the connection
-            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
-            await self.internal_error(exc, scope, receive, exchange.watch(send))
-
-    @staticmethod
-    async def internal_error(exc: Exception, scope: Scope, receive: Receive, send: Send) -> None:
-        """A 500 in the path's protocol; the connection closes cleanly after it, since the
-        request may not have been read to its end."""
-        err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
-        response = error_response(err, protocol_of_path(scope["path"]), {"Connection": "close"})
-        await response(scope, receive, send)
 
     def finish(self, exchange: Exchange) -> None:
         """Count the request and write its access-log line."""
@@ -149,3 +141,32 @@ class ExchangeLayer:
         self.metrics.http_requests.labels(route, f"{status // 100}xx").inc()
         self.metrics.http_seconds.labels(route).observe(seconds)
         ACCESS.info(exchange.line(status, seconds))
+
+
+class InternalErrorLayer:
+    """ASGI layer that answers a bug (an unhandled exception) with a whole 500."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        watch = StatusWatch(send)
+        try:
+            await self.app(scope, receive, watch)
+        except ClientDisconnect:
+            raise
+        except Exception as exc:
+            if watch.status is not None:
+                raise  # headers went out: the server must cut the connection
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            await internal_error(exc, scope, receive, send)
+
+
+async def internal_error(exc: Exception, scope: Scope, receive: Receive, send: Send) -> None:
+    """A 500 in the path's protocol. The connection closes cleanly after it (the request may
+    not have been read to its end); Starlette's own 500 would drop it unannounced instead."""
+    err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+    response = error_response(err, protocol_of_path(scope["path"]), {"Connection": "close"})
+    await response(scope, receive, send)
