@@ -27,7 +27,8 @@ _CHECKS = {
     OBJECT: lambda v: isinstance(v, dict),
 }
 SEED_WORD = 2**64
-# json.loads turns "\\ud800" into a lone surrogate, which no encoder or tokenizer accepts
+# json.loads turns an unpaired escape (a backslash, "ud800") into a lone surrogate, which no
+# encoder or tokenizer accepts
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _EFFORTS = {"max": "max", "xhigh": "high", "high": "high", "medium": "high", "low": "high",
