@@ -45,6 +45,17 @@ def port_number(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line of ds4-server."""
     p = argparse.ArgumentParser(prog="ds4-server", description=__doc__,
@@ -71,6 +82,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
                    help="output token limit of a request that sets none (max_tokens, "
                         "max_output_tokens ...)")
+    p.add_argument("--client-timeout", type=positive_float, default=10.0, metavar="S",
+                   help="seconds a client may take to send a request's headers, or stall its "
+                        "body, before it gets a 408")
+    p.add_argument("--quiet", action="store_true", help="no access-log line per request")
     return p
 
 
@@ -87,7 +102,8 @@ def config_from(argv: list[str] | None) -> ServerConfig:
     return ServerConfig(model_dir=a.model, host=a.host, port=a.port, parallel=a.parallel,
                         ctx=a.ctx, prefill_chunk=a.prefill_chunk, backend=a.backend,
                         cors=a.cors, api_key=a.api_key, trace=a.trace,
-                        ssd_streaming=a.ssd_streaming, tokens=a.tokens)
+                        ssd_streaming=a.ssd_streaming, tokens=a.tokens,
+                        client_timeout_s=a.client_timeout, quiet=a.quiet)
 
 
 def figure(name: str, value: object) -> str:
@@ -168,20 +184,28 @@ class Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def uvicorn_config(app: ASGIApp, config: ServerConfig) -> uvicorn.Config:
+def uvicorn_config(app: ASGIApp, config: ServerConfig, runtime: Runtime) -> uvicorn.Config:
     """How uvicorn runs the app: one worker, warnings only, a short graceful stop (the jobs
-    are failed first, so open streams end within it)."""
-    return uvicorn.Config(app, workers=1, log_level="warning", timeout_graceful_shutdown=1)
+    are failed first, so open streams end within it), and h11 connections that answer slow
+    clients with a 408."""
+    from ds4.server.connection import client_protocol
+
+    protocol = client_protocol(config.client_timeout_s, runtime.metrics)
+    return uvicorn.Config(app, workers=1, log_level="warning", timeout_graceful_shutdown=1,
+                          http=protocol)
 
 
 def serve(config: ServerConfig) -> int:
     """Bind, start loading the model, serve until a stop signal or a failed load."""
     from ds4.server.app import build_app
+    from ds4.server.exchange import log_access_to_stderr
     from ds4.server.runtime import Runtime
 
     sock = bind(config.host, config.port)
+    if not config.quiet:
+        log_access_to_stderr()
     runtime = Runtime(config)
-    server = Server(uvicorn_config(build_app(config, runtime, load=False), config), runtime)
+    server = Server(uvicorn_config(build_app(config, runtime, load=False), config, runtime), runtime)
     threading.Thread(target=load_and_report, args=(runtime, server), daemon=True).start()
     port = sock.getsockname()[1]
     host = f"[{config.host}]" if ":" in config.host else config.host

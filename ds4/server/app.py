@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import logging
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -18,10 +17,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ds4.server import anthropic, completions, models, openai_chat, responses
 from ds4.server.config import ServerConfig
 from ds4.server.errors import ApiError, error_response, protocol_of_path
+from ds4.server.exchange import ExchangeLayer, InternalErrorLayer
 from ds4.server.runtime import BROKEN, SERVING, Runtime
 from ds4.server.wire import json_response
 
-log = logging.getLogger("ds4.server")
 CORS_HEADERS = [(b"access-control-allow-origin", b"*"),
                 (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
                 (b"access-control-allow-headers", b"*")]
@@ -92,10 +91,13 @@ def build_app(config: ServerConfig, runtime: Runtime | None = None, load: bool =
         yield
         runtime.stop()
 
+    # a bug's 500 is InternalErrorLayer's: Starlette's own would drop a keep-alive connection
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        ApiError: api_error, HTTPException: http_error, Exception: server_error})
+        ApiError: api_error, HTTPException: http_error})
     app.state.runtime = runtime
+    app.add_middleware(InternalErrorLayer)  # the last added runs first: Exchange, Gate, this
     app.add_middleware(Gate, config=config)
+    app.add_middleware(ExchangeLayer, metrics=runtime.metrics)
     return app
 
 
@@ -109,13 +111,6 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
     status = 404 if exc.status_code in (404, 405) else exc.status_code
     message = "unknown endpoint" if status == 404 else str(exc.detail)
     return error_response(ApiError(status, message), protocol_of_path(request.url.path))
-
-
-async def server_error(request: Request, exc: Exception) -> Response:
-    """A bug: logged, answered as a 500 in the protocol's shape."""
-    log.exception("unhandled error on %s", request.url.path)
-    err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
-    return error_response(err, protocol_of_path(request.url.path))
 
 
 async def health(request: Request, runtime: Runtime) -> Response:

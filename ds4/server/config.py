@@ -30,3 +30,5 @@ class ServerConfig:
     tokens: int = DEFAULT_MAX_TOKENS
     max_body_bytes: int = MAX_BODY_BYTES
     ping_interval_s: float = 5.0
+    client_timeout_s: float = 10.0  # a request's headers or body may stall this long
+    quiet: bool = False  # ds4-server writes no access log

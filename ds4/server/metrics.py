@@ -9,6 +9,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily
@@ -16,10 +17,13 @@ from prometheus_client.core import CounterMetricFamily
 from ds4.jobs.stats import SchedulerStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# a whole request: a long stream runs for minutes
+_REQUEST_BUCKETS = _LATENCY_BUCKETS + (120.0, 300.0, 600.0, 1800.0)
 
 
 class Metrics:
-    """Queue depth, busy slots, token counters, TTFT and inter-token histograms."""
+    """Queue depth, busy slots, token counters, TTFT and inter-token histograms, and every HTTP
+    request by route and status class with its end-to-end time."""
 
     def __init__(self, queue_depth: Callable[[], float], busy_slots: Callable[[], float],
                  stats: Callable[[], SchedulerStats | None] = lambda: None):
@@ -28,6 +32,7 @@ class Metrics:
         Gauge("ds4_queue_depth", "Jobs waiting for a slot", registry=reg).set_function(queue_depth)
         Gauge("ds4_busy_slots", "Slots running a job", registry=reg).set_function(busy_slots)
         reg.register(TokenCounters(stats))
+        ProcessCollector(registry=reg)  # process_resident_memory_bytes and friends
         self.requests = Counter("ds4_requests", "Finished generation requests",
                                 ["endpoint", "outcome"], registry=reg)
         self.ttft = Histogram("ds4_time_to_first_token_seconds",
@@ -36,6 +41,12 @@ class Metrics:
         self.inter_token = Histogram("ds4_inter_token_seconds",
                                      "Time between two generated tokens of one job",
                                      buckets=_LATENCY_BUCKETS, registry=reg)
+
+        self.http_requests = Counter("ds4_http_requests", "HTTP requests answered",
+                                     ["route", "status"], registry=reg)
+        self.http_seconds = Histogram("ds4_http_request_seconds",
+                                      "Time from a request's arrival to its response's last byte",
+                                      ["route"], buckets=_REQUEST_BUCKETS, registry=reg)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus text format."""

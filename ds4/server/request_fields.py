@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from starlette.requests import Request
 
@@ -26,6 +27,10 @@ _CHECKS = {
     OBJECT: lambda v: isinstance(v, dict),
 }
 SEED_WORD = 2**64
+# json.loads turns an unpaired escape (a backslash, "ud800") into a lone surrogate, which no
+# encoder or tokenizer accepts
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _EFFORTS = {"max": "max", "xhigh": "high", "high": "high", "medium": "high", "low": "high",
             "minimal": "high", "none": "none"}
 
@@ -60,6 +65,8 @@ def parse_json(text: str) -> dict:
         raise invalid_json() from None
     if not isinstance(body, dict):
         raise invalid_json()
+    if _SURROGATE_ESCAPE.search(text):
+        refuse_lone_surrogates(body)
     return body
 
 
@@ -177,3 +184,38 @@ def stream_flags(body: dict) -> tuple[bool, bool]:
     stream = field(body, "stream", BOOLEAN, default=False)
     options = field(body, "stream_options", OBJECT, default={})
     return stream, bool(options.get("include_usage"))
+
+
+def lone_surrogate(value: object, where: str = "") -> tuple[str, str] | None:
+    """(path, character) of the first string or key holding a lone UTF-16 surrogate."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        return (where, found.group()) if found else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{where}.{key}" if where else str(key)
+            if hit := lone_surrogate(key, inner + " (key)") or lone_surrogate(item, inner):
+                return hit
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            if hit := lone_surrogate(item, f"{where}[{i}]"):
+                return hit
+    return None
+
+
+def refuse_lone_surrogates(body: dict) -> None:
+    """A 400 for a string with an unpaired surrogate escape: it is no Unicode text."""
+    try:
+        hit = lone_surrogate(body)
+    except RecursionError:
+        raise invalid_json() from None
+    if hit is not None:
+        raise lone_surrogate_error(*hit)
+
+
+def lone_surrogate_error(where: str, char: str) -> ApiError:
+    """The 400 naming where the unpaired surrogate sits (`where` may hold one itself)."""
+    where = where.encode("utf-8", "backslashreplace").decode() or None
+    place = f"'{where}'" if where else "a string of the request"
+    return ApiError(400, f"invalid JSON request: {place} holds a lone surrogate escape "
+                    f"\\u{ord(char):04x}; strings must be valid Unicode", param=where)

@@ -17,8 +17,11 @@ from ds4.chat import ChatError, ToolMemory
 from ds4.jobs.events import Failed, Finished, JobRequest
 from ds4.server.config import ServerConfig
 from ds4.server.errors import ApiError
+from ds4.server.exchange import note_tokens
 from ds4.server.metrics import Metrics
 from ds4.server.sealed_reasoning import ReasoningSeal
+from ds4.server.prompt_tokens import encode_prompt
+from ds4.server.request_fields import lone_surrogate, lone_surrogate_error
 from ds4.server.sse import JobEvents
 from ds4.server.turn import Prompt, Turn
 
@@ -118,6 +121,7 @@ class Running:
             metrics.requests.labels(self.turn.endpoint, "failed").inc()
             return
         metrics.requests.labels(self.turn.endpoint, event.finish_reason).inc()
+        note_tokens(event.usage.prompt_tokens, event.usage.completion_tokens)
         calls = event.output.tool_calls
         if calls and event.output.raw_block:
             self.runtime.tool_memory.remember([c.id for c in calls], event.output.raw_block,
@@ -207,23 +211,31 @@ class Runtime:
             raise ApiError(503, "model is loading" if self.state == LOADING
                            else f"model failed to load: {self.error}")
 
-    async def tokenize(self, turn: Turn) -> Prompt:
-        """Render and tokenize off the event loop; bad chat input becomes a 400."""
+    async def tokenize(self, turn: Turn, limit: int | None = None) -> Prompt:
+        """Render and tokenize off the event loop; bad chat input becomes a 400, and so does a
+        prompt that surely has more than `limit` tokens."""
         self.require_serving()
 
         def work() -> Prompt:
             text = turn.render()
             ids = turn.prompt_ids
-            return Prompt(text, self.engine.tokenizer.encode(text) if ids is None else ids)
+            if ids is not None:
+                return Prompt(text, ids)
+            if hit := lone_surrogate(text):  # one inside a JSON string, e.g. tool arguments
+                raise lone_surrogate_error("", hit[1])
+            return Prompt(text, encode_prompt(self.engine.tokenizer, text, limit,
+                                              turn.prompt_field))
 
         try:
-            return await run_in_threadpool(work)
+            prompt = await run_in_threadpool(work)
         except ChatError as exc:
             raise ApiError(400, str(exc)) from exc
+        note_tokens(prompt=len(prompt.tokens))
+        return prompt
 
     async def start(self, turn: Turn) -> Running:
         """Render, check the context, and queue the job."""
-        prompt = await self.tokenize(turn)
+        prompt = await self.tokenize(turn, self.config.ctx)
         self.check_context(turn, len(prompt.tokens))
         running = Running(self, turn, prompt)
         request = JobRequest(
