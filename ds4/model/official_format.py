@@ -208,11 +208,13 @@ def write_dequantized(packed: str | Path, out: str | Path) -> Path:
     """The packed checkpoint's values with every FP8 / FP4 tensor widened to F32 (one file)."""
     packed, out = Path(packed), Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((packed / "config.json").read_text())
+    block = tuple((config.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
     tensors = {}
     for name, t in read_checkpoint(packed).items():
+        t.block = block
         tensors[name] = ("F32", t.widen()) if t.is_low_precision else (t.dtype, t.data)
     write_safetensors(out / "model.safetensors", tensors)
-    config = json.loads((packed / "config.json").read_text())
     for key in ("quantization_config", "expert_dtype"):
         config.pop(key, None)
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -290,6 +290,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
     for name, shape in expected.items():
         _check(named, name, shape, official)
     block = weight_block(cfg)
+    for t in stored.values():
+        t.block = block
     packed = any(t.is_low_precision for t in stored.values())
     dense = {name: _held(named[name], _label(name, official), block, packed) for name in expected}
     expert_sources = [_expert_sources(stored if official else named, cfg, i, official, block)
