@@ -7,6 +7,9 @@ code on CuPy, and the same measures for transformers' DeepseekV4ForCausalLM (eag
 same weights when torch and transformers are importable.
 
     PYTHONPATH=. python3 tools/bench_engine.py --layers sliding,csa,hca,csa --ctx 4096
+
+--format official adds the same layers held as an official checkpoint is (FP8 + FP4 packed,
+tools/bench_official.py) in the same run, beside the bf16 tables.
 """
 
 from __future__ import annotations
@@ -324,6 +327,10 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="tiny dims: a smoke test of this tool")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--prefill-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--format", choices=("bf16", "official"), default="bf16",
+                    help="official: also time the layers held packed (FP8 + FP4)")
+    ap.add_argument("--official-only", action="store_true",
+                    help="with --format official: skip the bf16 tables")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     import cupy as cp
@@ -336,6 +343,13 @@ def main(argv=None) -> int:
         return 0
     res = {"ceilings": ceilings(cp)}
     cp.get_default_memory_pool().free_all_blocks()
+    if args.format == "official":
+        from bench_official import official_bench, report_official
+
+        res["official"] = official_bench(cp, kinds, chunks, args.ctx, args.small, res["ceilings"])
+        report_official(res["official"])
+        if args.official_only:
+            return 0
     res["prefill"] = prefill_in_child(args)
     stack = FlashStack(cp, config, kinds, use_hf=not args.no_hf)
     res["cfg"] = stack.cfg

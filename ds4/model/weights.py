@@ -150,6 +150,14 @@ class ExpertBank:
         else:
             self._gate_up_src, self._down_src = gate_up, down
 
+    @classmethod
+    def from_stacks(cls, xp, gate_up, down) -> "ExpertBank":
+        """A resident bank over stacks already held (packed or bf16 words), e.g. a benchmark's."""
+        bank = cls(xp, [], [], resident=False, packed=isinstance(gate_up, PackedMatrix))
+        bank.resident, bank.count = True, gate_up.shape[0]
+        bank._gate_up, bank._down = gate_up, down
+        return bank
+
     def bind(self, scratch) -> None:
         """Widen packed experts into this scratch (the engine's, shared by its sessions)."""
         self.scratch = scratch
