@@ -64,7 +64,7 @@ def grouped_linear(xp, x, w, groups: list[tuple[int, int, int]]):
     """y[start:end] = x[start:end] w[g]^T for each (g, start, end): one cuBLAS call per group."""
     R, K = x.shape
     N = w.shape[1]
-    if xp is np or (w.dtype != xp.uint16 and not is_packed(w)):
+    if xp is np or (not is_packed(w) and w.dtype != xp.uint16):
         y = xp.empty((R, N), xp.float32)
         for g, start, end in groups:
             y[start:end] = x[start:end] @ widen(held(xp, w[g]), xp).T

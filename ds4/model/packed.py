@@ -59,11 +59,34 @@ class PackedMatrix:
             _fp4_into(xp, self.codes, self.scale, out)
         return out
 
+    @property
+    def kernel_ready(self) -> bool:
+        """True when ds4/kernels/packed.cu can read it in place: E8M0 byte scales, whole 16-byte
+        loads per row, and for FP8 a square power-of-two scale tile of at least 16."""
+        if str(self.scale.dtype) != "uint8" or not self.codes.flags.c_contiguous:
+            return False
+        if self.fmt == FP4:
+            return self.shape[-1] % 32 == 0
+        br, bc = self.block
+        return br == bc and br >= 16 and br & (br - 1) == 0 and self.shape[-1] % 16 == 0
+
     def words(self, xp, name: str = "dequant"):
-        """bf16 words (uint16) of the matrix: exact, FP8 and FP4 values times powers of two
-        all fit bf16's 8 significant bits."""
+        """bf16 words (uint16) of a 2-D matrix: exact, FP8 and FP4 values times powers of two
+        all fit bf16's 8 significant bits. On the GPU one kernel pass writes them into scratch
+        (the slab a tensor-core GEMM reads next, never a widened layer)."""
+        if xp is not np and self.ndim == 2 and self.kernel_ready:
+            return self._kernel_words(xp, name + ".words")
         bits = self.dense(xp, name).view(xp.uint32)
         return (bits >> 16).astype(xp.uint16)
+
+    def _kernel_words(self, xp, name: str):
+        from ds4.kernels import packed as kernels
+
+        out = (self.scratch.view(name, self.shape, xp.uint16) if self.scratch is not None
+               else xp.empty(self.shape, dtype=xp.uint16))
+        if self.fmt == FP8:
+            return kernels.dequant_fp8_bf16(self.codes, self.scale, self.block[0], out)
+        return kernels.dequant_fp4_bf16(self.codes, self.scale, out)
 
 
 def scale_values(xp, scale):
@@ -108,10 +131,22 @@ def is_packed(w) -> bool:
 
 
 def on_device(xp, m: PackedMatrix) -> PackedMatrix:
-    """The same packed matrix with codes and scales copied to xp's device once."""
+    """The same packed matrix with codes and scales copied to xp's device once (float32
+    power-of-two scales as E8M0 bytes there: a quarter of the bytes, what the kernels read)."""
     if xp is np:
         return m
-    return PackedMatrix(m.fmt, xp.asarray(m.codes), xp.asarray(m.scale), m.shape[-1], m.block)
+    scale = e8m0_bytes(np.asarray(m.scale))
+    return PackedMatrix(m.fmt, xp.asarray(m.codes), xp.asarray(scale), m.shape[-1], m.block)
+
+
+def e8m0_bytes(scale: np.ndarray) -> np.ndarray:
+    """E8M0 bytes of float32 scales that are powers of two in range; other scales as they are."""
+    if scale.dtype == np.uint8:
+        return scale
+    mant, exp = np.frexp(scale.astype(np.float32))
+    if not (np.all(mant == 0.5) and np.all((exp >= -126) & (exp <= 128))):
+        return scale
+    return (exp - 1 + 127).astype(np.uint8)
 
 
 def stack(parts: list[PackedMatrix]) -> PackedMatrix:
