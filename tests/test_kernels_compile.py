@@ -13,7 +13,7 @@ from ds4.backend import KERNEL_DIR
 
 SOURCES = sorted(KERNEL_DIR.glob("*.cu"))
 FAMILIES = {"norm", "rope", "attention", "compressor", "indexer", "moe", "sampling", "gemv",
-            "hyper_connection"}
+            "hyper_connection", "packed"}
 
 
 def test_every_family_has_a_source():
