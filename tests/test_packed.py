@@ -204,3 +204,45 @@ def test_unknown_dtype_is_a_load_error(tmp_path, official):
     shard.write_bytes(raw[:8] + text + raw[8 + n:])
     with pytest.raises(ValueError, match=f"{victim}.*F8_E5M2"):
         Engine.open(model, backend="numpy")
+
+
+# ---- the decode graph's kernels on packed weights, run through their NumPy twins on CPU
+
+@pytest.fixture
+def twins(monkeypatch):
+    """Route every launcher the kernel decoder calls to its NumPy twin (packed and quant too)."""
+    from ds4.kernels import (attention, compressor, gemv, hyper_connection, indexer, moe, norm,
+                             packed, quant, rope, sampling)
+    from ds4.model import gpu_decode
+
+    for mod in (attention, compressor, hyper_connection, indexer, moe, sampling, packed, quant):
+        for name in dir(mod):
+            if name.endswith("_numpy") and hasattr(mod, name[:-6]):
+                monkeypatch.setattr(mod, name[:-6], getattr(mod, name))
+    monkeypatch.setattr(gpu_decode, "gemv", gemv.gemv_numpy)
+    monkeypatch.setattr(gpu_decode, "gemv_many", gemv.gemv_many_numpy)
+    monkeypatch.setattr(gpu_decode, "rms_norm", norm.rms_norm_numpy)
+    monkeypatch.setattr(gpu_decode, "rope_tail", rope.rope_tail_numpy)
+    return gpu_decode
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_kernel_decode_on_packed_weights_matches_the_engine(twins, checkpoints, quantize):
+    """The decode step the GPU captures as a graph (packed GEMVs, FP4 expert kernels, the
+    FP8 / FP4 simulation kernels) equals the engine's model code, through the kernels' twins."""
+    from ds4.model import gpu_weights
+    from ds4.model.state import SessionState
+
+    model = Engine.open(checkpoints[0], backend="numpy", quantize=quantize).model
+    assert gpu_weights.supported(model) is None  # packed weights and simulation both covered
+    decoder = twins.KernelDecoder.from_model(model)
+    assert decoder.kv_fp8 == decoder.indexer_fp4 == quantize
+    ref, mine = SessionState(np, model.cfg, 256), SessionState(np, model.cfg, 256)
+    model.forward(ref, IDS[:60])
+    model.forward(mine, IDS[:60])
+    for t in IDS[60:80]:  # crosses CSA / HCA window closes (ratios 4 and 32)
+        want = model.forward(ref, [t])
+        decoder.pos_token[...] = (mine.n, t)
+        decoder.run(mine)
+        mine.n += 1
+        _close(decoder.buf["logits"].copy(), want)
