@@ -331,6 +331,9 @@ def main(argv=None) -> int:
                     help="official: also time the layers held packed (FP8 + FP4)")
     ap.add_argument("--official-only", action="store_true",
                     help="with --format official: skip the bf16 tables")
+    ap.add_argument("--quantize", action="store_true",
+                    help="with --format official: the FP8/FP4 simulation on (the default of a "
+                         "packed checkpoint; off to compare with bf16)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     import cupy as cp
@@ -346,10 +349,11 @@ def main(argv=None) -> int:
     if args.format == "official":
         from bench_official import official_bench, report_official
 
-        res["official"] = official_bench(cp, kinds, chunks, args.ctx, args.small, res["ceilings"])
-        report_official(res["official"])
+        res["official"] = official_bench(cp, kinds, chunks, args.ctx, args.small, res["ceilings"],
+                                         quantize=args.quantize)
+        report_official(res["official"], args.quantize)
         if args.official_only:
-            return 0
+            return _write_json(args.json, res)
     res["prefill"] = prefill_in_child(args)
     stack = FlashStack(cp, config, kinds, use_hf=not args.no_hf)
     res["cfg"] = stack.cfg
@@ -357,9 +361,14 @@ def main(argv=None) -> int:
     cp.get_default_memory_pool().free_all_blocks()  # leave torch the room its eager run needs
     res["hf"] = hf_bench(stack, chunks) if stack.hf is not None else stack.hf_reason
     report(res)
-    if args.json:
-        res["cfg"] = str(res["cfg"])
-        with open(args.json, "w") as f:
+    res["cfg"] = str(res["cfg"])
+    return _write_json(args.json, res)
+
+
+def _write_json(path: str | None, res: dict) -> int:
+    """Write the results as JSON when asked; the exit status 0."""
+    if path:
+        with open(path, "w") as f:
             json.dump(res, f, indent=1, default=str)
     return 0
 

@@ -109,8 +109,9 @@ def decode_layer(cp, model, ctx: int) -> dict:
     dec.run(state)  # compiles and loads every kernel outside capture
     cp.cuda.Device().synchronize()
     out["s"] = graph_time(cp, dec.stream, lambda: dec.run_layer(0, ls))
-    out["stages"] = {"attention": graph_time(cp, dec.stream, lambda: dec._attention(0, dec.layers[0], ls)),
-                     "moe": graph_time(cp, dec.stream, lambda: dec._moe(0, dec.layers[0]))}
+    t0 = dec.layers[0]
+    out["stages"] = {"attention": graph_time(cp, dec.stream, lambda: dec._attention(0, t0, ls)),
+                     "moe": graph_time(cp, dec.stream, lambda: dec._moe(0, t0))}
     out["path"] = "CUDA graph"
     return out
 
@@ -160,9 +161,10 @@ def official_bench(cp, kinds: list[str], chunks: list[int], ctx: int, small: boo
     return out
 
 
-def report_official(res: dict) -> None:
+def report_official(res: dict, quantize: bool = False) -> None:
     """Print the packed tables."""
-    print("\nofficial format (FP8 + FP4 held packed), per layer, through the engine's model code:")
+    print(f"\nofficial format (FP8 + FP4 held packed), per layer, FP8/FP4 simulation "
+          f"{'on' if quantize else 'off'}:", flush=True)
     for kind, row in res.items():
         d = row["decode"]
         stages = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in d.get("stages", {}).items())
