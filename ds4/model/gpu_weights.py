@@ -114,7 +114,7 @@ def _packed_unsupported(model) -> str | None:
     """Why the packed kernels cannot read this model's FP8 / FP4 weights (None when they can)."""
     weights = model.weights
     packed = [t for t in weights.tensors.values() if isinstance(t, PackedMatrix)]
-    banks = [b for b in weights.experts if b.packed]
+    banks = [b for b in weights.experts if getattr(b, "packed", False)]
     for bank in banks:
         gate_up, down = bank.stacked
         if gate_up.fmt != FP4 and gate_up.shape[1] // 2 % gate_up.block[0]:

@@ -259,7 +259,7 @@ class Weights:
     def packed(self) -> bool:
         """True when some matrix or expert is held as FP8 / FP4 codes (widened per use)."""
         return (any(isinstance(t, PackedMatrix) for t in self.tensors.values())
-                or any(bank.packed for bank in self.experts))
+                or any(getattr(bank, "packed", False) for bank in self.experts))
 
     def bind(self, scratch) -> None:
         """Packed weights widen into this scratch (the engine's) when a step uses them."""
@@ -267,7 +267,8 @@ class Weights:
             if isinstance(t, PackedMatrix):
                 t.scratch = scratch
         for bank in self.experts:
-            bank.bind(scratch)
+            if isinstance(bank, ExpertBank):  # a benchmark's duck-typed banks hold no packing
+                bank.bind(scratch)
 
 
 class LayerWeights:
