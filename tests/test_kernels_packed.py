@@ -188,12 +188,14 @@ def test_gemv_packed(cp, rng, fmt, rows, cols, splits, per_warp):
 
 
 @on_gpu
-@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-def test_gemv_packed_groups_and_accumulate(cp, rng, fmt):
-    rows, cols = 1024, 512  # 8 groups of 128 rows, each with its own x slice
-    x = rng.standard_normal(8 * cols).astype(np.float32)
+@pytest.mark.parametrize("fmt,groups", [("fp8", 8), ("fp4", 1)])
+def test_gemv_packed_groups_and_accumulate(cp, rng, fmt, groups):
+    rows, cols = 1024, 512  # FP8: 8 groups of 128 rows, each with its own x slice
+    x = rng.standard_normal(groups * cols).astype(np.float32)
     out = rng.standard_normal(rows).astype(np.float32)
-    check(cp, *run_gemv(cp, fmt, rng, rows, cols, x, out, rows_per_group=128, accumulate=True))
+    group = rows // groups if groups > 1 else None
+    check(cp, *run_gemv(cp, fmt, rng, rows, cols, x, out, rows_per_group=group,
+                        accumulate=True, splits=2))
 
 
 @on_gpu
@@ -205,6 +207,21 @@ def test_gemv_packed_batched(cp, rng, fmt, nb):
     out = np.full((nb, rows), np.nan, np.float32)
     check(cp, *run_gemv(cp, fmt, rng, rows, cols, x, out))
 
+
+
+@on_gpu
+def test_gemv_many_fp8_runs_several_projections_in_one_launch(cp, rng):
+    cols = 1024
+    mats = [packed_matrix(rng, "fp8", rows, cols) for rows in (512, 64, 129, 1)]
+    x = rng.standard_normal(cols).astype(np.float32)
+    outs = [cp.full(m[0].shape[0], np.nan, cp.float32) for m in mats]
+    codes, scs = [cp.asarray(m[0]) for m in mats], [cp.asarray(m[1]) for m in mats]
+    table = P.gemv_table_fp8(cp, codes, scs, outs)
+    P.gemv_many_fp8(table, codes, scs, 128, cp.asarray(x), outs)
+    want = [np.empty(m[0].shape[0], np.float32) for m in mats]
+    P.gemv_many_fp8_numpy(None, [m[0] for m in mats], [m[1] for m in mats], 128, x, want)
+    for got, w, m in zip(outs, want, mats):
+        check(cp, got, w, np.abs(m[2]).astype(np.float64) @ np.abs(x))
 
 def experts(rng, fmt, n, rows, cols):
     """Stacked experts [n, rows, ...] as (weights, scales)."""

@@ -143,6 +143,25 @@ def bench_moe(cp, copy, per_warp=None) -> list[tuple[str, float, float]]:
             ("moe down 6 x (4096x2048)", t_dn, TOP_K * per_expert / t_dn)]
 
 
+
+def bench_many(cp) -> tuple[str, float, float]:
+    """Decode's small FP8 projections of one input (q_a, kv, compressor and indexer parts) in
+    one gemv_many_fp8 launch."""
+    rows = [1024, 512, 1024, 512, 64]
+    nbytes = sum(r * HIDDEN for r in rows)
+    x = cp.random.standard_normal(HIDDEN, dtype=cp.float32)
+    launches = []
+    for _ in range(copies(nbytes)):
+        mats = [fp8_matrix(cp, r, HIDDEN) for r in rows]
+        codes, scs = [m[0] for m in mats], [m[1] for m in mats]
+        outs = [cp.zeros(r, cp.float32) for r in rows]
+        table = P.gemv_table_fp8(cp, codes, scs, outs)
+        launches.append(lambda t=table, c=codes, s=scs, o=outs: P.gemv_many_fp8(t, c, s, 128,
+                                                                               x, o))
+    nbytes += sum(s.nbytes for s in scs)
+    t = per_launch(cp, launches)
+    return f"fp8 many {'+'.join(map(str, rows))}x{HIDDEN}", t, nbytes / t
+
 def bench_dequant(cp, copy) -> list[tuple[str, float, float]]:
     """Prefill slabs: bytes = codes + scales read, bf16 words written."""
     rows, cols = 8192, 4096  # 32 MB of FP8 codes, 64 MB of words: past the L2
@@ -182,9 +201,11 @@ def main() -> None:
         for nb in (2, 4, 8):
             t, rate = bench_gemv(cp, fmt, rows, cols, None, copy, nb=nb)
             row(f"{fmt} batched {rows}x{cols}", f"nb={nb}", t, rate, copy)
-    for per_warp in ([None] if args.quick else [None, 1, 4]):
+    for per_warp in ([None] if args.quick else [None, 2, 4]):
         for name, t, rate in bench_moe(cp, copy, per_warp):
             row(name, f"r{per_warp or 'def'}", t, rate, copy)
+    name, t, rate = bench_many(cp)
+    row(name, "1 launch", t, rate, copy)
     for name, t, rate in bench_dequant(cp, copy):
         row(name, "", t, rate, copy)
 

@@ -90,6 +90,46 @@ struct Fp4 {
     }
 };
 
+// Where a lane's x comes from. A lane's chunk spans CODES floats, so lanes that read x straight
+// from global memory touch a cache line each per 16-byte load (through L1): fine for FP8 GEMVs
+// (measured best), but FP4 kernels then ran at a sixth of the copy rate. Those stage x in
+// shared memory once per block and loop the block over many row tiles (a persistent grid): a
+// chunk's F4 = CODES / 4 float4 sit at a stride of F4 + 1, so the 8 lanes of a 16-byte phase
+// (consecutive chunks) hit 8 different bank groups.
+constexpr int WARPS = 8;  // warps per block (the launchers' fixed block size)
+
+template <class F>
+__device__ __forceinline__ void load_x(const float* x, int chunk, float* xr);
+
+struct GlobalX {
+    const float* x;
+    template <class F>
+    __device__ void load(int chunk, float* xr) const { load_x<F>(x, chunk, xr); }
+};
+
+struct SharedX {
+    const float4* sx;  // chunks from c0 on
+    int c0;
+    template <class F>
+    __device__ void load(int chunk, float* xr) const {
+        const float4* v = sx + (chunk - c0) * (F::CODES / 4 + 1);
+#pragma unroll
+        for (int k = 0; k < F::CODES / 4; k++) {
+            float4 t = v[k];
+            xr[4 * k] = t.x; xr[4 * k + 1] = t.y; xr[4 * k + 2] = t.z; xr[4 * k + 3] = t.w;
+        }
+    }
+};
+
+// The block copies chunks [c0, c0 + n) of x into sx (coalesced 16-byte loads); the caller syncs.
+template <class F>
+__device__ __forceinline__ void stage_x(const float* x, int c0, int n, float4* sx) {
+    const int f4 = F::CODES / 4;
+    const float4* src = (const float4*)(x + (size_t)c0 * F::CODES);
+    for (int f = threadIdx.x; f < n * f4; f += blockDim.x)
+        sx[(f / f4) * (f4 + 1) + f % f4] = __ldg(src + f);
+}
+
 // x[chunk * CODES ...] as CODES floats in registers (16-byte loads through L1).
 template <class F>
 __device__ __forceinline__ void load_x(const float* x, int chunk, float* xr) {
@@ -119,21 +159,22 @@ template <class F, int R>
 struct RowSet {
     const u8* w[R];
     const u8* s[R];
+    RowSet() = default;
     __device__ RowSet(const u8* W, const u8* S, int row0, int rows, int cols, int sc_ld,
                       int shift) {
 #pragma unroll
-        for (int j = 0; j < R; j++) {
-            int r = min(row0 + j, rows - 1);
-            w[j] = W + (size_t)r * F::row_bytes(cols);
-            s[j] = F::scale_row(S, r, sc_ld, shift);
-        }
+        for (int j = 0; j < R; j++) set(j, W, S, min(row0 + j, rows - 1), cols, sc_ld, shift);
+    }
+    __device__ void set(int j, const u8* W, const u8* S, int r, int cols, int sc_ld, int shift) {
+        w[j] = W + (size_t)r * F::row_bytes(cols);
+        s[j] = F::scale_row(S, r, sc_ld, shift);
     }
 };
 
-// acc[j] += this lane's share of row (row0 + j) . x over chunks [c0, c1): one load of x per
+// acc[j] += this lane's share of row (row0 + j) . x over chunks [c0, c1): one read of x per
 // chunk serves all R rows.
-template <class F, int R>
-__device__ __forceinline__ void rows_dot(const RowSet<F, R>& rs, const float* x, int c0, int c1,
+template <class F, int R, class X>
+__device__ __forceinline__ void rows_dot(const RowSet<F, R>& rs, const X& xs, int c0, int c1,
                                          int shift, float* acc) {
 #pragma unroll 2
     for (int i = c0 + (threadIdx.x & 31); i < c1; i += 32) {
@@ -145,9 +186,22 @@ __device__ __forceinline__ void rows_dot(const RowSet<F, R>& rs, const float* x,
             sc[j] = e8m0(__ldg(rs.s[j] + F::scale_col(i, shift))) * F::UNIT;
         }
         float xr[F::CODES];
-        load_x<F>(x, i, xr);
+        xs.template load<F>(i, xr);
 #pragma unroll
         for (int j = 0; j < R; j++) acc[j] = fmaf(dot_chunk<F>(w[j], xr), sc[j], acc[j]);
+    }
+}
+
+// Lane 0 writes the warp's sums of rows row0 .. row0 + R - 1 (those < rows).
+template <int R>
+__device__ __forceinline__ void store_rows(float* acc, float* y, int row0, int rows,
+                                           bool atomic, int accumulate) {
+#pragma unroll
+    for (int j = 0; j < R; j++) {
+        float v = warp_sum(acc[j]);
+        if ((threadIdx.x & 31) != 0 || row0 + j >= rows) continue;
+        if (atomic) atomicAdd(y + row0 + j, v);
+        else y[row0 + j] = accumulate ? y[row0 + j] + v : v;
     }
 }
 
@@ -180,44 +234,60 @@ __device__ __forceinline__ void rows_dot_batch(const RowSet<F, R>& rs, const flo
     }
 }
 
-// y[b * y_ld + r] (+)= W[r] . x_b. Warp g computes rows g*R .. g*R+R-1 over the column span of
-// split blockIdx.y (splits > 1: partial sums added atomically onto a zeroed or accumulating y).
-// Row r reads x_b + (r / rows_per_group) * cols (the grouped output projection).
+// y[b * y_ld + r] (+)= W[r] . x_b. Split blockIdx.y covers its span of columns (splits > 1:
+// partial sums added atomically onto a zeroed or accumulating y). Row r reads
+// x_b + (r / rows_per_group) * cols (the grouped output projection; FP8 only).
+// FP8, NB == 1: warp g takes rows g*R ..; x from global memory.
+// FP4, NB == 1: x span staged once per block (dynamic shared memory, x_bytes), the block's warps
+// loop over row tiles tile = blockIdx.x, + gridDim.x, ... (warp w: rows (tile*WARPS + w)*R ..).
+// NB > 1: x from global memory, each decoded chunk meets every x_b.
 template <class F, int R, int NB>
 __device__ void packed_gemv(const u8* __restrict__ W, const u8* __restrict__ S, int rows,
                             int cols, int sc_ld, int shift, const float* __restrict__ x,
                             long long x_ld, int rows_per_group, float* y, long long y_ld, int nb,
                             int splits, int accumulate) {
-    int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-    if (row0 >= rows) return;
-    int span = cols / F::CODES / splits, c0 = blockIdx.y * span;
-    RowSet<F, R> rs(W, S, row0, rows, cols, sc_ld, shift);
-    const float* xg = x + (size_t)(row0 / rows_per_group) * cols;
-    float acc[R][NB];
+    int span = cols / F::CODES / splits, c0 = blockIdx.y * span, warp = threadIdx.x >> 5;
+    if constexpr (NB == 1 && F::CODES == 32) {
+        extern __shared__ float4 sx[];
+        stage_x<F>(x, c0, span, sx);
+        __syncthreads();
+        int tiles = (rows + WARPS * R - 1) / (WARPS * R);
+        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+            int row0 = (tile * WARPS + warp) * R;
+            if (row0 >= rows) break;
+            float acc[R];
 #pragma unroll
-    for (int j = 0; j < R; j++)
-#pragma unroll
-        for (int b = 0; b < NB; b++) acc[j][b] = 0.f;
-    if (NB == 1) {
-        float a1[R];
-#pragma unroll
-        for (int j = 0; j < R; j++) a1[j] = 0.f;
-        rows_dot<F, R>(rs, xg, c0, c0 + span, shift, a1);
-#pragma unroll
-        for (int j = 0; j < R; j++) acc[j][0] = a1[j];
+            for (int j = 0; j < R; j++) acc[j] = 0.f;
+            RowSet<F, R> rs(W, S, row0, rows, cols, sc_ld, shift);
+            rows_dot<F, R>(rs, SharedX{sx, c0}, c0, c0 + span, shift, acc);
+            store_rows<R>(acc, y, row0, rows, splits > 1, accumulate);
+        }
     } else {
-        rows_dot_batch<F, R, NB>(rs, xg, x_ld, nb, c0, c0 + span, shift, acc);
-    }
+        int row0 = (blockIdx.x * WARPS + warp) * R;
+        if (row0 >= rows) return;
+        RowSet<F, R> rs(W, S, row0, rows, cols, sc_ld, shift);
+        const float* xg = x + (size_t)(row0 / rows_per_group) * cols;
+        if constexpr (NB == 1) {
+            float acc[R];
 #pragma unroll
-    for (int j = 0; j < R; j++) {
+            for (int j = 0; j < R; j++) acc[j] = 0.f;
+            rows_dot<F, R>(rs, GlobalX{xg}, c0, c0 + span, shift, acc);
+            store_rows<R>(acc, y, row0, rows, splits > 1, accumulate);
+        } else {
+            float acc[R][NB];
 #pragma unroll
-        for (int b = 0; b < NB; b++) {
-            if (b >= nb) break;
-            float v = warp_sum(acc[j][b]);
-            float* out = y + b * y_ld + row0 + j;
-            if ((threadIdx.x & 31) != 0 || row0 + j >= rows) continue;
-            if (splits > 1) atomicAdd(out, v);
-            else *out = accumulate ? *out + v : v;
+            for (int j = 0; j < R; j++)
+#pragma unroll
+                for (int b = 0; b < NB; b++) acc[j][b] = 0.f;
+            rows_dot_batch<F, R, NB>(rs, xg, x_ld, nb, c0, c0 + span, shift, acc);
+#pragma unroll
+            for (int b = 0; b < NB; b++) {
+                if (b >= nb) break;
+                float a[R];
+#pragma unroll
+                for (int j = 0; j < R; j++) a[j] = acc[j][b];
+                store_rows<R>(a, y + b * y_ld, row0, rows, splits > 1, accumulate);
+            }
         }
     }
 }
@@ -239,64 +309,119 @@ GEMV(gemv_fp4_r4, Fp4, 4, 1)
 GEMV(gemv_fp8_b8, Fp8, 2, 8)
 GEMV(gemv_fp4_b8, Fp4, 2, 8)
 
+// Several FP8 matrices that multiply the same x (decode's small projections of one input), in
+// one launch: table[4 * m ..] = (codes, scales, y, rows) of matrix m, all with `cols` columns
+// and block 2^shift. Warp g computes rows 2g', 2g' + 1 of the matrix it falls in.
+extern "C" __global__ void gemv_many_fp8(const long long* __restrict__ table, int count,
+                                         const float* __restrict__ x, int cols, int shift) {
+    int g = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, m = 0;
+    for (; m < count; m++) {
+        int warps = (int)((table[4 * m + 3] + 1) / 2);
+        if (g < warps) break;
+        g -= warps;
+    }
+    if (m >= count) return;
+    int rows = (int)table[4 * m + 3], row0 = 2 * g;
+    int sc_ld = ((cols - 1) >> shift) + 1;
+    RowSet<Fp8, 2> rs((const u8*)table[4 * m], (const u8*)table[4 * m + 1], row0, rows, cols,
+                      sc_ld, shift);
+    float acc[2] = {0.f, 0.f};
+    rows_dot<Fp8, 2>(rs, GlobalX{x}, 0, cols / Fp8::CODES, shift, acc);
+    float* y = (float*)table[4 * m + 2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        float v = warp_sum(acc[j]);
+        if ((threadIdx.x & 31) == 0 && row0 + j < rows) y[row0 + j] = v;
+    }
+}
+
 // Routed experts of one token (experts stacked [E, rows, ...], expert e at e * w_stride bytes
-// and e * s_stride scale bytes). gate_up: act[k, j] = silu(min(g_j, limit)) *
-// clamp(u_j, +-limit) * wts[k] for expert idx[k], k = blockIdx.y (idx null: expert k; wts null:
-// weight 1); R rows j per warp. limit <= 0 turns the clamps off.
+// and e * s_stride scale bytes). x (gate_up) or act (down) is staged in shared memory once per
+// block (x_bytes), and the block's warps loop over row tiles (a persistent grid).
+// gate_up: act[k, j] = silu(min(g_j, limit)) * clamp(u_j, +-limit) * wts[k] for expert idx[k]
+// (idx null: expert k; wts null: weight 1), work item = (k, tile of WARPS * R rows j).
+// limit <= 0 turns the clamps off.
 template <class F, int R>
 __device__ void packed_gate_up(const u8* gate, const u8* gate_s, const u8* up, const u8* up_s,
                                long long w_stride, long long s_stride, const int* idx,
                                const float* wts, const float* x, float* act, int inter,
-                               int cols, int sc_ld, int shift, float limit) {
-    int j0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-    int k = blockIdx.y;
-    if (j0 >= inter) return;
-    long long e = idx ? idx[k] : k;
-    float wk = wts ? wts[k] : 1.f;
-    int chunks = cols / F::CODES;
-    float g[R], u[R];
+                               int cols, int sc_ld, int shift, float limit, int n_rows) {
+    extern __shared__ float4 sx[];
+    int chunks = cols / F::CODES, warp = threadIdx.x >> 5;
+    stage_x<F>(x, 0, chunks, sx);
+    __syncthreads();
+    int tiles = (inter + WARPS * R - 1) / (WARPS * R);
+    for (int item = blockIdx.x; item < n_rows * tiles; item += gridDim.x) {
+        int k = item / tiles, j0 = ((item - k * tiles) * WARPS + warp) * R;
+        if (j0 >= inter) continue;
+        long long e = idx ? idx[k] : k;
+        float wk = wts ? wts[k] : 1.f;
+        // gate and up rows in one row set: twice the loads in flight, one read of x for both
+        RowSet<F, 2 * R> rs;
+        float acc[2 * R];
 #pragma unroll
-    for (int j = 0; j < R; j++) g[j] = u[j] = 0.f;
-    RowSet<F, R> rg(gate + e * w_stride, gate_s + e * s_stride, j0, inter, cols, sc_ld, shift);
-    rows_dot<F, R>(rg, x, 0, chunks, shift, g);
-    RowSet<F, R> ru(up + e * w_stride, up_s + e * s_stride, j0, inter, cols, sc_ld, shift);
-    rows_dot<F, R>(ru, x, 0, chunks, shift, u);
-#pragma unroll
-    for (int j = 0; j < R; j++) {
-        float gs = warp_sum(g[j]), us = warp_sum(u[j]);
-        if ((threadIdx.x & 31) != 0 || j0 + j >= inter) continue;
-        if (limit > 0.f) {
-            gs = fminf(gs, limit);
-            us = fminf(fmaxf(us, -limit), limit);
+        for (int j = 0; j < R; j++) {
+            int r = min(j0 + j, inter - 1);
+            rs.set(2 * j, gate + e * w_stride, gate_s + e * s_stride, r, cols, sc_ld, shift);
+            rs.set(2 * j + 1, up + e * w_stride, up_s + e * s_stride, r, cols, sc_ld, shift);
+            acc[2 * j] = acc[2 * j + 1] = 0.f;
         }
-        act[(size_t)k * inter + j0 + j] = gs / (1.f + expf(-gs)) * us * wk;
+        rows_dot<F, 2 * R>(rs, SharedX{sx, 0}, 0, chunks, shift, acc);
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+            float gs = warp_sum(acc[2 * j]), us = warp_sum(acc[2 * j + 1]);
+            if ((threadIdx.x & 31) != 0 || j0 + j >= inter) continue;
+            if (limit > 0.f) {
+                gs = fminf(gs, limit);
+                us = fminf(fmaxf(us, -limit), limit);
+            }
+            act[(size_t)k * inter + j0 + j] = gs / (1.f + expf(-gs)) * us * wk;
+        }
     }
 }
 
-// down: y[r] (+)= sum_k down_{idx[k]}[r] . act[k] over the n_sel experts, R rows per warp, all
-// experts in one warp (no atomics).
+// down: y[r] (+)= sum_k down_{idx[k]}[r] . act[k] over the n_sel experts, all of them in one
+// warp (no atomics); act [n_sel, inter] staged. A lane walks the experts' chunks as one flat
+// range f = k * chunks + i, so the loads of several experts are in flight together (one
+// expert's row of 2048 codes is only two chunks per lane).
 template <class F, int R>
 __device__ void packed_down(const u8* down, const u8* down_s, long long w_stride,
                             long long s_stride, const int* idx, const float* act, float* y,
                             int rows, int inter, int sc_ld, int shift, int n_sel,
                             int accumulate) {
-    int r0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-    if (r0 >= rows) return;
-    int chunks = inter / F::CODES;
-    float acc[R];
+    extern __shared__ float4 sx[];
+    int chunks = inter / F::CODES, warp = threadIdx.x >> 5;
+    stage_x<F>(act, 0, n_sel * chunks, sx);
+    __syncthreads();
+    int tiles = (rows + WARPS * R - 1) / (WARPS * R);
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int r0 = (tile * WARPS + warp) * R;
+        if (r0 >= rows) break;
+        float acc[R];
 #pragma unroll
-    for (int j = 0; j < R; j++) acc[j] = 0.f;
-    for (int k = 0; k < n_sel; k++) {
-        long long e = idx ? idx[k] : k;
-        RowSet<F, R> rs(down + e * w_stride, down_s + e * s_stride, r0, rows, inter, sc_ld,
-                        shift);
-        rows_dot<F, R>(rs, act + (size_t)k * inter, 0, chunks, shift, acc);
-    }
+        for (int j = 0; j < R; j++) acc[j] = 0.f;
+        int lane = threadIdx.x & 31, k = lane / chunks, i = lane - k * chunks;
+        SharedX xs{sx, 0};
+#pragma unroll 4
+        for (int f = lane; f < n_sel * chunks; f += 32) {
+            long long e = idx ? idx[k] : k;
+            uint4 w[R];
+            float sc[R];
 #pragma unroll
-    for (int j = 0; j < R; j++) {
-        float v = warp_sum(acc[j]);
-        if ((threadIdx.x & 31) != 0 || r0 + j >= rows) continue;
-        y[r0 + j] = accumulate ? y[r0 + j] + v : v;
+            for (int j = 0; j < R; j++) {
+                int r = min(r0 + j, rows - 1);
+                const u8* row = down + e * w_stride + (size_t)r * F::row_bytes(inter);
+                w[j] = __ldcs((const uint4*)row + i);
+                sc[j] = e8m0(__ldg(F::scale_row(down_s + e * s_stride, r, sc_ld, shift)
+                                   + F::scale_col(i, shift))) * F::UNIT;
+            }
+            float xr[F::CODES];
+            xs.template load<F>(f, xr);
+#pragma unroll
+            for (int j = 0; j < R; j++) acc[j] = fmaf(dot_chunk<F>(w[j], xr), sc[j], acc[j]);
+            for (i += 32; i >= chunks; i -= chunks) k++;
+        }
+        store_rows<R>(acc, y, r0, rows, false, accumulate);
     }
 }
 
@@ -304,9 +429,9 @@ __device__ void packed_down(const u8* down, const u8* down_s, long long w_stride
     const u8* __restrict__ up, const u8* __restrict__ up_s, long long w_stride, \
     long long s_stride, const int* __restrict__ idx, const float* __restrict__ wts, \
     const float* __restrict__ x, float* act, int inter, int cols, int sc_ld, int shift, \
-    float limit
+    float limit, int n_rows
 #define GATE_UP_CALL gate, gate_s, up, up_s, w_stride, s_stride, idx, wts, x, act, inter, cols, \
-    sc_ld, shift, limit
+    sc_ld, shift, limit, n_rows
 #define DOWN_ARGS const u8* __restrict__ down, const u8* __restrict__ down_s, long long w_stride, \
     long long s_stride, const int* __restrict__ idx, const float* __restrict__ act, float* y, \
     int rows, int inter, int sc_ld, int shift, int n_sel, int accumulate

@@ -17,14 +17,42 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4.kernels import f32, i32, launch, ptr, to_bf16
+import functools
+
+from ds4.kernels import f32, i32, kernel, launch, ptr, to_bf16
 from ds4.kernels.moe import _swiglu
 
-WARPS_PER_BLOCK = 8
+WARPS_PER_BLOCK = 8  # fixed: packed.cu sizes each warp's shared-memory slice for 8 warps
 TARGET_WARPS = 4096  # warps x splits that keep every SM streaming (as for the bf16 GEMV)
 MIN_CHUNKS = 32  # 16-byte chunks per lane-row of a split: fewer leave lanes idle
 MAX_BATCH = 8  # vectors per batched GEMV launch
+ROWS_PER_WARP = {"fp8": 4, "fp4": 1}  # GEMV rows per warp: best on the H200 (bench_packed)
+ROWS_PER_WARP_MOE = 1  # expert kernels: best on the H200 (tools/bench_packed.py)
 CHUNK_CODES = {"fp8": 16, "fp4": 32}  # codes in one 16-byte load
+SHARED_PER_SM = 227 * 1024
+
+
+def x_bytes(fmt: str, chunks: int) -> int:
+    """Shared memory that stages x for this many chunks (padded: conflict-free reads)."""
+    return chunks * (CHUNK_CODES[fmt] // 4 + 1) * 16
+
+
+@functools.cache
+def _sm_count() -> int:
+    import cupy
+
+    return cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+
+@functools.cache
+def resident_blocks(name: str, shared: int) -> int:
+    """Blocks of kernel `name` that fit on the GPU at once (registers and shared memory): the
+    size of a persistent grid."""
+    k = kernel("packed", name)
+    regs = -(-max(k.num_regs, 1) // 8) * 8  # allocated per warp in units of 256
+    by_regs = 65536 // (regs * 32 * WARPS_PER_BLOCK)
+    by_shared = SHARED_PER_SM // (shared + k.shared_size_bytes + 1024)
+    return _sm_count() * max(1, min(by_regs, by_shared, 2048 // (32 * WARPS_PER_BLOCK)))
 
 
 def _e4m3_table() -> np.ndarray:
@@ -120,7 +148,8 @@ def _gemv(fmt: str, w, s, sc_ld: int, shift: int, cols: int, x, out, rows_per_gr
     assert cols % codes == 0 and w.flags.c_contiguous and s.flags.c_contiguous
     nb = 1 if x.ndim == 1 else x.shape[0]
     assert nb <= MAX_BATCH, f"at most {MAX_BATCH} vectors per batched GEMV"
-    per_warp = (4 if nb == 1 else 2) if rows_per_warp is None else rows_per_warp
+    per_warp = ROWS_PER_WARP[fmt] if nb == 1 else 2
+    per_warp = per_warp if rows_per_warp is None else rows_per_warp
     group = rows if rows_per_group is None else rows_per_group
     assert rows_per_group is None or (group % per_warp == 0 and rows % group == 0)
     warps = (rows + per_warp - 1) // per_warp
@@ -132,10 +161,14 @@ def _gemv(fmt: str, w, s, sc_ld: int, shift: int, cols: int, x, out, rows_per_gr
     if nb > 1:
         assert per_warp == 2, "the batched kernel takes 2 rows per warp"
     x_ld = x.shape[-1]
-    grid = ((warps + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, splits)
+    blocks, shared = (warps + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, 0
+    if fmt == "fp4" and nb == 1:  # x staged per block, blocks loop over row tiles
+        assert rows_per_group is None, "grouped rows are an FP8 (output projection) feature"
+        shared = x_bytes(fmt, cols // codes // splits)
+        blocks = min(blocks, max(1, resident_blocks(name, shared) // splits))
     args = (ptr(w), ptr(s), i32(rows), i32(cols), i32(sc_ld), i32(shift), ptr(x), np.int64(x_ld),
             i32(group), ptr(out), np.int64(rows), i32(nb), i32(splits), i32(int(accumulate)))
-    launch("packed", name, grid, (32 * WARPS_PER_BLOCK,), args)
+    launch("packed", name, (blocks, splits), (32 * WARPS_PER_BLOCK,), args, shared=shared)
     return out
 
 
@@ -182,6 +215,34 @@ def gemv_fp4_numpy(packed, scales, x, out, rows_per_group: int | None = None,
     return _gemv_numpy(dequant_fp4(packed, scales), x, out, rows_per_group, accumulate)
 
 
+
+def gemv_table_fp8(xp, codes: list, scales: list, outs: list):
+    """The device table gemv_many_fp8 reads: (codes, scales, y, rows) per matrix, built once."""
+    rows = [c.shape[0] for c in codes]
+    entries = [[int(ptr(c)), int(ptr(s)), int(ptr(y)), r]
+               for c, s, y, r in zip(codes, scales, outs, rows)]
+    return xp.asarray(np.array(entries, dtype=np.int64).reshape(-1))
+
+
+def gemv_many_fp8(table, codes: list, scales: list, block: int, x, outs: list):
+    """outs[m] = W_m x for FP8 matrices of one column count, in one launch (decode's small
+    projections of one input). table: gemv_table_fp8(xp, codes, scales, outs)."""
+    cols = codes[0].shape[1]
+    assert cols % CHUNK_CODES["fp8"] == 0 and all(c.shape[1] == cols for c in codes)
+    assert all(s.shape[-1] == -(-cols // block) for s in scales)
+    warps = sum((c.shape[0] + 1) // 2 for c in codes)
+    grid = ((warps + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
+    launch("packed", "gemv_many_fp8", grid, (32 * WARPS_PER_BLOCK,),
+           (ptr(table), i32(len(codes)), ptr(x), i32(cols), i32(_shift(block))))
+    return outs
+
+
+def gemv_many_fp8_numpy(table, codes: list, scales: list, block: int, x, outs: list):
+    """NumPy twin of gemv_many_fp8 (the table is unused)."""
+    for c, s, y in zip(codes, scales, outs):
+        y[...] = dequant_fp8(c, s, block) @ x
+    return outs
+
 def _stride(a) -> int:
     """Bytes from one stacked expert to the next (0 for a single matrix)."""
     return a.strides[0] if a.ndim == 3 else 0
@@ -193,13 +254,15 @@ def _gate_up(fmt: str, gate, gate_s, up, up_s, shift: int, idx, wts, x, act, lim
     cols = x.shape[-1]
     assert cols % CHUNK_CODES[fmt] == 0
     assert _stride(gate) == _stride(up) and _stride(gate_s) == _stride(up_s)
-    per_warp = 2 if rows_per_warp is None else rows_per_warp
-    warps = (inter + per_warp - 1) // per_warp
-    grid = ((warps + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, n_rows)
+    per_warp = ROWS_PER_WARP_MOE if rows_per_warp is None else rows_per_warp
+    name = f"moe_gate_up_{fmt}_r{per_warp}"
+    tiles = -(-inter // (per_warp * WARPS_PER_BLOCK))
+    shared = x_bytes(fmt, cols // CHUNK_CODES[fmt])
+    blocks = min(n_rows * tiles, resident_blocks(name, shared))
     args = (ptr(gate), ptr(gate_s), ptr(up), ptr(up_s), np.int64(_stride(gate)),
             np.int64(_stride(gate_s)), ptr(idx), ptr(wts), ptr(x), ptr(act), i32(inter),
-            i32(cols), i32(gate_s.shape[-1]), i32(shift), f32(limit))
-    launch("packed", f"moe_gate_up_{fmt}_r{per_warp}", grid, (32 * WARPS_PER_BLOCK,), args)
+            i32(cols), i32(gate_s.shape[-1]), i32(shift), f32(limit), i32(n_rows))
+    launch("packed", name, (blocks,), (32 * WARPS_PER_BLOCK,), args, shared=shared)
     return act
 
 
@@ -207,13 +270,15 @@ def _down(fmt: str, down, down_s, shift: int, idx, act, out, accumulate: bool, r
     n_sel, inter = act.shape
     rows = out.shape[0]
     assert inter % CHUNK_CODES[fmt] == 0
-    per_warp = 2 if rows_per_warp is None else rows_per_warp
-    warps = (rows + per_warp - 1) // per_warp
-    grid = ((warps + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
+    per_warp = ROWS_PER_WARP_MOE if rows_per_warp is None else rows_per_warp
+    name = f"moe_down_{fmt}_r{per_warp}"
+    tiles = -(-rows // (per_warp * WARPS_PER_BLOCK))
+    shared = x_bytes(fmt, n_sel * inter // CHUNK_CODES[fmt])
+    blocks = min(tiles, resident_blocks(name, shared))
     args = (ptr(down), ptr(down_s), np.int64(_stride(down)), np.int64(_stride(down_s)),
             ptr(idx), ptr(act), ptr(out), i32(rows), i32(inter), i32(down_s.shape[-1]),
             i32(shift), i32(n_sel), i32(int(accumulate)))
-    launch("packed", f"moe_down_{fmt}_r{per_warp}", grid, (32 * WARPS_PER_BLOCK,), args)
+    launch("packed", name, (blocks,), (32 * WARPS_PER_BLOCK,), args, shared=shared)
     return out
 
 
