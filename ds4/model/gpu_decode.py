@@ -88,9 +88,11 @@ class KernelDecoder:
         buf["sel_count"] = cp.zeros(1, dtype=cp.int32)
         return buf
 
-    def _projection_plan(self, t: dict) -> tuple:
-        """(weights, outputs, device table or None) of the layer's projections of h that the
-        attention side needs; with one dtype they run as a single gemv_many launch."""
+    def _projection_plan(self, t: dict) -> list:
+        """Groups (kind, weights, outputs, device table or None) of the layer's projections of h
+        that the attention side needs: bf16 (or fp32) matrices of one dtype as one gemv_many
+        launch, packed FP8 ones of one width and tile as one gemv_many_fp8 launch, any other
+        one by one."""
         b, p, ip = self.buf, "self_attn.compressor.", "self_attn.compressor.indexer."
         pairs = [(t["self_attn.q_a_proj.weight"], b["qlat"][0]), (t["self_attn.kv_proj.weight"], b["kv"])]
         for prefix, kv, g in ((p, "ckv", "cg"), (ip, "ickv", "icg")):
@@ -100,19 +102,38 @@ class KernelDecoder:
                           (t[prefix + "gate_proj.weight"], b[g][:cw])]
         if ip + "scorer.weights_proj.weight" in t:
             pairs.append((t[ip + "scorer.weights_proj.weight"], b["head_w"]))
-        weights, outs = [w for w, _ in pairs], [y for _, y in pairs]
-        fusable = (self.cp is not np and not any(isinstance(w, PackedMatrix) for w in weights)
-                   and len({w.dtype for w in weights}) == 1)
-        return weights, outs, gemv_table(self.cp, weights, outs) if fusable else None
+        groups: dict = {}
+        for w, y in pairs:
+            groups.setdefault(_projection_kind(w), []).append((w, y))
+        return [self._projection_group(kind, members) for kind, members in groups.items()]
+
+    def _projection_group(self, kind, members: list) -> tuple:
+        """(kind, weights, outputs, table) of one launch group (table None: one by one)."""
+        weights, outs = [w for w, _ in members], [y for _, y in members]
+        if self.cp is np or kind is None or len(members) == 1:
+            return None, weights, outs, None
+        if kind[0] == FP8:
+            from ds4.kernels import packed
+
+            table = packed.gemv_table_fp8(self.cp, [w.codes for w in weights],
+                                          [w.scale for w in weights], outs)
+            return kind, weights, outs, table
+        return kind, weights, outs, gemv_table(self.cp, weights, outs)
 
     def _project(self, i: int) -> None:
         """The attention side's projections of h (see _projection_plan)."""
-        weights, outs, table = self.projections[i]
-        if table is not None:
-            gemv_many(table, weights, self.buf["h"], outs)
-        else:
-            for w, y in zip(weights, outs):
-                matvec(w, self.buf["h"], y)
+        h = self.buf["h"]
+        for kind, weights, outs, table in self.projections[i]:
+            if table is None:
+                for w, y in zip(weights, outs):
+                    matvec(w, h, y)
+            elif kind[0] == FP8:
+                from ds4.kernels import packed
+
+                packed.gemv_many_fp8(table, [w.codes for w in weights], [w.scale for w in weights],
+                                     weights[0].block[0], h, outs)
+            else:
+                gemv_many(table, weights, h, outs)
 
     def _fit_scores(self, state) -> None:
         """Grow the indexer-score and attention-partial buffers to this session's capacity
@@ -326,6 +347,16 @@ class KernelDecoder:
 
 
 SHARED = ("gate_proj", "up_proj", "down_proj")
+
+
+def _projection_kind(w):
+    """What may share one launch with w: (FP8, width, tile) for kernel-ready FP8 matrices, the
+    dtype for plain ones, None (alone) for anything else."""
+    if not isinstance(w, PackedMatrix):
+        return ("plain", str(w.dtype))
+    if w.fmt == FP8 and w.kernel_ready:
+        return (FP8, w.shape[-1], w.block)
+    return None
 
 
 def _scale_rows(m: PackedMatrix, rows: int) -> int:
