@@ -80,10 +80,8 @@ class Runtime:
 
         cfg = self.config
         try:
-            # --ssd-streaming: routed experts are read from the mapped file per use, not held
             self.engine = Engine.open(self.model_dir(), backend=cfg.backend,
-                                      prefill_chunk=cfg.prefill_chunk,
-                                      resident_experts=not cfg.ssd_streaming)
+                                      prefill_chunk=cfg.prefill_chunk)
             sched_cfg = SchedulerConfig.from_env(parallel=cfg.parallel, ctx_size=cfg.ctx,
                                                  trace_path=cfg.trace,
                                                  ssd_streaming=cfg.ssd_streaming)
