@@ -170,8 +170,8 @@ def test_bad_chat_input_raises_chat_error(messages):
 
 
 def test_anthropic_bad_roles_and_blocks():
-    with pytest.raises(ChatError):
-        render_anthropic([{"role": "system", "content": "x"}])
+    with pytest.raises(ChatError, match="message role 'tool' is not supported"):
+        render_anthropic([{"role": "tool", "content": "x"}])
     with pytest.raises(ChatError):
         render_anthropic([{"role": "user", "content": [{"type": "image", "source": {}}]}])
     with pytest.raises(ChatError):

@@ -215,11 +215,9 @@ def test_replay_needs_exactly_the_turns_ids():
     assert memory.lookup("a") == "BLOCK" and memory.lookup("c") == "OTHER"
 
 
-def test_completion_layout():
-    assert render_completion("2+2=", thinking="none") == (
-        "<｜begin▁of▁sentence｜>You are a helpful assistant<｜User｜>2+2=<｜Assistant｜></think>")
-    assert render_completion("x", thinking="max").startswith(
-        "<｜begin▁of▁sentence｜>" + MAX_PREFIX + "You are")
+def test_completion_is_bos_and_the_prompt_as_written():
+    assert render_completion("2+2=") == "<｜begin▁of▁sentence｜>2+2="
+    assert render_completion("") == "<｜begin▁of▁sentence｜>"
 
 
 def test_response_format_follows_tools():

@@ -115,7 +115,9 @@ def test_claude_code_turns(live):
                          json={k: v for k, v in claude_body(FOLLOW_UP).items()
                                if k in ("model", "system", "messages", "tools", "thinking")})
     assert counted.status_code == 200
-    assert counted.json()["input_tokens"] == follow[0][1]["message"]["usage"]["input_tokens"]
+    start = next(d for n, d in follow if n == "message_start")["message"]["usage"]
+    assert counted.json()["input_tokens"] == (start["input_tokens"] + start[
+        "cache_read_input_tokens"] + start["cache_creation_input_tokens"])
     quick = {**claude_body(FIRST_TURN), "stream": False, "thinking": {"type": "disabled"}}
     r = httpx.post(url, json=quick, headers=CLAUDE_HEADERS, timeout=60)
     assert r.status_code == 200 and r.json()["content"][-1]["type"] in ("text", "tool_use")
@@ -171,6 +173,7 @@ def test_codex_turn(live):
                          {"authorization": "Bearer unused", "originator": "codex_cli_rs",
                           "session_id": "0199a2b4"})
     events = [d for _, d in frames]
+    assert [name for name, _ in frames] == [e["type"] for e in events]  # `event:` lines
     sdk = TypeAdapter(ResponseStreamEvent)
     assert [sdk.validate_python(e).type for e in events] == [e["type"] for e in events]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
@@ -184,6 +187,10 @@ def test_codex_turn(live):
     final = events[-1]["response"]
     assert [item["id"] for item in final["output"]] == [added[i] for i in sorted(added)]
     assert final["usage"]["output_tokens"] <= 8
+    # it asked for summaries and for encrypted reasoning: the reasoning item has both
+    reasoning = final["output"][0]
+    assert reasoning["type"] == "reasoning" and reasoning["summary"][0]["text"]
+    assert reasoning["encrypted_content"]
 
 
 # ---- opencode / the OpenAI SDK -----------------------------------------------------------

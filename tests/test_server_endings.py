@@ -71,13 +71,13 @@ def test_other_endings_keep_stop_sequence_null_and_chat_says_stop(live, stop_cas
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] == before
 
 
-def test_completions_stop_cuts_the_raw_text_reasoning_included(live):
-    # /v1/completions thinks by default and returns the raw text, reasoning included: a stop
-    # string anywhere in that text ends it, streamed or not
+def test_completions_stop_cuts_the_text_as_sampled(live):
+    # /v1/completions continues the prompt and returns the text as sampled: a stop string
+    # anywhere in it ends it, streamed or not
     url = live[0] + "/v1/completions"
     body = {"prompt": "Tell me", "max_tokens": 24, "seed": 3}
     free = httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
-    assert "</think>" not in free[:12] and len(free) >= 12, free
+    assert len(free) >= 12, free
     stop = free[8:11]
     before = free[: free.find(stop)]
     choice = httpx.post(url, json={**body, "stop": stop}, timeout=60).json()["choices"][0]
@@ -134,9 +134,8 @@ def test_streamed_named_call_whose_block_is_rejected_ends_with_an_error(live):
     calls = [c["choices"][0]["delta"]["tool_calls"] for _, c in frames
              if c != "[DONE]" and c.get("choices") and "tool_calls" in c["choices"][0]["delta"]]
     assert calls[0][0]["function"]["name"] == "get_weather"  # the header went out
-    final, error, done = frames[-3:]
-    assert final[1]["choices"][0]["finish_reason"] == "error"
-    assert error[1]["error"]["type"] == "server_error"
+    error, done = frames[-2:]
+    assert set(error[1]) == {"error"} and error[1]["error"]["type"] == "server_error"
     assert error[1]["error"]["message"].startswith("invalid tool call")
     assert done[1] == "[DONE]"
 

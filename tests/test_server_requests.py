@@ -108,7 +108,7 @@ def test_flags():
                                                                          "127.0.0.1")
 
 
-@pytest.mark.parametrize("argv", [["--parallel", "2", "--ssd-streaming"], ["--port", "0"],
+@pytest.mark.parametrize("argv", [["--parallel", "2", "--ssd-streaming"], ["--port", "65536"],
                                   ["--backend", "cupy", "--ssd-streaming"],
                                   ["--ctx", "x"], ["--kv-disk-dir", "/tmp"]])
 def test_bad_flags_exit_2(argv, capsys):

@@ -105,8 +105,10 @@ def anthropic_items(messages: Any, system: Any = None) -> list[Item]:
             add_user_blocks(out, msg.get("content"))
         elif role == "assistant":
             add_assistant_blocks(out, msg.get("content"))
+        elif role == "system":  # Claude Code's mid-conversation system beta: a system item here
+            out.add_system(system_text(msg.get("content")) or "")
         else:
-            raise ChatError(f"unknown message role {role!r}")
+            raise ChatError(f"message role {role!r} is not supported")
     return out.finish(prefill_last=messages[-1].get("role") == "assistant")
 
 

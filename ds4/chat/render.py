@@ -33,7 +33,6 @@ MAX_PREFIX = (
     " considered alternative, and rejected hypothesis to ensure absolutely no assumption is left"
     " unchecked.\n\n"
 )
-COMPLETION_SYSTEM = "You are a helpful assistant"
 THINKING_LEVELS = ("none", "high", "max")
 
 
@@ -166,8 +165,7 @@ def prompt_opens_reasoning(prompt: str) -> bool:
     return prompt.endswith(ASSISTANT + THINK)
 
 
-def render_completion(prompt: str, thinking: str = "high") -> str:
-    """Prompt text of /v1/completions: the fixed ds4 system line around the raw prompt."""
-    think = check_thinking(thinking)
-    head = BOS + (MAX_PREFIX if thinking == "max" else "") + COMPLETION_SYSTEM
-    return head + USER + prompt + ASSISTANT + (THINK if think else THINK_END)
+def render_completion(prompt: str) -> str:
+    """Prompt text of /v1/completions: BOS and the prompt as written, which the model
+    continues (no chat template, no system text, no thinking), as legacy completions do."""
+    return BOS + prompt

@@ -131,7 +131,7 @@ class ResponsesReader:
             elif role == "user":
                 self.out.add_user_text(content_text(item.get("content")))
             else:
-                raise ChatError(f"unknown message role {role!r}")
+                raise ChatError(f"message role {role!r} is not supported")
         elif kind in OUTPUTS:
             call_id = item.get("call_id") or item.get("id")
             self.out.add_tool_result(call_id, output_text(item.get("output")))

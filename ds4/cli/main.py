@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from ds4.cli.flags import ShowDefaults, add_version
 from ds4.jobs.events import SamplingOptions
 from ds4.tokenizer import EOS_ID
 
@@ -22,30 +23,40 @@ def plain_chat(text: str) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The command line of `ds4`."""
-    p = argparse.ArgumentParser(prog="ds4", description=__doc__)
+    p = argparse.ArgumentParser(prog="ds4", description=__doc__, formatter_class=ShowDefaults)
+    add_version(p)
     sub = p.add_subparsers(dest="command", required=True)
 
-    tiny = sub.add_parser("make-tiny", help="write the built-in tiny random model into DIR")
-    tiny.add_argument("dir", type=Path)
-    tiny.add_argument("--seed", type=int, default=0)
-
-    gen = sub.add_parser("generate", help="stream a reply to one prompt, then print tokens/s")
-    gen.add_argument("-p", "--prompt", required=True, help="user message")
-    gen.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    gen.add_argument("--model", type=Path, help="model directory (default: the built-in tiny model)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--min-p", type=float, default=0.05)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="auto")
-    gen.add_argument("--ctx", type=int, default=4096, help="context size in tokens")
-    gen.add_argument("--raw", action="store_true", help="send the prompt text as is, no chat template")
-
-    chart = sub.add_parser("statechart", help="export the job state machine diagram")
-    chart.add_argument("--format", choices=["mermaid", "dot", "svg"], default="mermaid")
-    chart.add_argument("-o", "--output", type=Path, required=True)
+    tiny = sub.add_parser("make-tiny", help="write the built-in tiny random model into DIR",
+                          formatter_class=ShowDefaults)
+    tiny.add_argument("dir", type=Path, help="directory to write")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    generate_flags(sub.add_parser("generate", formatter_class=ShowDefaults,
+                                  help="stream a reply to one prompt, then print tokens/s"))
+    chart = sub.add_parser("statechart", help="export the job state machine diagram",
+                           formatter_class=ShowDefaults)
+    chart.add_argument("--format", choices=["mermaid", "dot", "svg"], default="mermaid",
+                       help="svg needs graphviz's `dot` program")
+    chart.add_argument("-o", "--output", type=Path, required=True, help="file to write")
     return p
+
+
+def generate_flags(gen: argparse.ArgumentParser) -> None:
+    """The flags of `ds4 generate`."""
+    gen.add_argument("-p", "--prompt", required=True, help="user message")
+    gen.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate")
+    gen.add_argument("--model", type=Path, help="model directory (none: the built-in tiny model)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--min-p", type=float, default=0.05,
+                     help="drop tokens below this fraction of the likeliest one's probability")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (none: random)")
+    gen.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="auto",
+                     help="auto: CuPy when a CUDA device is present, else NumPy")
+    gen.add_argument("--ctx", type=int, default=4096, help="context size in tokens")
+    gen.add_argument("--raw", action="store_true",
+                     help="send the prompt text as is, no chat template")
 
 
 def make_tiny_command(args: argparse.Namespace, out: TextIO) -> int:
@@ -69,9 +80,11 @@ def generate_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from ds4.engine import ContextOverflow, Engine
     from ds4.model.tiny import default_model_dir
     from ds4.sampling import make_rng, sample
+    from ds4.server.runtime import check_vocabulary
 
     model = args.model or default_model_dir()
     engine = Engine.open(model, backend=args.backend)
+    check_vocabulary(engine)  # as the server does: no id may fall outside the embedding
     options = SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed)
     prompt = engine.tokenizer.encode(args.prompt if args.raw else plain_chat(args.prompt))
@@ -100,7 +113,8 @@ def generate_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0
 
 
-def report_speed(err: TextIO, prompt_tokens: int, prefill_s: float, generated: int, decode_s: float) -> None:
+def report_speed(err: TextIO, prompt_tokens: int, prefill_s: float, generated: int,
+                 decode_s: float) -> None:
     """The two tokens/s lines printed after generation."""
     print(f"prefill: {prompt_tokens} tokens in {prefill_s:.3f} s, "
           f"{prompt_tokens / max(prefill_s, 1e-9):.1f} tokens/s", file=err)

@@ -1,8 +1,11 @@
 """`ds4-replay`: re-POST the jobs of a --trace file to a running server and compare outputs.
 
-Jobs are sent in trace order, non-streamed. For greedy or seeded jobs the visible text the
-server returns must equal the visible text recorded in the trace (reasoning and tool calls
-are compared through the same parser the server uses).
+Jobs are sent in trace order, non-streamed. For greedy or seeded jobs what a client sees of
+the reply must equal what the trace recorded, read through the parser the server uses: the
+visible text, the reasoning (where the protocol shows it) and the tool calls (names and
+arguments; call ids are fresh on every run). Other jobs are sent too, since they shape the
+slots' caches, but are skipped in the comparison. A trace is never replayed into the server
+that is writing it.
 """
 
 from __future__ import annotations
@@ -10,11 +13,51 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
 from ds4.chat import parse_output
+from ds4.chat.responses import LOCAL_SHELL, custom_input, local_shell_action
+from ds4.chat.responses import responses_call_kinds
+from ds4.cli.flags import ShowDefaults, add_version
 from ds4.jobs.trace import read_trace
+from ds4.server.responses import SUMMARY_OPT_IN
+from ds4.server.runtime import trace_file_id
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
+Call = tuple[str, str, object]  # (kind: function | custom | local_shell, name, arguments)
+
+
+@dataclass(frozen=True)
+class Visible:
+    """What a client sees of one reply; reasoning is None where the protocol hides it."""
+
+    content: str
+    reasoning: str | None = None
+    tool_calls: tuple[Call, ...] = ()
+
+
+@dataclass
+class Report:
+    """The outcome of a replay: jobs compared, jobs sent but not compared, differences."""
+
+    compared: int = 0
+    skipped: int = 0
+    problems: list[str] = field(default_factory=list)
+    not_sent: int = 0  # failed or cancelled jobs, and jobs whose request was not kept
+
+    def summary(self) -> str:
+        """The closing line of ds4-replay."""
+        unsent = f", {self.not_sent} not sent (failed or cancelled)" if self.not_sent else ""
+        return (f"ds4-replay: {self.compared} job(s) compared, {self.skipped} skipped "
+                f"(not greedy or seeded){unsent}, {len(self.problems)} problem(s)")
+
+
+class OwnTrace(Exception):
+    """The server at the URL writes the very trace file being replayed."""
 
 
 def replayable(record: dict) -> bool:
@@ -30,58 +73,180 @@ def deterministic(record: dict) -> bool:
     return record["sampling"].get("seed") is not None
 
 
-def recorded_text(record: dict) -> str:
-    """What a client saw of the recorded generation: raw text for completions, else content."""
-    if record["endpoint"] == "/v1/completions":
-        return record["text"]
-    return parse_output(record["text"], thinking=record["thinking"],
-                        tools_active=record["tools_active"]).content
+def arguments_value(text: str) -> object:
+    """A call's arguments as a JSON value (the text itself when it is not JSON)."""
+    try:
+        return json.loads(text or "{}")
+    except ValueError:
+        return text
 
 
-def returned_text(endpoint: str, body: dict) -> str:
+def shows_reasoning(endpoint: str, request: dict) -> bool:
+    """Chat and Messages replies carry reasoning; Responses only when summaries were asked."""
+    if endpoint == RESPONSES:
+        reasoning = request.get("reasoning")
+        return isinstance(reasoning, dict) and reasoning.get("summary") in SUMMARY_OPT_IN
+    return endpoint in (CHAT, MESSAGES)
+
+
+def recorded_call(endpoint: str, kinds: dict[str, str], name: str, arguments: str) -> Call:
+    """A recorded call as the endpoint presents it (Responses: custom and local shell items)."""
+    kind = kinds.get(name) if endpoint == RESPONSES else None
+    if kind == "custom":
+        return ("custom", name, custom_input(arguments))
+    if kind == LOCAL_SHELL and (action := local_shell_action(arguments)) is not None:
+        return ("local_shell", LOCAL_SHELL, action)
+    value = arguments_value(arguments)
+    if endpoint == MESSAGES and not isinstance(value, dict):
+        value = {}  # a tool_use block's input is always an object
+    return ("function", name, value)
+
+
+def recorded_view(record: dict) -> Visible:
+    """What a client saw of the recorded generation: raw text for completions, else the parse."""
+    if record["endpoint"] == COMPLETIONS:
+        return Visible(record["text"])
+    endpoint, request = record["endpoint"], json.loads(record["raw_request"])
+    out = parse_output(record["text"], thinking=record["thinking"],
+                       tools_active=record["tools_active"])
+    kinds = responses_call_kinds(request.get("tools")) if endpoint == RESPONSES else {}
+    calls = tuple(recorded_call(endpoint, kinds, c.name, c.arguments) for c in out.tool_calls)
+    reasoning = out.reasoning if shows_reasoning(endpoint, request) else None
+    return Visible(out.content, reasoning, calls)
+
+
+def chat_view(body: dict) -> Visible:
+    """A chat completion's message."""
+    msg = body["choices"][0]["message"]
+    calls = tuple(("function", c["function"]["name"], arguments_value(c["function"]["arguments"]))
+                  for c in msg.get("tool_calls") or [])
+    return Visible(msg.get("content") or "", msg.get("reasoning_content") or "", calls)
+
+
+def messages_view(body: dict) -> Visible:
+    """An Anthropic message's text, thinking and tool_use blocks."""
+    blocks = body["content"]
+    text = "".join(b["text"] for b in blocks if b["type"] == "text")
+    thinking = "".join(b["thinking"] for b in blocks if b["type"] == "thinking")
+    calls = tuple(("function", b["name"], b["input"]) for b in blocks if b["type"] == "tool_use")
+    return Visible(text, thinking, calls)
+
+
+def response_call(item: dict) -> Call | None:
+    """A Responses call item as a Call; None for other items."""
+    if item["type"] == "function_call":
+        return ("function", item["name"], arguments_value(item["arguments"]))
+    if item["type"] == "custom_tool_call":
+        return ("custom", item["name"], item["input"])
+    if item["type"] == "local_shell_call":
+        return ("local_shell", LOCAL_SHELL, item["action"])
+    return None
+
+
+def responses_view(body: dict, summaries: bool) -> Visible:
+    """A response's message text, reasoning summaries (when shown) and call items."""
+    items = body["output"]
+    text = "".join(p["text"] for i in items if i["type"] == "message" for p in i["content"])
+    summary = "".join(p["text"] for i in items if i["type"] == "reasoning"
+                      for p in i.get("summary") or [])
+    calls = tuple(c for c in map(response_call, items) if c is not None)
+    return Visible(text, summary if summaries else None, calls)
+
+
+def returned_view(endpoint: str, request: dict, body: dict) -> Visible:
     """The same view of a server response."""
-    if endpoint == "/v1/completions":
-        return body["choices"][0]["text"]
-    if endpoint == "/v1/chat/completions":
-        return body["choices"][0]["message"]["content"]
-    if endpoint == "/v1/messages":
-        return "".join(b["text"] for b in body["content"] if b["type"] == "text")
-    return "".join(part["text"] for item in body["output"] if item["type"] == "message"
-                   for part in item["content"])
+    if endpoint == COMPLETIONS:
+        return Visible(body["choices"][0]["text"])
+    if endpoint == CHAT:
+        return chat_view(body)
+    if endpoint == MESSAGES:
+        return messages_view(body)
+    return responses_view(body, shows_reasoning(endpoint, request))
 
 
-def replay(records: list[dict], base_url: str, api_key: str | None = None) -> list[str]:
-    """POST every record's request; return one line per compared job that differs."""
+def differences(seq: int, got: Visible, want: Visible) -> list[str]:
+    """One line per part of the reply that differs from the trace."""
+    return [f"job {seq}: the {part}: {g!r} != {w!r}"
+            for part, g, w in (("text differs", got.content, want.content),
+                               ("reasoning differs", got.reasoning, want.reasoning),
+                               ("tool calls differ", got.tool_calls, want.tool_calls)) if g != w]
+
+
+def refuse_own_trace(client: httpx.Client, trace: str | Path) -> None:
+    """Raise OwnTrace when the server reports that it writes `trace` (its /health names the
+    file's identity): replaying into it would append to the file being read."""
+    try:
+        health = client.get("/health").json()
+    except (httpx.HTTPError, ValueError):
+        return  # an old or unreachable server: the POSTs will say more
+    server_file = (health.get("trace") or {}).get("file_id") if isinstance(health, dict) else None
+    if server_file and server_file == trace_file_id(trace):
+        raise OwnTrace(f"the server at {client.base_url} writes its --trace to {trace}, the "
+                       "file being replayed; replay a copy of it, or a server with another "
+                       "--trace file (or none)")
+
+
+def replay_one(client: httpx.Client, record: dict, report: Report) -> None:
+    """POST one record's request and compare the reply when the job is deterministic."""
+    request = json.loads(record["raw_request"])
+    request["stream"] = False
+    response = client.post(record["endpoint"], json=request)
+    if response.status_code != 200:
+        report.problems.append(f"job {record['seq']}: HTTP {response.status_code} "
+                               f"{response.text.strip()}")
+    elif not deterministic(record):
+        report.skipped += 1
+    else:
+        report.compared += 1
+        got = returned_view(record["endpoint"], request, response.json())
+        report.problems += differences(record["seq"], got, recorded_view(record))
+
+
+def replay(records: list[dict], base_url: str, api_key: str | None = None,
+           trace: str | Path | None = None) -> Report:
+    """POST every record's request in order; with `trace`, first refuse the trace's writer."""
     headers = {"Authorization": f"Bearer {api_key}", "x-api-key": api_key} if api_key else {}
-    problems = []
+    report = Report()
     with httpx.Client(base_url=base_url, timeout=None, headers=headers) as client:
+        if trace is not None:
+            refuse_own_trace(client, trace)
         for record in records:
-            request = json.loads(record["raw_request"])
-            request["stream"] = False
-            response = client.post(record["endpoint"], json=request)
-            if response.status_code != 200:
-                problems.append(f"job {record['seq']}: HTTP {response.status_code} "
-                                f"{response.text.strip()}")
-            elif deterministic(record):
-                got, want = returned_text(record["endpoint"], response.json()), recorded_text(record)
-                if got != want:
-                    problems.append(f"job {record['seq']}: text differs: {got!r} != {want!r}")
-    return problems
+            replay_one(client, record, report)
+    return report
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ds4-replay."""
+    p = argparse.ArgumentParser(prog="ds4-replay", description=__doc__.splitlines()[0],
+                                formatter_class=ShowDefaults)
+    add_version(p)
+    p.add_argument("trace", help="a file written by ds4-server --trace")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--api-key", help="the server's --api-key, if it has one")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ds4-replay; exit 1 when a deterministic job differs."""
-    p = argparse.ArgumentParser(prog="ds4-replay", description=__doc__.splitlines()[0])
-    p.add_argument("trace", help="a file written by ds4-server --trace")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
-    p.add_argument("--api-key")
-    a = p.parse_args(argv)
-    records = [r for r in read_trace(a.trace) if replayable(r)]
-    problems = replay(records, a.url, a.api_key)
-    for line in problems:
+    """Entry point of ds4-replay; exit 1 when a deterministic job differs or a request fails."""
+    a = parser().parse_args(argv)
+    try:
+        recorded = read_trace(a.trace)
+        records = [r for r in recorded if replayable(r)]
+        report = replay(records, a.url, a.api_key, trace=a.trace)
+        report.not_sent = len(recorded) - len(records)
+    except OwnTrace as exc:
+        print(f"ds4-replay: {exc}", file=sys.stderr)
+        return 2
+    except httpx.HTTPError as exc:
+        print(f"ds4-replay: {a.url}: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:  # no such trace, or not a trace
+        print(f"ds4-replay: {exc}", file=sys.stderr)
+        return 1
+    for line in report.problems:
         print(line)
-    print(f"ds4-replay: {len(records)} job(s), {len(problems)} problem(s)")
-    return 1 if problems else 0
+    print(report.summary())
+    return 1 if report.problems else 0
 
 
 if __name__ == "__main__":

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
+import socket
 import sys
 import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import uvicorn
 
 from ds4.backend import cuda_available
+from ds4.cli.flags import ShowDefaults, add_version
 from ds4.server.config import DEFAULT_MAX_TOKENS, ServerConfig
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
+
+    from ds4.server.runtime import Runtime
 
 
 def positive_int(text: str) -> int:
@@ -21,25 +34,43 @@ def positive_int(text: str) -> int:
     return value
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0-65535 (0: any free port)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a port number (0-65535)")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line of ds4-server."""
-    p = argparse.ArgumentParser(prog="ds4-server", description=__doc__)
-    p.add_argument("--model", help="model directory (default: the built-in tiny model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=positive_int, default=8000)
+    p = argparse.ArgumentParser(prog="ds4-server", description=__doc__,
+                                formatter_class=ShowDefaults)
+    add_version(p)
+    p.add_argument("--model", help="model directory (none: the built-in tiny model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=port_number, default=8000, help="TCP port (0: any free one)")
     p.add_argument("--parallel", type=positive_int, default=1,
                    help="client sessions that run interleaved (one slot each)")
     p.add_argument("--ctx", type=positive_int, default=32768, help="context tokens per slot")
     p.add_argument("--prefill-chunk", type=positive_int, default=2048,
-                   help="prompt tokens per prefill step")
-    p.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="auto")
+                   help="prompt tokens the engine runs through the model in one step; larger "
+                        "chunks prefill faster and need more scratch memory")
+    p.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="auto",
+                   help="auto: CuPy when a CUDA device is present, else NumPy")
     p.add_argument("--cors", action="store_true", help="allow browser clients of any origin")
     p.add_argument("--api-key", help="require this key (Bearer or x-api-key) on /v1 routes")
-    p.add_argument("--trace", metavar="FILE", help="write one JSON line per finished job")
+    p.add_argument("--trace", metavar="FILE",
+                   help="write one JSON line per finished job (ds4-replay reads it)")
     p.add_argument("--ssd-streaming", action="store_true",
-                   help="stream experts from disk (needs --parallel 1)")
+                   help="keep routed experts in the memory-mapped checkpoint and read them per "
+                        "use instead of holding them in memory (NumPy only; needs --parallel 1)")
     p.add_argument("--tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
-                   help="default max output tokens of a request")
+                   help="output token limit of a request that sets none (max_tokens, "
+                        "max_output_tokens ...)")
     return p
 
 
@@ -79,10 +110,13 @@ def report_memory(engine: object, config: ServerConfig) -> None:
     print("ds4-server: model memory\n" + "\n".join(lines), flush=True)
 
 
-def load_and_report(runtime) -> None:
-    """Load the model (the server already answers /health with 503), then print figures."""
+def load_and_report(runtime: Runtime, server: Server) -> None:
+    """Load the model (the server already answers /health with 503), then print figures;
+    a model that cannot load ends the server: one line on stderr, exit status 1."""
     if not runtime.load():
         print(f"ds4-server: model failed to load: {runtime.error}", file=sys.stderr, flush=True)
+        server.exit_code = 1
+        server.should_exit = True
         return
     cfg = runtime.config
     print(f"ds4-server: model loaded from {runtime.model_dir()} "
@@ -90,23 +124,80 @@ def load_and_report(runtime) -> None:
     report_memory(runtime.engine, cfg)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ds4-server."""
-    import uvicorn
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket; an address that cannot be bound exits 1 with one line."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        reason = exc.strerror.lower() if exc.strerror else str(exc)
+        print(f"ds4-server: cannot listen on {host}:{port}: {reason}", file=sys.stderr)
+        raise SystemExit(1) from None
+    return sock
 
+
+class Server(uvicorn.Server):
+    """uvicorn's server with ds4's stop: the first SIGINT/SIGTERM fails every job still
+    queued or running ("server shutting down"), so each stream ends with its protocol's
+    error event at once instead of running on until the graceful timeout cuts it."""
+
+    def __init__(self, config: uvicorn.Config, runtime: Runtime) -> None:
+        super().__init__(config)
+        self.runtime = runtime
+        self.exit_code = 0
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        """A stop signal: end the jobs (off the signal handler: it may wait for a turn)."""
+        if not self.should_exit:
+            threading.Thread(target=self.runtime.stop, name="ds4-stop", daemon=True).start()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Take SIGINT/SIGTERM while serving; unlike uvicorn's, do not raise them again
+        afterwards (that would print a KeyboardInterrupt traceback): the stop was clean."""
+        previous = {sig: signal.signal(sig, self.handle_exit)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def uvicorn_config(app: ASGIApp, config: ServerConfig) -> uvicorn.Config:
+    """How uvicorn runs the app: one worker, warnings only, a short graceful stop (the jobs
+    are failed first, so open streams end within it)."""
+    return uvicorn.Config(app, workers=1, log_level="warning", timeout_graceful_shutdown=1)
+
+
+def serve(config: ServerConfig) -> int:
+    """Bind, start loading the model, serve until a stop signal or a failed load."""
     from ds4.server.app import build_app
     from ds4.server.runtime import Runtime
 
-    config = config_from(argv)
+    sock = bind(config.host, config.port)
     runtime = Runtime(config)
-    app = build_app(config, runtime, load=False)
-    threading.Thread(target=load_and_report, args=(runtime,), daemon=True).start()
-    print(f"ds4-server: listening on http://{config.host}:{config.port} "
+    server = Server(uvicorn_config(build_app(config, runtime, load=False), config), runtime)
+    threading.Thread(target=load_and_report, args=(runtime, server), daemon=True).start()
+    port = sock.getsockname()[1]
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    print(f"ds4-server: listening on http://{host}:{port} "
           "(GET /health is 503 until the model is loaded)", flush=True)
-    # a stream may run for minutes: on Ctrl-C give open requests 5 s, then cancel their jobs
-    uvicorn.run(app, host=config.host, port=config.port, workers=1, log_level="warning",
-                timeout_graceful_shutdown=5)
-    return 0
+    server.run(sockets=[sock])
+    return server.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ds4-server."""
+    config = config_from(argv)
+    try:
+        return serve(config)
+    except KeyboardInterrupt:  # Ctrl-C before the server took the signals over
+        return 130
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ class DecodeAttempt:
         self.raw = bytearray()
         self.forced: deque[int] = deque()
         self.forced_at: int | None = None  # token index where forced text began
+        self.reasoning_tokens = 0  # tokens taken while the turn was still reasoning
         self.finish_reason: str | None = None
         self.eos = False
         self._forced_ids = tokenizer.encode(request.forced_text) if request.forced_text else []
@@ -131,6 +132,7 @@ class DecodeAttempt:
 
     def _take(self, tok: int) -> list[ParserEvent]:
         piece = self.tokenizer.token_bytes(tok)
+        self.reasoning_tokens += not self.parser.reasoning_done  # the closing </think> counts
         self.tokens.append(tok)
         self.raw += piece
         self.ends.append(len(self.raw))

@@ -36,6 +36,7 @@ class JobRequest:
     forced_text: str = ""  # tool_choice required / named: bytes forced after reasoning (§4.5)
     id_prefix: str = "call_"  # tool-call id prefix: call_ (OpenAI) or toolu_ (Anthropic)
     call_ids: list[str] = field(default_factory=list)  # ids this request continues (slot routing)
+    streamed: bool = False  # the client sees events live: a call it saw begin cannot be undone
     endpoint: str = ""  # for traces only, e.g. "/v1/chat/completions"
     raw_body: str = ""  # for traces only
 
@@ -79,6 +80,7 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    reasoning_tokens: int = 0  # of completion_tokens: those sampled inside <think>…</think>
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ds4.chat.events import ParsedOutput
+from ds4.chat.events import ParsedOutput, ToolCallStart
 from ds4.engine import ContextOverflow
 from ds4.jobs.decoding import DecodeAttempt
 from ds4.jobs.events import (
@@ -73,6 +73,7 @@ class Job:
         self.finish_reason: str | None = None
         self.error: Failed | None = None
         self.token_times: list[float] = []
+        self.announced: set[int] = set()  # indexes of tool calls whose start was emitted
 
     # -- driving -------------------------------------------------------------------------
 
@@ -186,11 +187,16 @@ class Job:
             self.slot.bind_call_ids([c.id for c in out.tool_calls])
 
     def unterminated(self, _event: Any = None) -> bool:
-        """True when a tool-call block opened and never closed (encoding.md §5.5)."""
-        if self.request.tools_active and self.attempt.result().unterminated:
+        """True when a tool-call block opened and never closed (encoding.md §5.5), or a
+        streamed turn announced a call that its final parse lacks: a client that saw the call
+        begin cannot take it back, so success would be a lie."""
+        out = self.attempt.result()
+        if self.request.tools_active and out.unterminated:
             self.error = Failed("unterminated tool call", 500, "server_error")
-            return True
-        return False
+        elif self.request.streamed and self.announced - set(range(len(out.tool_calls))):
+            why = out.malformed or "the tool-call block was not completed"
+            self.error = Failed(f"invalid tool call: {why}", 500, "server_error")
+        return self.error is not None
 
     # -- reports (state entry callbacks) -------------------------------------------------
 
@@ -233,7 +239,9 @@ class Job:
 
     def usage(self) -> Usage:
         """Token counts for the response."""
-        return Usage(len(self.request.prompt_tokens), self.cached, len(self.generated()))
+        reasoning = self.attempt.reasoning_tokens if self.attempt else 0
+        return Usage(len(self.request.prompt_tokens), self.cached, len(self.generated()),
+                     reasoning)
 
     def first_token_at(self) -> float | None:
         """Scheduler-clock time of the first emitted token."""
@@ -252,8 +260,10 @@ class Job:
             self._emit(event)
 
     def _emit(self, event: JobEvent) -> None:
-        if isinstance(event, TokenEvents) and event.token_id != EOS_ID:
-            self._time_token()
+        if isinstance(event, TokenEvents):
+            self.announced.update(e.index for e in event.events if isinstance(e, ToolCallStart))
+            if event.token_id != EOS_ID:
+                self._time_token()
         self.sink(event)
 
     def _time_token(self) -> None:

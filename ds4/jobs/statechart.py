@@ -1,7 +1,8 @@
 """Export the job machine's diagram (mermaid, dot, svg) from its table in ds4.jobs.machine.
 
 transitions' GraphMachine draws both text formats (`mermaid` engine; `graphviz` engine, whose
-source is dot text and needs only the `graphviz` pip package). svg needs the `dot` binary.
+source is dot text and needs only the `graphviz` pip package). svg needs graphviz's `dot`
+program, which the `graphviz` pip package does not include: DOT_MISSING says where to get it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from ds4.jobs.machine import INITIAL, STATES, TRANSITIONS
 
 FORMATS = ("mermaid", "dot", "svg")
 TITLE = "ds4 job"
+DOT_MISSING = ("svg export needs graphviz's `dot` program, which is not on PATH: install "
+               "graphviz (apt-get install graphviz, brew install graphviz or conda install "
+               "-c conda-forge graphviz), or export --format dot or mermaid instead")
 
 
 class _Drawing:
@@ -39,10 +43,10 @@ def dot_text() -> str:
 
 
 def svg_bytes() -> bytes:
-    """The machine drawn by graphviz's `dot` (raises when the binary is missing)."""
+    """The machine drawn by graphviz's `dot` (RuntimeError when it is missing)."""
     dot = shutil.which("dot")
     if dot is None:
-        raise RuntimeError("svg export needs graphviz's `dot` binary (apt-get install graphviz)")
+        raise RuntimeError(DOT_MISSING)
     return subprocess.run([dot, "-Tsvg"], input=dot_text().encode(), check=True,
                           capture_output=True).stdout
 

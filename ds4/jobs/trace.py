@@ -28,6 +28,7 @@ def job_record(job: Any) -> dict:
         "thinking": req.thinking,
         "tools_active": req.tools_active,
         "generated_tokens": job.generated(),
+        "reasoning_tokens": job.usage().reasoning_tokens,
         "text": job.text(),
         "finish_reason": job.finish_reason,
         "error": job.error.message if job.error else None,

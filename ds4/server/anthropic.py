@@ -9,10 +9,11 @@ from starlette.responses import Response
 
 from ds4.chat import events as ev
 from ds4.chat import render_anthropic
-from ds4.jobs.events import Failed, Finished, TokenEvents, Usage
+from ds4.jobs.events import Failed, Finished, Started, TokenEvents, Usage
 from ds4.server import request_fields as rf
 from ds4.server.errors import ANTHROPIC, error_body
-from ds4.server.generation import failure_error, generate, retracted_calls
+from ds4.server.generation import failure_error, generate
+from ds4.server.openai_chat import cache_written
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sse import Channel, event_frame
 from ds4.server.tools import anthropic_result_ids, forced_prefix
@@ -34,9 +35,13 @@ def stop_fields(finished: Finished) -> dict:
 
 
 def usage(u: Usage) -> dict:
-    """Anthropic usage: input_tokens + cache_read_input_tokens = the real prompt length."""
-    return {"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
-            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
+    """Anthropic usage: as Anthropic counts, input_tokens + cache_read_input_tokens +
+    cache_creation_input_tokens is the prompt length; the read and written shares are the
+    ones the OpenAI routes report (cached_tokens, cache_write_tokens)."""
+    written = cache_written(u)
+    return {"input_tokens": u.prompt_tokens - u.cached_tokens - written,
+            "output_tokens": u.completion_tokens,
+            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": written}
 
 
 def render_for(body: dict, runtime: Runtime, thinking: str):
@@ -95,6 +100,8 @@ class MessageShape:
     def __init__(self, running: Running):
         self.turn = running.turn
         self.prompt_tokens = len(running.prompt.tokens)
+        self.cached = 0  # prompt tokens the slot reused, known once the job starts
+        self.announced = False  # message_start sent
         self.id = new_id("msg_")
         self.thinking = Channel()
         self.text = Channel()
@@ -114,9 +121,21 @@ class MessageShape:
                             usage(finished.usage))
 
     def opening(self) -> list[bytes]:
-        """message_start (input_tokens before the cache split is known)."""
-        u = {"input_tokens": self.prompt_tokens, "output_tokens": 0,
-             "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+        """Nothing yet: message_start waits for the job's slot, which settles the cache split
+        (pings may come first; the SDKs skip them), so it reports the final usage's split."""
+        return []
+
+    def started(self, event: Started) -> list[bytes]:
+        """message_start, now that the reused prefix is known."""
+        self.cached = event.cached_tokens
+        return self.message_start()
+
+    def message_start(self) -> list[bytes]:
+        """message_start, once, before any other event of the message."""
+        if self.announced:
+            return []
+        self.announced = True
+        u = usage(Usage(self.prompt_tokens, self.cached, 0))
         return [event_frame("message_start", {"type": "message_start",
                                               "message": self.message([], NOT_STOPPED, u)})]
 
@@ -161,7 +180,7 @@ class MessageShape:
 
     def tokens(self, event: TokenEvents) -> list[bytes]:
         """Frames for one sampled token's parser events."""
-        frames: list[bytes] = []
+        frames = self.message_start()
         for e in event.events:
             if isinstance(e, ev.ReasoningDelta):
                 frames += self.text_frames("thinking", self.thinking.push(e.text))
@@ -179,10 +198,9 @@ class MessageShape:
 
     def closing(self, finished: Finished) -> list[bytes]:
         """Held-back text, calls not streamed live, message_delta and message_stop."""
-        if (failed := retracted_calls(finished, self.streamed_calls)) is not None:
-            return self.failure(failed)
         out = finished.output
-        frames = self.text_frames("thinking", self.thinking.finish(out.reasoning))
+        frames = self.message_start()  # a job cancelled in the queue never started
+        frames += self.text_frames("thinking", self.thinking.finish(out.reasoning))
         frames += self.text_frames("text", self.text.finish(out.content))
         for i, call in enumerate(out.tool_calls):
             if i not in self.streamed_calls:

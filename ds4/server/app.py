@@ -119,9 +119,10 @@ async def server_error(request: Request, exc: Exception) -> Response:
 
 
 async def health(request: Request, runtime: Runtime) -> Response:
-    """200 when the model is loaded and the scheduler runs, 503 otherwise."""
+    """200 when the model is loaded and the scheduler runs (with the --trace file), else 503."""
     if runtime.state == SERVING:
-        return json_response({"status": "ok"})
+        trace = runtime.trace_file()  # lets ds4-replay refuse to replay a trace into its writer
+        return json_response({"status": "ok", **({"trace": trace} if trace else {})})
     body = {"status": "error", "error": runtime.error} if runtime.state == BROKEN \
         else {"status": "loading"}
     return json_response(body, 503)

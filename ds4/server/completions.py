@@ -1,4 +1,4 @@
-"""POST /v1/completions: raw text completion, non-streamed and SSE (spec server §3, §4.2)."""
+"""POST /v1/completions: the prompt continued as written, non-streamed and SSE."""
 
 from __future__ import annotations
 
@@ -18,41 +18,68 @@ from ds4.server.openai_chat import OpenAIObject, finish_reason, openai_usage
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sse import Channel, data_frame
 from ds4.server.turn import Turn
-from ds4.tokenizer import EOS_ID
+from ds4.tokenizer import BOS_ID, EOS_ID
 
 ENDPOINT = "/v1/completions"
 TEXT_COMPLETION = "text_completion"
 
 
-def prompt_text(body: dict) -> str:
-    """`prompt` as a string (an array gives its first string element)."""
+def bad_prompt(why: str) -> ApiError:
+    """A 400 naming the `prompt` field."""
+    return ApiError(400, f"invalid JSON request: 'prompt' {why}", param="prompt")
+
+
+def token_ids(ids: list, vocab: int) -> list[int]:
+    """A prompt given as token ids, each checked against the model's vocabulary."""
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            raise bad_prompt(f"token ids must be integers in 0..{vocab - 1}, not {t!r}")
+    return ids
+
+
+def prompt_of(body: dict, vocab: int) -> str | list[int]:
+    """`prompt` as text or token ids: a string, a list of ids, or a list holding one of those
+    (as vLLM accepts); several prompts in one request are refused."""
     prompt = rf.required(body, "prompt", rf.STRING, rf.ARRAY)
-    if isinstance(prompt, list):
-        prompt = next((p for p in prompt if isinstance(p, str)), None)
-        if prompt is None:
-            raise ApiError(400, "invalid JSON request: 'prompt' must be a string or an array "
-                           "holding a string", param="prompt")
-    return prompt
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return token_ids(prompt, vocab)
+    if len(prompt) != 1:
+        raise bad_prompt("must be a string, a list of token ids, or a list holding one of "
+                         "those; several prompts in one request are not supported")
+    if isinstance(prompt[0], str):
+        return prompt[0]
+    if isinstance(prompt[0], list) and prompt[0]:
+        return token_ids(prompt[0], vocab)
+    raise bad_prompt("must be a string or a non-empty list of token ids")
+
+
+def with_bos(ids: list[int]) -> list[int]:
+    """Token ids as the model continues them: after BOS, as a text prompt is."""
+    return ids if ids[:1] == [BOS_ID] else [BOS_ID, *ids]
 
 
 def parse(body: dict, raw: str, runtime: Runtime) -> Turn:
-    """A completions request body as a Turn."""
+    """A completions request body as a Turn: the prompt is continued as written, so thinking
+    controls have nothing to open (the model is not in a chat turn)."""
     cfg = runtime.config
-    model, alias = rf.resolve_model(body)
-    prompt = prompt_text(body)
-    thinking = rf.thinking_mode(body, alias, cfg.ctx)
+    model, _ = rf.resolve_model(body)
+    prompt = prompt_of(body, runtime.engine.config.vocab_size)
     stream, include_usage = rf.stream_flags(body)
+    ids = with_bos(prompt) if isinstance(prompt, list) else None
+    tokenizer = runtime.engine.tokenizer
+    render = (lambda: tokenizer.decode(ids)) if ids else (lambda: render_completion(prompt))
     return Turn(
-        endpoint=ENDPOINT, protocol=OPENAI, model=model,
-        render=lambda: render_completion(prompt, thinking=thinking),
-        thinking=thinking, sampling=rf.sampling(body, thinking),
+        endpoint=ENDPOINT, protocol=OPENAI, model=model, render=render, prompt_ids=ids,
+        thinking="none", sampling=rf.sampling(body, "none"),
         max_tokens=rf.max_tokens(body, ("max_tokens",), cfg.tokens),
         stop=rf.stop_sequences(body), stream=stream, include_usage=include_usage,
         raw_body=raw, prompt_field="prompt", raw_text=True)
 
 
 class CompletionShape(OpenAIObject):
-    """text_completion bodies and chunks: the raw generated text, reasoning included."""
+    """text_completion bodies and chunks: the generated text as sampled."""
 
     def __init__(self, running: Running):
         super().__init__(running, "cmpl-")

@@ -9,7 +9,7 @@ from typing import Protocol
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ds4.jobs.events import Failed, Finished, TokenEvents
+from ds4.jobs.events import Failed, Finished, Started, TokenEvents
 from ds4.server.errors import ApiError
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sse import SSE_HEADERS
@@ -24,6 +24,7 @@ class Shape(Protocol):
 
     def body(self, finished: Finished) -> dict: ...
     def opening(self) -> list[bytes]: ...
+    def started(self, event: Started) -> list[bytes]: ...
     def tokens(self, event: TokenEvents) -> list[bytes]: ...
     def closing(self, finished: Finished) -> list[bytes]: ...
     def failure(self, failed: Failed) -> list[bytes]: ...
@@ -34,18 +35,6 @@ def failure_error(failed: Failed) -> ApiError:
     """A failed job as an ApiError (a failed generation is never a 200)."""
     code = "context_length_exceeded" if failed.kind == "context_overflow" else None
     return ApiError(failed.status, failed.message, code=code)
-
-
-def retracted_calls(finished: Finished, streamed: set[int]) -> Failed | None:
-    """The failure a stream must end with when it announced calls the final turn lacks.
-
-    A DSML block rejected after a call header went out comes back as plain text (encoding
-    §5.5); a client that saw the header cannot take it back, so success would be a lie.
-    """
-    if not streamed - set(range(len(finished.output.tool_calls))):
-        return None
-    why = finished.output.malformed or "the tool-call block was not completed"
-    return Failed(f"invalid tool call: {why}", 500, "server_error")
 
 
 async def generate(request: Request, runtime: Runtime, turn: Turn, make_shape) -> Response:
@@ -136,6 +125,8 @@ def frames_of(shape: Shape, event: object) -> tuple[list[bytes], bool]:
     """Frames for one job event and whether the stream ends with it."""
     if isinstance(event, TokenEvents):
         return shape.tokens(event), False
+    if isinstance(event, Started):
+        return shape.started(event), False
     if isinstance(event, Finished):
         return shape.closing(event), True
     if isinstance(event, Failed):

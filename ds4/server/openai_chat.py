@@ -7,10 +7,10 @@ from starlette.responses import Response
 
 from ds4.chat import events as ev
 from ds4.chat import render_chat
-from ds4.jobs.events import Failed, Finished, TokenEvents, Usage
+from ds4.jobs.events import Failed, Finished, Started, TokenEvents, Usage
 from ds4.server import request_fields as rf
 from ds4.server.errors import OPENAI, error_body
-from ds4.server.generation import failure_error, generate, retracted_calls
+from ds4.server.generation import failure_error, generate
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sse import COMMENT_PING, DONE, Channel, data_frame
 from ds4.server.tools import forced_prefix, tool_result_ids
@@ -22,14 +22,22 @@ FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "cance
 CHUNK = "chat.completion.chunk"
 
 
+def cache_written(usage: Usage) -> int:
+    """Prompt tokens computed and kept by the slot for the next turn (the cache's written
+    share): every prompt token that was not reused. Each protocol reports this same split."""
+    return usage.prompt_tokens - usage.cached_tokens
+
+
 def openai_usage(usage: Usage) -> dict:
-    """OpenAI `usage` with the cache split in prompt_tokens_details."""
+    """OpenAI `usage`: the cache split in prompt_tokens_details, reasoning tokens in
+    completion_tokens_details."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens,
-                                  "cache_write_tokens": usage.prompt_tokens - usage.cached_tokens},
+                                  "cache_write_tokens": cache_written(usage)},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }
 
 
@@ -58,8 +66,13 @@ class OpenAIObject:
             return [DONE]
         return [data_frame(self.envelope(kind, [], usage=openai_usage(finished.usage))), DONE]
 
+    def started(self, event: Started) -> list[bytes]:
+        """Nothing to send when the job gets its slot."""
+        return []
+
     def failure(self, failed: Failed) -> list[bytes]:
-        """An in-stream error object, then [DONE]."""
+        """An OpenAI error object in a data frame, then [DONE] (as OpenAI ends a failed
+        stream; a chunk's finish_reason has no "error" value)."""
         return [data_frame(error_body(failure_error(failed), OPENAI)), DONE]
 
     def ping(self) -> bytes:
@@ -155,8 +168,6 @@ class ChatShape(OpenAIObject):
 
     def closing(self, finished: Finished) -> list[bytes]:
         """Held-back text, calls not streamed live, the finish chunk, usage and [DONE]."""
-        if (failed := retracted_calls(finished, self.streamed_calls)) is not None:
-            return self.failure(failed)
         out = finished.output
         frames = []
         if text := self.reasoning.finish(out.reasoning):
@@ -169,10 +180,6 @@ class ChatShape(OpenAIObject):
             frames.append(self.chunk({"tool_calls": late}))
         frames.append(self.chunk({}, finish_reason(finished)))
         return frames + self.ending(CHUNK, finished)
-
-    def failure(self, failed: Failed) -> list[bytes]:
-        """A final chunk with finish_reason "error", the error object, then [DONE]."""
-        return [self.chunk({}, "error"), *super().failure(failed)]
 
 
 async def handle(request: Request, runtime: Runtime) -> Response:

@@ -7,28 +7,31 @@ from starlette.responses import Response
 
 from ds4.chat import render_responses
 from ds4.chat.responses import responses_call_kinds
-from ds4.jobs.events import Failed, Finished, TokenEvents, Usage
+from ds4.jobs.events import Failed, Finished, Started, TokenEvents, Usage
 from ds4.server import request_fields as rf
 from ds4.server.errors import OPENAI, ApiError
-from ds4.server.generation import generate, retracted_calls
+from ds4.server.generation import generate
+from ds4.server.openai_chat import cache_written
 from ds4.server.responses_items import OutputItems
 from ds4.server.runtime import Running, Runtime
-from ds4.server.sse import data_frame
+from ds4.server.sealed_reasoning import ReasoningSeal
+from ds4.server.sse import event_frame
 from ds4.server.tools import forced_prefix, responses_result_ids
 from ds4.server.turn import Turn
 from ds4.server.wire import new_id, now
 
 ENDPOINT = "/v1/responses"
 SUMMARY_OPT_IN = ("auto", "concise", "detailed")
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
 def response_usage(u: Usage) -> dict:
     """Responses `usage`."""
     return {"input_tokens": u.prompt_tokens,
             "input_tokens_details": {"cached_tokens": u.cached_tokens,
-                                     "cache_write_tokens": u.prompt_tokens - u.cached_tokens},
+                                     "cache_write_tokens": cache_written(u)},
             "output_tokens": u.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
@@ -39,12 +42,31 @@ def refuse_server_state(body: dict) -> None:
             raise ApiError(400, f"{name} is not supported; replay full input instead", param=name)
 
 
+def opened(item: object, seal: ReasoningSeal) -> object:
+    """A reasoning item whose encrypted_content this server sealed, as one carrying that
+    exact text; any other item, or a value that does not open, as it came."""
+    if not isinstance(item, dict) or item.get("type") != "reasoning":
+        return item
+    text = seal.open(item.get("encrypted_content"))
+    if text is None:
+        return item
+    return {**item, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def wants_sealed_reasoning(body: dict) -> bool:
+    """Whether reasoning items must carry encrypted_content (Codex always asks)."""
+    include = body.get("include")
+    return isinstance(include, list) and ENCRYPTED_REASONING in include
+
+
 def parse(body: dict, raw: str, runtime: Runtime) -> tuple[Turn, bool]:
     """A responses request body as a Turn, and whether reasoning summaries were asked for."""
     cfg = runtime.config
     refuse_server_state(body)
     model, alias = rf.resolve_model(body)
     items = rf.required(body, "input", rf.STRING, rf.ARRAY)
+    if isinstance(items, list):
+        items = [opened(item, runtime.reasoning_seal) for item in items]
     instructions = rf.field(body, "instructions", rf.STRING)
     tools = rf.field(body, "tools", rf.ARRAY, default=[])
     choice = rf.field(body, "tool_choice", rf.STRING, rf.OBJECT, default="auto")
@@ -75,8 +97,9 @@ class ResponseShape:
         self.turn = running.turn
         self.id = new_id("resp_")
         self.created = now()
+        seal = running.runtime.reasoning_seal.seal if wants_sealed_reasoning(body) else None
         # which calls come back as custom_tool_call / local_shell_call items
-        self.items = OutputItems(summaries, responses_call_kinds(body.get("tools")))
+        self.items = OutputItems(summaries, responses_call_kinds(body.get("tools")), seal)
         # the request fields the Responses object must echo (the SDK's Response requires them)
         self.echo = {"tool_choice": body.get("tool_choice", "auto"),
                      "tools": body.get("tools") or [],
@@ -105,8 +128,9 @@ class ResponseShape:
         return self.final(finished)
 
     def event(self, kind: str, fields: dict) -> bytes:
-        """One event; sequence_number follows `type`."""
-        frame = data_frame({"type": kind, "sequence_number": self.sequence, **fields})
+        """One event, named on its `event:` line as OpenAI's are; sequence_number follows
+        `type`."""
+        frame = event_frame(kind, {"type": kind, "sequence_number": self.sequence, **fields})
         self.sequence += 1
         return frame
 
@@ -118,14 +142,16 @@ class ResponseShape:
         """response.created."""
         return self.frames([("response.created", {"response": self.response("in_progress")})])
 
+    def started(self, event: Started) -> list[bytes]:
+        """Nothing to send when the job gets its slot."""
+        return []
+
     def tokens(self, event: TokenEvents) -> list[bytes]:
         """Events for one sampled token's parser events."""
         return self.frames([pair for e in event.events for pair in self.items.on(e)])
 
     def closing(self, finished: Finished) -> list[bytes]:
         """Close open items, then the terminal event with the whole response."""
-        if (failed := retracted_calls(finished, set(self.items.calls))) is not None:
-            return self.failure(failed)
         frames = self.frames(self.items.settle(finished))
         final = self.final(finished)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 
 from ds4.chat import events as ev
 from ds4.chat.responses import LOCAL_SHELL, custom_input, local_shell_action
@@ -44,8 +45,10 @@ class CustomInput:
 class OutputItems:
     """Builds output items from parser events, as (event type, fields) pairs to stream."""
 
-    def __init__(self, summaries: bool, kinds: dict[str, str] | None = None):
+    def __init__(self, summaries: bool, kinds: dict[str, str] | None = None,
+                 seal: Callable[[str], str] | None = None):
         self.summaries = summaries
+        self.seal = seal  # reasoning text -> encrypted_content, when the client asked for it
         self.kinds = kinds or {}  # tool name -> "custom" | "local_shell" (see responses_call_kinds)
         self.items: list[dict] = []
         self.open: dict | None = None
@@ -87,19 +90,23 @@ class OutputItems:
         return {"item_id": item["id"], "output_index": self.items.index(item)}
 
     def reasoning_delta(self, text: str) -> Pairs:
-        """Reasoning summary text (only when the client opted in)."""
-        if not (self.summaries and text):
+        """Reasoning: a reasoning item when the client asked for summaries (then its text
+        streams as the summary) or for encrypted_content (sealed when the item is done)."""
+        if not ((self.summaries or self.seal) and text):
             return []
         pairs: Pairs = []
         if self.open is None or self.open["type"] != "reasoning":
             item = {"id": new_id("rs_"), "type": "reasoning", "status": "in_progress",
                     "summary": []}
             pairs += self.add(item)
-            pairs.append(("response.reasoning_summary_part.added", {
-                **self.place(item), "summary_index": 0,
-                "part": {"type": "summary_text", "text": ""}}))
+            if self.summaries:
+                pairs.append(("response.reasoning_summary_part.added", {
+                    **self.place(item), "summary_index": 0,
+                    "part": {"type": "summary_text", "text": ""}}))
         item = self.open
         self.text_of[item["id"]] = self.text_of.get(item["id"], "") + text
+        if not self.summaries:
+            return pairs
         return pairs + [("response.reasoning_summary_text.delta",
                          {**self.place(item), "summary_index": 0, "delta": text})]
 
@@ -198,7 +205,12 @@ class OutputItems:
                          {"output_index": self.items.index(item), "item": copy.deepcopy(item)})]
 
     def _done_reasoning(self, item: dict) -> Pairs:
-        part = {"type": "summary_text", "text": self.text_of.get(item["id"], "")}
+        text = self.text_of.get(item["id"], "")
+        if self.seal:
+            item["encrypted_content"] = self.seal(text)
+        if not self.summaries:
+            return []
+        part = {"type": "summary_text", "text": text}
         item["summary"] = [part]
         return [("response.reasoning_summary_text.done",
                  {**self.place(item), "summary_index": 0, "text": part["text"]}),

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
+import os
 import threading
 import time
+from pathlib import Path
 
 from starlette.concurrency import run_in_threadpool
 
@@ -14,11 +18,71 @@ from ds4.jobs.events import Failed, Finished, JobRequest
 from ds4.server.config import ServerConfig
 from ds4.server.errors import ApiError
 from ds4.server.metrics import Metrics
+from ds4.server.sealed_reasoning import ReasoningSeal
 from ds4.server.sse import JobEvents
 from ds4.server.turn import Prompt, Turn
 
 LOADING, SERVING, BROKEN = "loading", "serving", "broken"
 log = logging.getLogger("ds4.server")
+
+
+class LoadError(ValueError):
+    """A model directory that cannot be served; the message says what and where."""
+
+
+def check_model_dir(model_dir: str) -> None:
+    """Refuse a missing, unreadable or config-less directory before any weight is read."""
+    path = Path(model_dir)
+    if not path.exists():
+        raise LoadError("no such directory")
+    if not path.is_dir():
+        raise LoadError("not a directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise LoadError("directory is not readable")
+    config = path / "config.json"
+    if not config.is_file():
+        raise LoadError("no config.json in it")
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise LoadError(f"{config.name} cannot be read as JSON: {exc}") from exc
+
+
+def check_vocabulary(engine: object) -> None:
+    """Every id the tokenizer can produce must have a row in the model's embedding: checked
+    at load, so no request meets an out-of-range id."""
+    tokenizer, rows = engine.tokenizer, engine.config.vocab_size
+    if tokenizer.vocab_size > rows:
+        raise LoadError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the "
+                        f"model's vocab_size is {rows}; they do not belong together")
+
+
+def trace_file_id(path: str | Path) -> str | None:
+    """A digest of the file's device and inode: equal for every path (link, relative, other
+    mount) to one file, and it tells nothing of the server's directories; None if absent."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return hashlib.sha256(f"{st.st_dev}:{st.st_ino}".encode()).hexdigest()[:32]
+
+
+def open_engine(model_dir: str, cfg: ServerConfig):
+    """The checked engine of a model directory."""
+    from ds4.engine import Engine
+
+    check_model_dir(model_dir)
+    engine = Engine.open(model_dir, backend=cfg.backend, prefill_chunk=cfg.prefill_chunk,
+                         resident_experts=not cfg.ssd_streaming)
+    check_vocabulary(engine)
+    return engine
+
+
+def load_failure(exc: BaseException) -> str:
+    """One line for a failed load: the checks' own words, else the error's type and text."""
+    if isinstance(exc, (LoadError, OSError, ValueError, RuntimeError)):
+        return str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {exc}"
 
 
 class Running:
@@ -70,25 +134,27 @@ class Runtime:
         self.engine = None
         self.scheduler = None
         self.tool_memory = ToolMemory()
+        self.reasoning_seal = ReasoningSeal()  # Responses encrypted_content, this process's key
+        self._stop_lock = threading.Lock()
+        self._stopped = False
         self.metrics = Metrics(self.queue_depth, self.busy_slots,
                                lambda: self.scheduler.stats if self.scheduler else None)
 
     def load(self) -> bool:
         """Open the engine and start the scheduler (blocking); False when that failed."""
-        from ds4.engine import Engine
         from ds4.jobs import Scheduler, SchedulerConfig
 
-        cfg = self.config
+        cfg, model_dir = self.config, self.config.model_dir or "the built-in tiny model"
         try:
-            self.engine = Engine.open(self.model_dir(), backend=cfg.backend,
-                                      prefill_chunk=cfg.prefill_chunk)
+            model_dir = self.model_dir()
+            self.engine = open_engine(model_dir, cfg)
             sched_cfg = SchedulerConfig.from_env(parallel=cfg.parallel, ctx_size=cfg.ctx,
                                                  trace_path=cfg.trace,
                                                  ssd_streaming=cfg.ssd_streaming)
             self.scheduler = Scheduler(self.engine, sched_cfg, time.monotonic)
         except Exception as exc:  # any load failure: the server stays up, /health says why
-            log.exception("model failed to load")
-            self.error = f"{type(exc).__name__}: {exc}"
+            log.debug("model failed to load", exc_info=True)  # the one-line reason is enough
+            self.error = f"{model_dir}: {load_failure(exc)}"
             self.state = BROKEN
             return False
         self.scheduler.stats.ttft_observers.append(self.metrics.ttft.observe)
@@ -96,6 +162,14 @@ class Runtime:
         self.scheduler.start()
         self.state = SERVING
         return True
+
+    def trace_file(self) -> dict | None:
+        """The --trace file's identity, so a replayer can refuse to feed a server its own
+        trace; None without --trace or before the file is open."""
+        if not self.config.trace or self.scheduler is None:
+            return None
+        file_id = trace_file_id(self.config.trace)
+        return {"file_id": file_id} if file_id else None
 
     def load_in_background(self) -> threading.Thread:
         """Start loading; /health answers 503 until it is done."""
@@ -112,9 +186,12 @@ class Runtime:
         return str(default_model_dir())
 
     def stop(self) -> None:
-        """Stop the scheduler thread."""
-        if self.scheduler is not None:
-            self.scheduler.stop()
+        """Stop the scheduler thread; its queued and running jobs end failed (shutdown).
+        Safe to call again and from two threads (a signal's drain, then the app's shutdown)."""
+        with self._stop_lock:
+            if self.scheduler is not None and not self._stopped:
+                self._stopped = True
+                self.scheduler.stop()
 
     def queue_depth(self) -> int:
         """Jobs waiting for a slot."""
@@ -136,7 +213,8 @@ class Runtime:
 
         def work() -> Prompt:
             text = turn.render()
-            return Prompt(text, self.engine.tokenizer.encode(text))
+            ids = turn.prompt_ids
+            return Prompt(text, self.engine.tokenizer.encode(text) if ids is None else ids)
 
         try:
             return await run_in_threadpool(work)
@@ -154,7 +232,7 @@ class Runtime:
             stop=turn.stop, thinking=turn.thinking != "none" and not turn.raw_text,
             tools_active=turn.tools_active,
             forced_text=turn.forced_text, id_prefix=turn.id_prefix, call_ids=turn.call_ids,
-            endpoint=turn.endpoint, raw_body=turn.raw_body)
+            streamed=turn.stream, endpoint=turn.endpoint, raw_body=turn.raw_body)
         running.job = self.scheduler.submit(request, running.events.sink)
         return running
 

@@ -31,6 +31,7 @@ class Turn:
     # the client gets the raw generated text (/v1/completions): the job splits off no
     # reasoning, so its stop strings scan all of that text
     raw_text: bool = False
+    prompt_ids: list[int] | None = None  # a prompt given as token ids: used as they are
 
 
 @dataclass
