@@ -89,10 +89,13 @@ def test_twin_decode_matches_engine(twins, case):
 
 
 def test_kernel_decode_declines_what_it_does_not_cover():
-    """FP8/FP4 simulation and streamed experts stay on the engine's own path."""
+    """Streamed experts stay on the engine's own path; the FP8/FP4 simulation no longer does
+    (ds4/kernels/quant.cu runs it inside the graph)."""
     from ds4.model import gpu_weights
 
     model = open_model(FIXTURES / "v4_csa_hca")
     assert gpu_weights.supported(model) is None
     model.quantize = True
-    assert "FP8" in gpu_weights.supported(model)
+    assert gpu_weights.supported(model) is None
+    model.weights.experts[0].resident = False
+    assert "resident" in gpu_weights.supported(model)

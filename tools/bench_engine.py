@@ -7,6 +7,9 @@ code on CuPy, and the same measures for transformers' DeepseekV4ForCausalLM (eag
 same weights when torch and transformers are importable.
 
     PYTHONPATH=. python3 tools/bench_engine.py --layers sliding,csa,hca,csa --ctx 4096
+
+--format official adds the same layers held as an official checkpoint is (FP8 + FP4 packed,
+tools/bench_official.py) in the same run, beside the bf16 tables.
 """
 
 from __future__ import annotations
@@ -324,6 +327,13 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="tiny dims: a smoke test of this tool")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--prefill-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--format", choices=("bf16", "official"), default="bf16",
+                    help="official: also time the layers held packed (FP8 + FP4)")
+    ap.add_argument("--official-only", action="store_true",
+                    help="with --format official: skip the bf16 tables")
+    ap.add_argument("--quantize", action="store_true",
+                    help="with --format official: the FP8/FP4 simulation on (the default of a "
+                         "packed checkpoint; off to compare with bf16)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     import cupy as cp
@@ -336,6 +346,14 @@ def main(argv=None) -> int:
         return 0
     res = {"ceilings": ceilings(cp)}
     cp.get_default_memory_pool().free_all_blocks()
+    if args.format == "official":
+        from bench_official import official_bench, report_official
+
+        res["official"] = official_bench(cp, kinds, chunks, args.ctx, args.small, res["ceilings"],
+                                         quantize=args.quantize)
+        report_official(res["official"], args.quantize)
+        if args.official_only:
+            return _write_json(args.json, res)
     res["prefill"] = prefill_in_child(args)
     stack = FlashStack(cp, config, kinds, use_hf=not args.no_hf)
     res["cfg"] = stack.cfg
@@ -343,9 +361,14 @@ def main(argv=None) -> int:
     cp.get_default_memory_pool().free_all_blocks()  # leave torch the room its eager run needs
     res["hf"] = hf_bench(stack, chunks) if stack.hf is not None else stack.hf_reason
     report(res)
-    if args.json:
-        res["cfg"] = str(res["cfg"])
-        with open(args.json, "w") as f:
+    res["cfg"] = str(res["cfg"])
+    return _write_json(args.json, res)
+
+
+def _write_json(path: str | None, res: dict) -> int:
+    """Write the results as JSON when asked; the exit status 0."""
+    if path:
+        with open(path, "w") as f:
             json.dump(res, f, indent=1, default=str)
     return 0
 

@@ -6,7 +6,7 @@ from ds4.model.compressor import compress
 from ds4.model.config import CSA, SLIDING
 from ds4.model.hyper_connection import rms_norm
 from ds4.model.indexer import select_entries
-from ds4.model.linear import batched_linear, linear
+from ds4.model.linear import batched_linear, held, linear
 
 
 def attention(xp, ctx, lw, layer_state, h, step):
@@ -148,7 +148,7 @@ def _grouped_output(xp, cfg, lw, out):
     """Heads in o_groups groups: z_g = W_oa[g] @ o_g, then a = W_ob @ concat(z)."""
     S, G = out.shape[0], cfg.o_groups
     grouped = out.reshape(S, G, -1).transpose(1, 0, 2)  # [G, S, H/G*d]
-    w_oa = lw["self_attn.o_a_proj.weight"].reshape(G, cfg.o_lora_rank, -1)
+    w_oa = held(xp, lw["self_attn.o_a_proj.weight"]).reshape(G, cfg.o_lora_rank, -1)
     z = batched_linear(xp, grouped, w_oa)  # [G, S, o_lora_rank]
     z = z.transpose(1, 0, 2).reshape(S, -1)
     return linear(xp, z, lw["self_attn.o_b_proj.weight"])

@@ -37,6 +37,7 @@ class Model:
         xp = backend.xp
         self.xp, self.backend, self.cfg, self.weights = xp, backend, cfg, weights
         self.scratch = Scratch(xp)
+        weights.bind(self.scratch)  # packed weights widen into it per use
         self.ropes = {"main": Rope(xp, cfg.rope_main, cfg.qk_rope_head_dim),
                       "compress": Rope(xp, cfg.rope_compress, cfg.qk_rope_head_dim)}
         self.quantize = quantize

@@ -12,6 +12,7 @@ import numpy as np
 
 from ds4.kernels import exact_bf16
 from ds4.model.config import CSA, SLIDING
+from ds4.model.packed import FP4, PackedMatrix
 
 LAYER_MATRICES = ("self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight",
                   "self_attn.kv_proj.weight", "self_attn.o_a_proj.weight",
@@ -22,7 +23,9 @@ SHARED_EXPERT = ("gate_proj", "up_proj", "down_proj")
 
 def kernel_weight(xp, w):
     """bf16 words (uint16) when every value of fp32 w is exactly bf16, else w itself (bf16
-    words pass through)."""
+    words and packed FP8 / FP4 matrices pass through: the kernels read them in place)."""
+    if isinstance(w, PackedMatrix):
+        return w
     if w.dtype == xp.uint16:
         return xp.ascontiguousarray(w)
     words = exact_bf16(w, xp)
@@ -88,8 +91,8 @@ def rope_frequencies(xp, rope) -> object:
 def supported(model) -> str | None:
     """Why the kernel decode cannot run this model (None when it can)."""
     cfg = model.cfg
-    if model.quantize:
-        return "FP8/FP4 simulation is not in the decode kernels"
+    if model.quantize and (cfg.head_dim > 1024 or cfg.index_head_dim > 1024):
+        return "FP8/FP4 simulation kernels take rows of at most 1024 channels"
     if cfg.scoring_func != "sqrtsoftplus":
         return f"router scoring {cfg.scoring_func!r}"
     if any(r.factor != 1.0 for r in model.ropes.values()):
@@ -104,6 +107,23 @@ def supported(model) -> str | None:
         return "a width not a multiple of 8 (16-byte loads)"
     if cfg.head_dim > 1024 or cfg.hidden_size > 8192:
         return "head_dim > 1024 or hidden_size > 8192 (one-block kernels)"
+    return _packed_unsupported(model)
+
+
+def _packed_unsupported(model) -> str | None:
+    """Why the packed kernels cannot read this model's FP8 / FP4 weights (None when they can)."""
+    weights = model.weights
+    packed = [t for t in weights.tensors.values() if isinstance(t, PackedMatrix)]
+    banks = [b for b in weights.experts if getattr(b, "packed", False)]
+    for bank in banks:
+        gate_up, down = bank.stacked
+        if gate_up.fmt != FP4 and gate_up.shape[1] // 2 % gate_up.block[0]:
+            return "FP8 experts whose gate / up halves split a scale tile"
+        packed += [gate_up, down]
+    if any(not m.kernel_ready for m in packed):
+        return "a packed matrix the kernels cannot read (scale tile or width)"
+    if banks and len(banks) != len(weights.experts):
+        return "some layers' experts packed, others not"
     return None
 
 

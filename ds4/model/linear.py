@@ -14,6 +14,7 @@ import os
 import numpy as np
 
 from ds4.kernels import widen
+from ds4.model.packed import is_packed
 
 CUDA_R_32F, CUDA_R_16BF, CUBLAS_COMPUTE_32F = 0, 14, 68
 ONE, ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)  # host scalars cuBLAS reads
@@ -24,15 +25,44 @@ def parts() -> int:
     return 1 if os.environ.get("DS4_GEMM", "bf16x2") == "bf16" else 2
 
 
+def held(xp, w):
+    """w as an array the products read: a packed matrix widened now into the engine's scratch
+    (fp32 on NumPy, exact bf16 words for the GPU's GEMMs); other weights as they are."""
+    if not is_packed(w):
+        return w
+    return w.dense(xp) if xp is np else w.words(xp)
+
+
 def linear(xp, x, w):
-    """x [..., K] times w [N, K] transposed -> [..., N] in fp32."""
+    """x [..., K] times w [N, K] transposed -> [..., N] in fp32 (packed w widened per use)."""
+    w = held(xp, w)
     if w.dtype != xp.uint16:
         return x @ w.T
     if xp is np:
-        return x @ widen(w).T
+        return _words_product(x, w)
     lead = x.shape[:-1]
     y = batched_linear(xp, x.reshape(1, -1, x.shape[-1]), w.reshape(1, *w.shape))
     return y.reshape(*lead, w.shape[0])
+
+
+TILE_VALUES = 1 << 18  # weights widened at a time on NumPy (1 MiB of fp32: stays in cache)
+
+
+def _words_product(x, w):
+    """x @ w^T on NumPy for bf16 words w, widened one cache-sized band of rows at a time (a
+    mapped head or embedding is never widened as a whole)."""
+    rows, K = w.shape
+    band = max(1, TILE_VALUES // K)
+    if rows <= band:
+        return x @ widen(w).T
+    out = np.empty((*x.shape[:-1], rows), np.float32)
+    buf = np.empty((band, K), np.uint32)
+    for r in range(0, rows, band):
+        part = w[r:r + band]
+        bits = buf[: part.shape[0]]
+        np.left_shift(part, 16, out=bits, dtype=np.uint32)
+        out[..., r:r + part.shape[0]] = x @ bits.view(np.float32).T
+    return out
 
 
 def batched_linear(xp, x, w):
@@ -54,16 +84,16 @@ def grouped_linear(xp, x, w, groups: list[tuple[int, int, int]]):
     """y[start:end] = x[start:end] w[g]^T for each (g, start, end): one cuBLAS call per group."""
     R, K = x.shape
     N = w.shape[1]
-    if w.dtype != xp.uint16 or xp is np:
+    if xp is np or (not is_packed(w) and w.dtype != xp.uint16):
         y = xp.empty((R, N), xp.float32)
         for g, start, end in groups:
-            y[start:end] = x[start:end] @ widen(w[g], xp).T
+            y[start:end] = x[start:end] @ widen(held(xp, w[g]), xp).T
         return y
     words = _words(xp, x)
     p = words.shape[1]
     y = xp.empty((R, p, N), xp.float32)
-    for g, start, end in groups:
-        _gemm(xp, w[g], words[start:], y[start:], N, p * (end - start), K)
+    for g, start, end in groups:  # a packed expert is widened to bf16 words just before its GEMM
+        _gemm(xp, held(xp, w[g]), words[start:], y[start:], N, p * (end - start), K)
     return _join(y)
 
 

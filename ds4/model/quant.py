@@ -102,11 +102,12 @@ def e8m0_to_float(codes: np.ndarray) -> np.ndarray:
     return np.exp2(codes.astype(np.float32) - 127.0)
 
 
-def dequant_fp8_weight(codes: np.ndarray, scale: np.ndarray, block: int = 128) -> np.ndarray:
-    """W[r,c] = e4m3(code[r,c]) * scale[r//block, c//block] as fp32."""
+def dequant_fp8_weight(codes: np.ndarray, scale: np.ndarray, block=128) -> np.ndarray:
+    """W[r,c] = e4m3(code[r,c]) * scale[r//br, c//bc] as fp32 (block: br = bc, or (br, bc))."""
+    br, bc = (block, block) if isinstance(block, int) else block
     w = E4M3_TABLE[codes.view(np.uint8)]
     s = scale if scale.dtype == np.float32 else e8m0_to_float(scale.view(np.uint8))
-    s = np.repeat(np.repeat(s, block, axis=0), block, axis=1)[: w.shape[0], : w.shape[1]]
+    s = np.repeat(np.repeat(s, br, axis=0), bc, axis=1)[: w.shape[0], : w.shape[1]]
     return w * s
 
 

@@ -26,6 +26,7 @@ class StoredTensor:
     dtype: str
     data: np.ndarray
     scale: "StoredTensor | None" = None
+    block: tuple[int, int] = (128, 128)  # FP8 scale tile (config weight_block_size)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -54,7 +55,7 @@ class StoredTensor:
         data = self.data if index is None else self.data[index]
         if self.dtype == "F8_E4M3":
             scale = self.scale.data if index is None else self.scale.data[index]
-            return quant.dequant_fp8_weight(data, _scale_values(self.scale, scale))
+            return quant.dequant_fp8_weight(data, _scale_values(self.scale, scale), self.block)
         if self.is_fp4:
             scale = self.scale.data if index is None else self.scale.data[index]
             return quant.dequant_fp4_weight(data, _scale_values(self.scale, scale))

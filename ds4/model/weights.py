@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from ds4.kernels import exact_bf16, widen
+from ds4.model import packed as pk
 from ds4.model.config import CSA, HCA, ModelConfig
+from ds4.model.packed import PackedMatrix, concat_rows, on_device, stack
 from ds4.model.safetensors_file import StoredTensor, read_checkpoint
 
 # Official per-layer names (after "layers.{i}.") -> HF names (after "model.layers.{i}.").
@@ -128,25 +130,44 @@ def _compressor_shapes(D: int, width: int, m: int, d: int) -> dict[str, tuple[in
 class ExpertBank:
     """One layer's routed experts: stacks resident on the device, or mapped views widened per use.
 
-    Resident stacks hold bf16 words (uint16) when every value is exactly bf16 (any bf16, FP8
-    or FP4 checkpoint): half the bytes of fp32 and the same numbers. On the GPU the decode
-    kernels and the prefill GEMMs read these stacks in place, so every expert is in device
-    memory once; the NumPy path widens the experts a chunk uses.
+    Resident stacks hold the experts as stored when packed (FP4 codes + scales, widened per use
+    into the engine's scratch), else bf16 words (uint16) when every value is exactly bf16, else
+    fp32. On the GPU the prefill GEMMs (and, for bf16 words, the decode kernels) read these
+    stacks in place, so every expert is in device memory once. Streamed banks (NumPy only) keep
+    views of the mapped file and read the experts a step picks from it each time.
     """
 
-    def __init__(self, xp, gate_up: list, down: list, resident: bool):
-        self.xp = xp
-        self.resident = resident
+    def __init__(self, xp, gate_up: list, down: list, resident: bool, packed: bool = False):
+        self.xp, self.resident, self.packed = xp, resident, packed
         self.count = len(down)
-        if resident:
+        self.scratch = None  # the engine's Scratch (bound by the model) for per-use widening
+        if resident and packed:
+            self._gate_up = on_device(xp, stack([concat_rows(s) for s in gate_up]))
+            self._down = on_device(xp, stack([concat_rows(s) for s in down]))
+        elif resident:
             self._gate_up = xp.asarray(_stack(gate_up))
             self._down = xp.asarray(_stack(down))
         else:
             self._gate_up_src, self._down_src = gate_up, down
 
+    @classmethod
+    def from_stacks(cls, xp, gate_up, down) -> "ExpertBank":
+        """A resident bank over stacks already held (packed or bf16 words), e.g. a benchmark's."""
+        bank = cls(xp, [], [], resident=False, packed=isinstance(gate_up, PackedMatrix))
+        bank.resident, bank.count = True, gate_up.shape[0]
+        bank._gate_up, bank._down = gate_up, down
+        return bank
+
+    def bind(self, scratch) -> None:
+        """Widen packed experts into this scratch (the engine's, shared by its sessions)."""
+        self.scratch = scratch
+        if self.resident and self.packed:
+            self._gate_up.scratch = self._down.scratch = scratch
+
     @property
     def stacked(self) -> tuple | None:
-        """(gate_up [E, 2I, D], down [E, D, I]) as held (bf16 words or fp32); None when streamed."""
+        """(gate_up [E, 2I, D], down [E, D, I]) as held (packed, bf16 words or fp32); None when
+        streamed."""
         return (self._gate_up, self._down) if self.resident else None
 
     @property
@@ -156,19 +177,37 @@ class ExpertBank:
 
     def gather(self, ids) -> tuple:
         """(gate_up [k, 2I, D], down [k, D, I]) fp32 for expert ids [k] (streaming reads them on host)."""
+        if self.resident and self.packed:
+            return (self._gate_up[ids].dense(self.xp, "experts.gate_up"),
+                    self._down[ids].dense(self.xp, "experts.down"))
         if self.resident:
             return widen(self._gate_up[ids], self.xp), widen(self._down[ids], self.xp)
         ids = (ids.get() if hasattr(ids, "get") else np.asarray(ids)).tolist()
+        if self.packed:
+            return (self._streamed(self._gate_up_src, ids, "experts.gate_up"),
+                    self._streamed(self._down_src, ids, "experts.down"))
         gate_up = np.stack([_widen_source(self._gate_up_src[e]) for e in ids])
         down = np.stack([_widen_source(self._down_src[e]) for e in ids])
         return self.xp.asarray(gate_up), self.xp.asarray(down)
 
     def expert(self, e: int) -> tuple:
         """(gate_up [2I, D], down [D, I]) fp32 of one expert."""
+        if self.resident and self.packed:
+            return (self._gate_up[e].dense(self.xp, "expert.gate_up"),
+                    self._down[e].dense(self.xp, "expert.down"))
         if self.resident:
             return widen(self._gate_up[e], self.xp), widen(self._down[e], self.xp)
+        if self.packed:
+            return (self._streamed(self._gate_up_src, [e], "expert.gate_up")[0],
+                    self._streamed(self._down_src, [e], "expert.down")[0])
         return (self.xp.asarray(_widen_source(self._gate_up_src[e])),
                 self.xp.asarray(_widen_source(self._down_src[e])))
+
+    def _streamed(self, sources: list, ids: list[int], name: str):
+        """Experts `ids` read from the mapped file now and widened into scratch `name`."""
+        picked = stack([concat_rows(sources[e]) for e in ids])
+        picked.scratch = self.scratch
+        return picked.dense(self.xp, name)
 
 
 def _widen_source(src) -> np.ndarray:
@@ -216,6 +255,21 @@ class Weights:
         seen = {id(t): int(t.nbytes) for t in self.tensors.values()}
         return sum(seen.values()) + sum(bank.nbytes for bank in self.experts)
 
+    @property
+    def packed(self) -> bool:
+        """True when some matrix or expert is held as FP8 / FP4 codes (widened per use)."""
+        return (any(isinstance(t, PackedMatrix) for t in self.tensors.values())
+                or any(getattr(bank, "packed", False) for bank in self.experts))
+
+    def bind(self, scratch) -> None:
+        """Packed weights widen into this scratch (the engine's) when a step uses them."""
+        for t in self.tensors.values():
+            if isinstance(t, PackedMatrix):
+                t.scratch = scratch
+        for bank in self.experts:
+            if isinstance(bank, ExpertBank):  # a benchmark's duck-typed banks hold no packing
+                bank.bind(scratch)
+
 
 class LayerWeights:
     """`lw["self_attn.kv_proj.weight"]` for layer i, plus its expert bank."""
@@ -233,7 +287,8 @@ class LayerWeights:
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: bool = True) -> Weights:
-    """Map, check and widen a checkpoint; routed experts stay mapped when not resident."""
+    """Map and check a checkpoint; every tensor stays in its stored format where it is packed
+    (FP8 / FP4 codes + scales), routed experts stay mapped when not resident."""
     stored = _unhybrid(read_checkpoint(model_dir))
     mtp = {k: v for k, v in stored.items() if k.startswith("mtp.")}
     official = not any(k.startswith(("model.", "lm_head.")) for k in stored)
@@ -243,30 +298,119 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
         expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     for name, shape in expected.items():
         _check(named, name, shape, official)
-    expert_sources = [_expert_sources(stored if official else named, cfg, i, official)
+    block = weight_block(cfg)
+    for t in stored.values():
+        t.block = block
+    packed = any(t.is_low_precision for t in stored.values())
+    dense = {name: _held(named[name], _label(name, official), block, packed) for name in expected}
+    expert_sources = [_expert_sources(stored if official else named, cfg, i, official, block)
                       for i in range(cfg.num_hidden_layers)]
     expert_bytes = sum(_source_bytes(s) for pair in expert_sources for part in pair for s in part)
     progress = _progress(sum(named[n].nbytes for n in expected) + (expert_bytes if resident_experts else 0))
     tensors = {}
     for name in expected:
-        tensors[name] = _device_tensor(xp, name, named[name])
+        tensors[name] = _device_tensor(xp, name, named[name], dense[name])
         progress.update(named[name].nbytes)
     if "lm_head.weight" not in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     experts = []
     for gate_up, down in expert_sources:
-        experts.append(ExpertBank(xp, gate_up, down, resident_experts))
+        bank_packed = isinstance(gate_up[0][0], PackedMatrix)
+        experts.append(ExpertBank(xp, gate_up, down, resident_experts, bank_packed))
         progress.update(sum(_source_bytes(s) for s in gate_up + down) if resident_experts else 0)
     progress.close()
-    low = any(t.is_low_precision for t in stored.values())
-    return Weights(tensors, experts, mtp, low)
+    return Weights(tensors, experts, mtp, packed)
+
+
+def weight_block(cfg: ModelConfig) -> tuple[int, int]:
+    """FP8 scale tile [rows, cols] from quantization_config.weight_block_size (128 x 128 when
+    the config names none)."""
+    block = (cfg.quantization_config or {}).get("weight_block_size") or [128, 128]
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise WeightsError(f"config quantization_config.weight_block_size must be two positive "
+                           f"integers, got {block!r}")
+    return int(block[0]), int(block[1])
+
+
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64", "F8_E4M3")
+INT_DTYPES = ("I64", "I32", "I16", "I8", "U8")
+
+
+def _held(stored: StoredTensor, label: str, block: tuple[int, int], packed_ckpt: bool):
+    """The form a dense tensor is held in: a PackedMatrix (host, mapped) for FP8 / FP4, the
+    mapped bf16 words for matrices of a packed checkpoint, else None (widen at load)."""
+    if stored.name.endswith("tid2eid"):
+        if stored.dtype not in INT_DTYPES:
+            raise WeightsError(f"tensor {label} has dtype {stored.dtype}; an expert table is integer")
+        return None
+    if stored.dtype in INT_DTYPES and stored.scale is None:
+        raise WeightsError(f"tensor {label} has dtype {stored.dtype} and no .scale: integer "
+                           f"codes without a scale are no weights (FP4 needs its .scale)")
+    if stored.dtype not in FLOAT_DTYPES and not stored.is_fp4:
+        raise WeightsError(f"tensor {label} has dtype {stored.dtype}, which cannot hold weights")
+    if stored.dtype == "F8_E4M3" or stored.is_fp4:
+        return packed_matrix(stored, label, block)
+    if packed_ckpt and stored.dtype == "BF16" and stored.data.ndim == 2:
+        return stored.data  # held as its stored words; linear() widens per use
+    return None
+
+
+def packed_matrix(stored: StoredTensor, label: str, block: tuple[int, int]) -> PackedMatrix:
+    """A checked PackedMatrix over the mapped codes and scales of an FP8 or FP4 tensor."""
+    problem = _packing_problem(stored, block)
+    if problem:
+        raise WeightsError(f"tensor {label}: {problem}")
+    fmt = pk.FP8 if stored.dtype == "F8_E4M3" else pk.FP4
+    return PackedMatrix(fmt, stored.data.view(np.uint8), _scale_array(stored.scale),
+                        stored.shape[-1], block)
+
+
+def _packing_problem(stored: StoredTensor, block: tuple[int, int]) -> str | None:
+    """Why an FP8 / FP4 tensor cannot be read (None when its codes and scale agree)."""
+    scale = stored.scale
+    if scale is None:
+        return f"{stored.dtype} weight has no {_scale_name(stored.name)} tensor"
+    if scale.dtype not in ("F8_E8M0", "F32"):
+        return f"scale {scale.name} has dtype {scale.dtype}, expected F8_E8M0 or F32"
+    if stored.data.ndim < 2:
+        return f"packed weight has shape {list(stored.data.shape)}; a matrix is 2-D"
+    *lead, rows, cols = stored.shape
+    if stored.dtype == "F8_E4M3":
+        want = (*lead, -(-rows // block[0]), -(-cols // block[1]))
+    else:
+        if cols % pk.FP4_GROUP:
+            return (f"packed width {stored.data.shape[-1]} holds {cols} FP4 columns, not a "
+                    f"multiple of {pk.FP4_GROUP} (one scale per {pk.FP4_GROUP} columns)")
+        want = (*lead, rows, cols // pk.FP4_GROUP)
+    if tuple(scale.data.shape) != want:
+        return f"scale {scale.name} has shape {list(scale.data.shape)}, expected {list(want)}"
+    return None
+
+
+def _scale_name(weight: str) -> str:
+    return weight[: -len(".weight")] + ".scale" if weight.endswith(".weight") else weight + ".scale"
+
+
+def _scale_array(scale: StoredTensor) -> np.ndarray:
+    """E8M0 bytes as uint8, -Base float32 scales as float32 (both mapped, not copied)."""
+    return scale.data.view(np.uint8) if scale.dtype == "F8_E8M0" else scale.data
+
+
+def _label(name: str, official: bool) -> str:
+    return f"{_official_of(name)} (HF {name})" if official else name
 
 
 WORD_MATRICES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")
 
 
-def _device_tensor(xp, name: str, stored: StoredTensor):
-    """A GPU matrix of exact bf16 values as bf16 words (kernels and GEMMs read them); else fp32."""
+def _device_tensor(xp, name: str, stored: StoredTensor, held):
+    """A packed matrix's codes and scales on the device; a GPU matrix of exact bf16 values as
+    bf16 words (kernels and GEMMs read them); else fp32."""
+    if isinstance(held, PackedMatrix):
+        return on_device(xp, held)
+    if held is not None:
+        return xp.asarray(held)  # NumPy: the mapped words themselves
     # held once in the form both decode kernels and GemmEx read; NumPy keeps fp32, which its
     # matmul reads fastest
     if xp is not np and name.endswith(WORD_MATRICES):
@@ -328,7 +472,8 @@ def _check(named: dict, name: str, shape: tuple, official: bool) -> None:
         raise WeightsError(f"tensor {label} has shape {list(got)}, expected {list(shape)}")
 
 
-def _expert_sources(tensors: dict, cfg: ModelConfig, i: int, official: bool) -> tuple[list, list]:
+def _expert_sources(tensors: dict, cfg: ModelConfig, i: int, official: bool,
+                    block: tuple[int, int] = (128, 128)) -> tuple[list, list]:
     E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     if not official:
         stem = f"model.layers.{i}.mlp.experts."
@@ -339,14 +484,44 @@ def _expert_sources(tensors: dict, cfg: ModelConfig, i: int, official: bool) -> 
     gate_up, down = [], []
     for e in range(E):
         stem = f"layers.{i}.ffn.experts.{e}."
+        parts = {}
         for part, shape in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
-            _check(tensors, f"{stem}{part}.weight", shape, False)
-        gate_up.append((tensors[stem + "w1.weight"], tensors[stem + "w3.weight"]))
-        down.append((tensors[stem + "w2.weight"],))
-    return gate_up, down
+            name = f"{stem}{part}.weight"
+            if name in tensors:
+                parts[part] = _expert_part(tensors[name], block)
+            _check(tensors, name, shape, False)
+        gate_up.append((parts["w1"], parts["w3"]))
+        down.append((parts["w2"],))
+    if _packable(gate_up, block):
+        return gate_up, down
+    return ([tuple(_stored_of(p) for p in s) for s in gate_up],
+            [tuple(_stored_of(p) for p in s) for s in down])
+
+
+def _expert_part(stored: StoredTensor, block: tuple[int, int]):
+    """An expert matrix as a checked PackedMatrix when FP8 / FP4, else the stored tensor."""
+    held = _held(stored, stored.name, block, False)
+    if isinstance(held, PackedMatrix):
+        held.source = stored
+        return held
+    return stored
+
+
+def _packable(gate_up: list, block: tuple[int, int]) -> bool:
+    """Experts stay packed when every part is packed and w1 | w3 join on whole scale tiles."""
+    parts = [p for pair in gate_up for p in pair]
+    if not all(isinstance(p, PackedMatrix) for p in parts):
+        return False
+    return all(p.fmt == pk.FP4 or p.shape[0] % block[0] == 0 for p in parts)
+
+
+def _stored_of(part):
+    return part.source if isinstance(part, PackedMatrix) else part
 
 
 def _source_bytes(src) -> int:
+    if isinstance(src, PackedMatrix):
+        return src.nbytes
     if len(src) == 2 and isinstance(src[1], int):
         return src[0].nbytes // src[0].data.shape[0]
     return sum(part.nbytes for part in src)
