@@ -40,6 +40,14 @@ def parser() -> argparse.ArgumentParser:
                    help="stream experts from disk (needs --parallel 1)")
     p.add_argument("--tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
                    help="default max output tokens of a request")
+    p.add_argument("--kv-disk-dir", metavar="DIR",
+                   help="keep session checkpoints in DIR (restored for prompts sharing a prefix)")
+    p.add_argument("--kv-disk-space-mb", type=positive_int, default=4096,
+                   help="disk budget of --kv-disk-dir in MiB (default 4096)")
+    p.add_argument("--kv-disk-interval", type=positive_int, default=2048,
+                   help="checkpoint every N prompt tokens (default 2048)")
+    p.add_argument("--kv-disk-min-tokens", type=positive_int, default=512,
+                   help="shortest prefix worth a checkpoint (default 512)")
     return p
 
 
@@ -56,7 +64,10 @@ def config_from(argv: list[str] | None) -> ServerConfig:
     return ServerConfig(model_dir=a.model, host=a.host, port=a.port, parallel=a.parallel,
                         ctx=a.ctx, prefill_chunk=a.prefill_chunk, backend=a.backend,
                         cors=a.cors, api_key=a.api_key, trace=a.trace,
-                        ssd_streaming=a.ssd_streaming, tokens=a.tokens)
+                        ssd_streaming=a.ssd_streaming, tokens=a.tokens,
+                        kv_disk_dir=a.kv_disk_dir, kv_disk_space_mb=a.kv_disk_space_mb,
+                        kv_disk_interval=a.kv_disk_interval,
+                        kv_disk_min_tokens=a.kv_disk_min_tokens)
 
 
 def figure(name: str, value: object) -> str:
@@ -99,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
 
     config = config_from(argv)
     runtime = Runtime(config)
+    try:  # before listening: a second server on the same directory is refused at once
+        runtime.open_kvstore()
+    except (RuntimeError, OSError) as exc:
+        print(f"ds4-server: {exc}", file=sys.stderr, flush=True)
+        return 2
     app = build_app(config, runtime, load=False)
     threading.Thread(target=load_and_report, args=(runtime,), daemon=True).start()
     print(f"ds4-server: listening on http://{config.host}:{config.port} "

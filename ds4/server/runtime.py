@@ -13,7 +13,7 @@ from ds4.chat import ChatError, ToolMemory
 from ds4.jobs.events import Failed, Finished, JobRequest
 from ds4.server.config import ServerConfig
 from ds4.server.errors import ApiError
-from ds4.server.metrics import Metrics
+from ds4.server.metrics import KVDiskCounters, Metrics
 from ds4.server.sse import JobEvents
 from ds4.server.turn import Prompt, Turn
 
@@ -69,9 +69,21 @@ class Runtime:
         self.error: str | None = None
         self.engine = None
         self.scheduler = None
+        self.kvstore = None
         self.tool_memory = ToolMemory()
         self.metrics = Metrics(self.queue_depth, self.busy_slots,
                                lambda: self.scheduler.stats if self.scheduler else None)
+        if config.kv_disk_dir:
+            self.metrics.registry.register(KVDiskCounters(lambda: self.kvstore))
+
+    def open_kvstore(self) -> None:
+        """Lock and open --kv-disk-dir (KVStoreBusy when another server holds it)."""
+        from ds4.jobs.kvstore import KVStore
+
+        cfg = self.config
+        if cfg.kv_disk_dir and self.kvstore is None:
+            self.kvstore = KVStore(cfg.kv_disk_dir, cfg.kv_disk_space_mb * 2**20,
+                                   cfg.kv_disk_interval, cfg.kv_disk_min_tokens)
 
     def load(self) -> bool:
         """Open the engine and start the scheduler (blocking); False when that failed."""
@@ -80,16 +92,22 @@ class Runtime:
 
         cfg = self.config
         try:
+            self.open_kvstore()
             self.engine = Engine.open(self.model_dir(), backend=cfg.backend,
                                       prefill_chunk=cfg.prefill_chunk)
+            if self.kvstore is not None:
+                from ds4.jobs.kvstore import model_fingerprint
+
+                self.kvstore.use_model(model_fingerprint(self.engine))
             sched_cfg = SchedulerConfig.from_env(parallel=cfg.parallel, ctx_size=cfg.ctx,
                                                  trace_path=cfg.trace,
                                                  ssd_streaming=cfg.ssd_streaming)
-            self.scheduler = Scheduler(self.engine, sched_cfg, time.monotonic)
+            self.scheduler = Scheduler(self.engine, sched_cfg, time.monotonic, self.kvstore)
         except Exception as exc:  # any load failure: the server stays up, /health says why
             log.exception("model failed to load")
             self.error = f"{type(exc).__name__}: {exc}"
             self.state = BROKEN
+            self._close_kvstore()
             return False
         self.scheduler.stats.ttft_observers.append(self.metrics.ttft.observe)
         self.scheduler.stats.inter_token_observers.append(self.metrics.inter_token.observe)
@@ -112,9 +130,15 @@ class Runtime:
         return str(default_model_dir())
 
     def stop(self) -> None:
-        """Stop the scheduler thread."""
+        """Stop the scheduler thread (slots are checkpointed), then close the disk store."""
         if self.scheduler is not None:
             self.scheduler.stop()
+        self._close_kvstore()
+
+    def _close_kvstore(self) -> None:
+        if self.kvstore is not None:
+            self.kvstore.close()
+            self.kvstore = None
 
     def queue_depth(self) -> int:
         """Jobs waiting for a slot."""
