@@ -166,3 +166,15 @@ def test_ds4_server_refuses_a_directory_in_use(tmp_path):
         held.close()
     assert run.returncode == 2
     assert "in use by another ds4-server" in run.stderr
+
+
+def test_disk_flags_default_to_4096_mib_and_stay_off_without_a_directory(tmp_path):
+    from ds4.cli.server import config_from
+
+    assert config_from([]).kv_disk_dir is None
+    cfg = config_from(["--kv-disk-dir", str(tmp_path)])
+    assert (cfg.kv_disk_dir, cfg.kv_disk_space_mb, cfg.kv_disk_interval) == (str(tmp_path),
+                                                                             4096, 2048)
+    cfg = config_from(["--kv-disk-dir", str(tmp_path), "--kv-disk-space-mb", "64",
+                       "--kv-disk-interval", "256"])
+    assert (cfg.kv_disk_space_mb, cfg.kv_disk_interval) == (64, 256)
