@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import queue
 import struct
 import threading
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -108,6 +110,26 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
 def checkpoint_name(tokens: Sequence[int]) -> str:
     """The file stem of the checkpoint of exactly these tokens."""
     return hashlib.sha256(token_bytes(tokens)).hexdigest()
+
+
+def without_frontier(snapshot: bytes) -> bytes:
+    """A Session.snapshot() minus its rollback-frontier copies (fixed arrays, logits).
+
+    A restored session takes its frontier at the restored point anyway, so on disk the copies
+    only cost bytes: at Flash dimensions about 23 MB a file, half of a 2048-token checkpoint.
+    """
+    try:
+        with np.load(io.BytesIO(snapshot)) as data:
+            arrays = {k: data[k] for k in data.files
+                      if not k.startswith("frontier/") and k != "__frontier_logits__"}
+        meta = json.loads(arrays["__meta__"].tobytes())
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        return snapshot  # not a snapshot: stored as given (restore will refuse it)
+    meta.pop("frontier", None)
+    arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    out = io.BytesIO()
+    np.savez(out, **arrays)
+    return out.getvalue()
 
 
 def encode_checkpoint(fingerprint: bytes, tokens: Sequence[int], payload: bytes,
@@ -331,7 +353,7 @@ class KVStore:
     def _write(self, name: str, reason: str) -> None:
         with self._mutex:
             ids, payload = self.pending[name]
-        data = encode_checkpoint(self.fingerprint, ids, payload, reason)
+        data = encode_checkpoint(self.fingerprint, ids, without_frontier(payload), reason)
         if len(data) * 1.01 > self.budget:
             log.info("kv disk checkpoint of %d tokens (%d bytes) exceeds the budget; not stored",
                      len(ids), len(data))
