@@ -17,7 +17,7 @@ WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu 
          "rho sigma tau upsilon phi chi psi omega").split()
 
 
-def long_text(seed: int, words: int = 120) -> str:
+def long_text(seed: int, words: int = 80) -> str:
     """A prompt of some hundred tokens, different for each seed."""
     return " ".join(f"{WORDS[(seed * 7 + i * 5) % len(WORDS)]}{(seed + i) % 10}"
                     for i in range(words))

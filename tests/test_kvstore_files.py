@@ -121,7 +121,7 @@ def corrupt(files: list[Path], outside: Path) -> None:
 def test_broken_foreign_or_outside_checkpoints_are_removed_and_the_request_succeeds(
         tmp_path, cold):
     store_dir, outside = tmp_path / "kv", tmp_path / "elsewhere.kv"
-    prompt = long_text(30)
+    prompt = long_text(30, 120)
     grown = prompt + " with an ending"
     with live_server(kv_disk_dir=str(store_dir), **KV) as (url, runtime):
         complete(url, prompt, max_tokens=1)
