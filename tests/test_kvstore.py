@@ -4,6 +4,8 @@ the output equals a cold run token for token (greedy, tiny model)."""
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 import pytest
 from test_server_support import GREEDY, live_server
@@ -124,6 +126,25 @@ def test_three_conversations_on_two_slots_all_hit(tmp_path):
             expect = aligned_common(runtime, text, grown)
             got = cached(complete(url, grown, max_tokens=1))
             assert got >= expect > 0
+
+
+def test_interleaved_prefill_slices_checkpoint_and_restore_exactly(tmp_path, cold,
+                                                                    monkeypatch):
+    monkeypatch.setenv("DS4_SERVER_SCHED_PREFILL_MS", "1")  # preempt at every frontier
+    convs = [long_text(13), long_text(14)]
+    grown = [text + " and what happened next" for text in convs]
+    with live_server(kv_disk_dir=str(tmp_path), parallel=2, **KV) as (url, _):
+        threads = [threading.Thread(target=complete, args=(url, text, 2)) for text in convs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    with live_server(kv_disk_dir=str(tmp_path), parallel=2, **KV) as (url, runtime):
+        replies = [complete(url, text) for text in grown]
+        for text, more, reply in zip(convs, grown, replies):
+            assert cached(reply) == aligned_common(runtime, text, more) > 0
+    for more, reply in zip(grown, replies):
+        assert reply["choices"][0]["text"] == complete(cold[0], more)["choices"][0]["text"]
 
 
 def test_every_protocol_reports_restored_tokens(tmp_path):

@@ -4,6 +4,7 @@ servers never share one directory."""
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import subprocess
@@ -119,7 +120,7 @@ def corrupt(files: list[Path], outside: Path) -> None:
 
 
 def test_broken_foreign_or_outside_checkpoints_are_removed_and_the_request_succeeds(
-        tmp_path, cold):
+        tmp_path, cold, caplog):
     store_dir, outside = tmp_path / "kv", tmp_path / "elsewhere.kv"
     prompt = long_text(30, 120)
     grown = prompt + " with an ending"
@@ -130,6 +131,7 @@ def test_broken_foreign_or_outside_checkpoints_are_removed_and_the_request_succe
     usable = [p for p in aligned if header_tokens(p) <= expect]
     assert len(usable) >= 6
     corrupt(usable[::-1][:5], outside)  # the five longest usable ones
+    caplog.set_level(logging.WARNING, logger="ds4.kvstore")
     with live_server(kv_disk_dir=str(store_dir), **KV) as (url, runtime):
         reply = complete(url, grown)
         assert cached(reply) == expect - 5 * INTERVAL  # the longest intact frontier
@@ -139,6 +141,8 @@ def test_broken_foreign_or_outside_checkpoints_are_removed_and_the_request_succe
         assert all(valid(p, fingerprint) for p in store_dir.glob("*.kv"))
         assert not any(p.is_symlink() for p in store_dir.iterdir())
     assert outside.is_file()  # a link is removed, never what it points to
+    skipped = [r for r in caplog.records if "skipped and removed" in r.getMessage()]
+    assert len(skipped) == 5  # one line per file
     assert reply["choices"][0]["text"] == complete(cold[0], grown)["choices"][0]["text"]
 
 
