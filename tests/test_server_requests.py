@@ -110,7 +110,7 @@ def test_flags():
 
 @pytest.mark.parametrize("argv", [["--parallel", "2", "--ssd-streaming"], ["--port", "65536"],
                                   ["--backend", "cupy", "--ssd-streaming"],
-                                  ["--ctx", "x"], ["--kv-disk-dir", "/tmp"]])
+                                  ["--ctx", "x"], ["--kv-disk-space-mb", "0"]])
 def test_bad_flags_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         config_from(argv)

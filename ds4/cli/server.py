@@ -86,6 +86,14 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds a client may take to send a request's headers, or stall its "
                         "body, before it gets a 408")
     p.add_argument("--quiet", action="store_true", help="no access-log line per request")
+    p.add_argument("--kv-disk-dir", metavar="DIR",
+                   help="keep session checkpoints in DIR (restored for prompts sharing a prefix)")
+    p.add_argument("--kv-disk-space-mb", type=positive_int, default=4096,
+                   help="disk budget of --kv-disk-dir in MiB")
+    p.add_argument("--kv-disk-interval", type=positive_int, default=2048,
+                   help="checkpoint every N prompt tokens")
+    p.add_argument("--kv-disk-min-tokens", type=positive_int, default=512,
+                   help="shortest prefix worth a checkpoint")
     return p
 
 
@@ -103,7 +111,10 @@ def config_from(argv: list[str] | None) -> ServerConfig:
                         ctx=a.ctx, prefill_chunk=a.prefill_chunk, backend=a.backend,
                         cors=a.cors, api_key=a.api_key, trace=a.trace,
                         ssd_streaming=a.ssd_streaming, tokens=a.tokens,
-                        client_timeout_s=a.client_timeout, quiet=a.quiet)
+                        client_timeout_s=a.client_timeout, quiet=a.quiet,
+                        kv_disk_dir=a.kv_disk_dir, kv_disk_space_mb=a.kv_disk_space_mb,
+                        kv_disk_interval=a.kv_disk_interval,
+                        kv_disk_min_tokens=a.kv_disk_min_tokens)
 
 
 def figure(name: str, value: object) -> str:
@@ -205,7 +216,14 @@ def serve(config: ServerConfig) -> int:
     if not config.quiet:
         log_access_to_stderr()
     runtime = Runtime(config)
-    server = Server(uvicorn_config(build_app(config, runtime, load=False), config, runtime), runtime)
+    try:  # before listening: a second server on the same directory is refused at once
+        runtime.open_kvstore()
+    except (RuntimeError, OSError) as exc:
+        print(f"ds4-server: {exc}", file=sys.stderr, flush=True)
+        sock.close()
+        return 2
+    app = build_app(config, runtime, load=False)
+    server = Server(uvicorn_config(app, config, runtime), runtime)
     threading.Thread(target=load_and_report, args=(runtime, server), daemon=True).start()
     port = sock.getsockname()[1]
     host = f"[{config.host}]" if ":" in config.host else config.host

@@ -65,6 +65,7 @@ class Job:
         self.slot: Any = None
         self.tokenizer: Any = None
         self.timeslice: Timeslice | None = None
+        self.checkpoints: Any = None  # ds4.jobs.kvstore.SlotCheckpoints when a disk store is on
         self.cached = 0
         self.reached = 0  # prompt tokens the session holds after the last slice
         self.prompt_complete = False
@@ -82,11 +83,13 @@ class Job:
         """True once the job is done, failed or cancelled."""
         return self.state in TERMINAL
 
-    def bind(self, slot: Any, tokenizer: Any, timeslice: Timeslice) -> None:
-        """Give the job its slot; its next turn fires `begin`."""
+    def bind(self, slot: Any, tokenizer: Any, timeslice: Timeslice,
+             checkpoints: Any = None) -> None:
+        """Give the job its slot (and the disk checkpoints); its next turn fires `begin`."""
         self.slot = slot
         self.tokenizer = tokenizer
         self.timeslice = timeslice
+        self.checkpoints = checkpoints
 
     def step(self) -> str:
         """Fire the one transition this turn owes; returns the trigger fired."""
@@ -111,9 +114,16 @@ class Job:
     # -- phase work (named in ds4.jobs.machine) ------------------------------------------
 
     def begin_work(self, _event: Any = None) -> None:
-        """Decide what the slot's session can reuse; the timeline's old bindings go away."""
+        """Decide what the slot's session can reuse, or restore a longer prefix from disk; the
+        timeline's old bindings go away."""
         prompt = self.request.prompt_tokens
         self.cached = self.slot.session.reusable_prefix(prompt)
+        source = "slot"
+        if self.checkpoints is not None:
+            restored = self.checkpoints.restore(prompt, self.cached)
+            if restored:
+                self.cached, source = restored, "disk"
+        self.slot.note_prefix(source, self.cached)
         self.reached = self.cached
         self.slot.clear_bindings()
         self.stats.prompt_tokens_reused += self.cached
@@ -131,12 +141,29 @@ class Job:
                 return True
             return self.clock() >= deadline and waiting()
 
-        logits = session.sync(prompt, should_stop=should_stop)
-        self.prompt_complete = logits is not None
+        self.prompt_complete = self._sync_prompt(session, prompt, should_stop)
         reached = len(prompt) if self.prompt_complete else min(len(session.tokens), len(prompt))
         self.stats.prompt_tokens_computed += max(0, reached - self.reached)
         self.reached = max(self.reached, reached)
         self._emit(Progress(reached, len(prompt)))
+
+    def _sync_prompt(self, session: Any, prompt: list[int],
+                     should_stop: Callable[[], bool]) -> bool:
+        """Sync toward the whole prompt, pausing at each checkpoint frontier; True when done."""
+        kv = self.checkpoints
+        if kv is None:
+            return session.sync(prompt, should_stop=should_stop) is not None
+        held = self.reached
+        while True:
+            target = kv.next_stop(held, len(prompt))
+            if session.sync(prompt[:target], should_stop=should_stop) is None:
+                return False
+            held = target
+            kv.reached(prompt, target)
+            if target == len(prompt):
+                return True
+            if should_stop():
+                return False
 
     def prompt_done(self, _event: Any = None) -> bool:
         """True once the whole prompt is evaluated."""
@@ -153,6 +180,8 @@ class Job:
         for _ in range(self.timeslice.decode_tokens):
             if self.attempt.over or self.cancel_requested.is_set():
                 break
+            if self.checkpoints is not None:
+                self.checkpoints.decoding()
             self._emit_all(self.attempt.step(session))
 
     def decode_over(self, _event: Any = None) -> bool:

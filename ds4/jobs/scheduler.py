@@ -17,6 +17,7 @@ from typing import Any
 
 from ds4.jobs.events import JobRequest, JobSink, Queued
 from ds4.jobs.job import Job, Timeslice
+from ds4.jobs.kvstore import KVStore, SlotCheckpoints
 from ds4.jobs.slot import Slot
 from ds4.jobs.stats import SchedulerStats
 from ds4.jobs.trace import TraceWriter, job_record
@@ -149,8 +150,9 @@ class Scheduler:
     """Owns the engine; runs jobs on N slots, one transition per turn."""
 
     def __init__(self, engine: Any, config: SchedulerConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, kvstore: KVStore | None = None):
         self.engine = engine
+        self.kvstore = kvstore  # disk checkpoints; its owner opens and closes it
         self.config = config or SchedulerConfig()
         refuse_ssd_streaming_on_gpu(engine, self.config)
         self.clock = clock
@@ -192,7 +194,7 @@ class Scheduler:
         self._wakeup.set()
 
     def slots_info(self) -> list[dict]:
-        """Per slot: id, busy, tokens held, last used (for GET /slots)."""
+        """Per slot: id, busy, tokens held, last used, prefix source (for GET /slots)."""
         return [s.info() for s in self.slots]
 
     def live_call_ids(self) -> set[str]:
@@ -214,6 +216,7 @@ class Scheduler:
             self._thread.join()
             self._thread = None
         self._end_all("shutdown requested")
+        self._store_slots()
         if self.trace is not None:
             self.trace.close()
 
@@ -275,7 +278,11 @@ class Scheduler:
         slot.job = job
         timeslice = Timeslice(self.config.prefill_ms / 1000.0, self.config.decode_tokens,
                               lambda: self.others_waiting(job))
-        job.bind(slot, self.engine.tokenizer, timeslice)
+        job.bind(slot, self.engine.tokenizer, timeslice, self._checkpoints(slot))
+
+    def _checkpoints(self, slot: Slot) -> SlotCheckpoints | None:
+        """The disk store as this slot's job sees it (None without a store)."""
+        return SlotCheckpoints(self.kvstore, slot, self.engine) if self.kvstore else None
 
     def _advance(self, slot: Slot) -> None:
         job = slot.job
@@ -314,6 +321,17 @@ class Scheduler:
                 acted = False
             if not acted:
                 self._wakeup.wait(IDLE_WAIT_S)
+
+    def _store_slots(self) -> None:
+        """Shutdown: every slot's state goes to the disk store (after the thread stopped)."""
+        if self.kvstore is None:
+            return
+        for slot in self.slots:
+            try:
+                self._checkpoints(slot).shutdown()
+            except Exception:  # a failed checkpoint must not stop the shutdown
+                log.exception("slot %d: shutdown checkpoint failed", slot.index)
+        self.kvstore.flush()
 
     def _end_all(self, message: str) -> None:
         """Fail every job still queued or on a slot (after the thread stopped)."""

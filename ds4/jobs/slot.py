@@ -13,6 +13,8 @@ class Slot:
     `call_ids` are the tool-call ids of the last turn this slot finished; they stay valid only
     while the session still holds exactly `bound_tokens` tokens (Responses/Anthropic
     continuations append tool results to that frontier, encoding.md §6.4).
+    `kv_frontier` is the slot's continued-checkpoint frontier (ds4.jobs.kvstore); the last job's
+    reused prefix came from `prefix_source`: "slot" (this session), "disk" or "cold" (none).
     """
 
     index: int
@@ -21,6 +23,9 @@ class Slot:
     job: Any = None  # the Job running here, None when idle
     call_ids: frozenset[str] = field(default_factory=frozenset)
     bound_tokens: int = -1
+    kv_frontier: int = 0
+    prefix_source: str = "cold"
+    prefix_tokens: int = 0
 
     @property
     def busy(self) -> bool:
@@ -36,6 +41,11 @@ class Slot:
         """Remember the ids of the turn just finished, at the session's current frontier."""
         self.call_ids = frozenset(ids)
         self.bound_tokens = self.held_tokens if ids else -1
+
+    def note_prefix(self, source: str, tokens: int) -> None:
+        """Remember where the current job's reused prefix came from (shown by GET /slots)."""
+        self.prefix_source = source if tokens else "cold"
+        self.prefix_tokens = tokens
 
     def clear_bindings(self) -> None:
         """Forget protocol state: the timeline moved on or can no longer be trusted."""
@@ -60,4 +70,6 @@ class Slot:
             "busy": self.busy,
             "tokens": self.held_tokens,
             "last_used": self.last_used,
+            "prefix_source": self.prefix_source,
+            "prefix_tokens": self.prefix_tokens,
         }

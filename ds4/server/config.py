@@ -28,6 +28,10 @@ class ServerConfig:
     trace: str | None = None
     ssd_streaming: bool = False
     tokens: int = DEFAULT_MAX_TOKENS
+    kv_disk_dir: str | None = None  # disk KV checkpoints (off without a directory)
+    kv_disk_space_mb: int = 4096
+    kv_disk_interval: int = 2048
+    kv_disk_min_tokens: int = 512
     max_body_bytes: int = MAX_BODY_BYTES
     ping_interval_s: float = 5.0
     client_timeout_s: float = 10.0  # a request's headers or body may stall this long

@@ -12,7 +12,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ds4.jobs.stats import SchedulerStats
 
@@ -69,3 +69,28 @@ class TokenCounters:
                                   value=s.prompt_tokens_reused)
         yield CounterMetricFamily("ds4_generated_tokens", "Tokens generated",
                                   value=s.generated_tokens)
+
+
+class KVDiskCounters:
+    """The disk KV store's counters at scrape time (ds4_kv_disk_*)."""
+
+    COUNTERS = (("hits", "Prompts that restored a prefix from disk"),
+                ("misses", "Prompts that found no usable prefix on disk"),
+                ("restored_tokens", "Prompt tokens restored from disk"),
+                ("stores", "Checkpoints written"),
+                ("evictions", "Checkpoints deleted to stay within the disk budget"),
+                ("removed_invalid", "Corrupt, truncated or foreign checkpoints removed"))
+
+    def __init__(self, store: Callable[[], object | None]):
+        self.store = store
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """Counters (as _total) plus the bytes and files stored now."""
+        store = self.store()
+        if store is None:
+            return
+        s = store.stats
+        for name, doc in self.COUNTERS:
+            yield CounterMetricFamily(f"ds4_kv_disk_{name}", doc, value=getattr(s, name))
+        yield GaugeMetricFamily("ds4_kv_disk_bytes", "Bytes of checkpoints on disk", value=s.bytes)
+        yield GaugeMetricFamily("ds4_kv_disk_files", "Checkpoint files on disk", value=s.files)

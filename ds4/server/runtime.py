@@ -18,7 +18,7 @@ from ds4.jobs.events import Failed, Finished, JobRequest
 from ds4.server.config import ServerConfig
 from ds4.server.errors import ApiError
 from ds4.server.exchange import note_tokens
-from ds4.server.metrics import Metrics
+from ds4.server.metrics import KVDiskCounters, Metrics
 from ds4.server.sealed_reasoning import ReasoningSeal
 from ds4.server.prompt_tokens import encode_prompt
 from ds4.server.request_fields import lone_surrogate, lone_surrogate_error
@@ -137,12 +137,24 @@ class Runtime:
         self.error: str | None = None
         self.engine = None
         self.scheduler = None
+        self.kvstore = None
         self.tool_memory = ToolMemory()
         self.reasoning_seal = ReasoningSeal()  # Responses encrypted_content, this process's key
         self._stop_lock = threading.Lock()
         self._stopped = False
         self.metrics = Metrics(self.queue_depth, self.busy_slots,
                                lambda: self.scheduler.stats if self.scheduler else None)
+        if config.kv_disk_dir:
+            self.metrics.registry.register(KVDiskCounters(lambda: self.kvstore))
+
+    def open_kvstore(self) -> None:
+        """Lock and open --kv-disk-dir (KVStoreBusy when another server holds it)."""
+        from ds4.jobs.kvstore import KVStore
+
+        cfg = self.config
+        if cfg.kv_disk_dir and self.kvstore is None:
+            self.kvstore = KVStore(cfg.kv_disk_dir, cfg.kv_disk_space_mb * 2**20,
+                                   cfg.kv_disk_interval, cfg.kv_disk_min_tokens)
 
     def load(self) -> bool:
         """Open the engine and start the scheduler (blocking); False when that failed."""
@@ -150,16 +162,22 @@ class Runtime:
 
         cfg, model_dir = self.config, self.config.model_dir or "the built-in tiny model"
         try:
+            self.open_kvstore()
             model_dir = self.model_dir()
             self.engine = open_engine(model_dir, cfg)
+            if self.kvstore is not None:
+                from ds4.jobs.kvstore import model_fingerprint
+
+                self.kvstore.use_model(model_fingerprint(self.engine))
             sched_cfg = SchedulerConfig.from_env(parallel=cfg.parallel, ctx_size=cfg.ctx,
                                                  trace_path=cfg.trace,
                                                  ssd_streaming=cfg.ssd_streaming)
-            self.scheduler = Scheduler(self.engine, sched_cfg, time.monotonic)
+            self.scheduler = Scheduler(self.engine, sched_cfg, time.monotonic, self.kvstore)
         except Exception as exc:  # any load failure: the server stays up, /health says why
             log.debug("model failed to load", exc_info=True)  # the one-line reason is enough
             self.error = f"{model_dir}: {load_failure(exc)}"
             self.state = BROKEN
+            self._close_kvstore()
             return False
         self.scheduler.stats.ttft_observers.append(self.metrics.ttft.observe)
         self.scheduler.stats.inter_token_observers.append(self.metrics.inter_token.observe)
@@ -195,7 +213,14 @@ class Runtime:
         with self._stop_lock:
             if self.scheduler is not None and not self._stopped:
                 self._stopped = True
-                self.scheduler.stop()
+                self.scheduler.stop()  # checkpoints the slots first when a disk store is on
+            self._close_kvstore()
+
+    def _close_kvstore(self) -> None:
+        """Close the disk store (its writer thread drains first)."""
+        if self.kvstore is not None:
+            self.kvstore.close()
+            self.kvstore = None
 
     def queue_depth(self) -> int:
         """Jobs waiting for a slot."""
