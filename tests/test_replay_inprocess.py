@@ -172,3 +172,15 @@ def test_plot_draws_a_png(recorded, tmp_path):
     png = tmp_path / "timeline.png"
     assert replay_main([str(recorded[0]), "--jobs", "1,2", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(recorded, tmp_path):
+    fake = tmp_path / "site" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('not installed')\n")
+    env = {**ENV, "PYTHONPATH": f"{fake.parent}{os.pathsep}{ROOT}"}
+    result = subprocess.run([sys.executable, "-m", "ds4.cli.replay", str(recorded[0]),
+                             "--plot", str(tmp_path / "t.png")], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == "ds4-replay: --plot needs matplotlib: pip install 'ds4[plot]'\n"
