@@ -29,8 +29,9 @@ from ds4.tokenizer import Tokenizer
 
 MODEL = "deepseek-chat"  # alias with thinking off, so temperature 0 is greedy
 PROMPT_A = "Tell me a long story about a fox who learns to sail."
-WORDS = ("river stone lantern harvest copper meadow thunder quiet orchard signal ferry marble winter "
-         "cedar violin compass glacier ember saddle harbor 1987 the of, and; whispered (north) ancient:")
+WORDS = ("river stone lantern harvest copper meadow thunder quiet orchard signal ferry marble "
+         "winter cedar violin compass glacier ember saddle harbor 1987 the of, and; whispered "
+         "(north) ancient:")
 
 
 @contextlib.contextmanager

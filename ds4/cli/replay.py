@@ -10,8 +10,10 @@ Either way a table puts the recorded and replayed latencies side by side.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from pathlib import Path
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import httpx
 from tqdm import tqdm
@@ -20,6 +22,7 @@ from ds4.cli.flags import ShowDefaults, add_version
 from ds4.cli.replay_http import (  # noqa: F401  (the public names of the HTTP replay)
     OwnTrace,
     Report,
+    deterministic,
     recorded_view,
     replay,
     replayable,
@@ -29,6 +32,13 @@ from ds4.cli.replay_plot import PlotUnavailable, plot, pyplot
 from ds4.cli.replay_report import JobRow, divergence, print_tables, report, write_report
 from ds4.jobs.latency import recorded_timing
 from ds4.jobs.trace import FORMAT, Trace, TraceError, model_fingerprint, read_trace_file
+
+if TYPE_CHECKING:  # the scheduler (and the engine behind it) loads only for in-process runs
+    from ds4.jobs.scheduler import SchedulerConfig
+
+
+SCHED_ENV = {"prefill_ms": "DS4_SERVER_SCHED_PREFILL_MS",
+             "decode_tokens": "DS4_SERVER_SCHED_DECODE_TOKENS"}
 
 
 class Refused(Exception):
@@ -67,8 +77,8 @@ def parser() -> argparse.ArgumentParser:
                    "over HTTP (default: the trace's --parallel, else 1)")
     p.add_argument("--ctx", type=positive, help="context tokens per slot, in-process "
                    "(default: the trace's --ctx)")
-    p.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="auto",
-                   help="array backend, in-process")
+    p.add_argument("--backend", choices=["auto", "numpy", "cupy"],
+                   help="array backend, in-process (default: the trace's, else auto)")
     p.add_argument("--timing", choices=["original", "asap"], default="asap",
                    help="original: the recorded arrival gaps; asap: as fast as slots allow")
     p.add_argument("--report", metavar="FILE.json", help="write the per-job and aggregated "
@@ -99,21 +109,32 @@ def progress(total: int) -> tqdm:
     return tqdm(total=total, unit="job", desc="ds4-replay", disable=not sys.stderr.isatty())
 
 
+def scheduler_config(a: argparse.Namespace, header: dict) -> SchedulerConfig:
+    """The recorded server's slots and timeslices; --parallel, --ctx and a DS4_SERVER_SCHED_*
+    variable that is set win over the trace's header."""
+    from ds4.jobs.scheduler import SchedulerConfig
+
+    recorded = {key: header[key] for key, env in SCHED_ENV.items()
+                if key in header and not os.environ.get(env)}
+    return replace(SchedulerConfig.from_env(), **recorded,
+                   parallel=a.parallel or header.get("parallel", 1),
+                   ctx_size=a.ctx or header.get("ctx", 32768))
+
+
 def in_process(a: argparse.Namespace, trace: Trace, records: list[dict]) -> list[JobRow]:
     """Load the model, run the records through a scheduler, compare every job's tokens."""
     from ds4.jobs.replay import ENDED_ON_ITS_OWN, TraceRun
-    from ds4.jobs.scheduler import SchedulerConfig
     from ds4.server.config import ServerConfig
     from ds4.server.runtime import open_engine
 
-    cfg = ServerConfig(model_dir=a.model, backend=a.backend,
-                       prefill_chunk=trace.header.get("prefill_chunk", 2048))
+    header = trace.header
+    cfg = ServerConfig(model_dir=a.model, backend=a.backend or header.get("backend", "auto"),
+                       prefill_chunk=header.get("prefill_chunk", 2048))
     engine = open_engine(a.model, cfg)
-    sched = SchedulerConfig.from_env(parallel=a.parallel or trace.header.get("parallel", 1),
-                                     ctx_size=a.ctx or trace.header.get("ctx", 32768))
+    sched = scheduler_config(a, header)
     runnable = [r for r in records if r.get("finish_reason") in ENDED_ON_ITS_OWN]
     with progress(len(runnable)) as bar:
-        replayed = TraceRun(engine, sched, a.timing, lambda _r: bar.update()).run(runnable)
+        replayed = TraceRun(engine, sched, a.timing, bar.update).run(runnable)
     origin = min(r.get("arrived_at", 0.0) for r in runnable) if runnable else 0.0
     decode = engine.tokenizer.decode
     rows = []

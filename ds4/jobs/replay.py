@@ -48,9 +48,11 @@ def job_request(record: dict) -> JobRequest:
 class Waiter:
     """A job's sink: notes when the job ended and frees its place for the next `asap` job."""
 
-    def __init__(self, clock: Callable[[], float], room: threading.Semaphore):
+    def __init__(self, clock: Callable[[], float], room: threading.Semaphore,
+                 on_end: Callable[[], None]):
         self.clock = clock
         self.room = room
+        self.on_end = on_end
         self.ended_at: float | None = None
         self.done = threading.Event()
 
@@ -59,16 +61,17 @@ class Waiter:
             self.ended_at = self.clock()
             self.done.set()
             self.room.release()
+            self.on_end()
 
 
 class TraceRun:
     """Submits recorded jobs to a scheduler, at their recorded gaps or as slots free up."""
 
     def __init__(self, engine: Any, config: SchedulerConfig, timing: str = ASAP,
-                 on_done: Callable[[Replayed], None] | None = None):
+                 on_end: Callable[[], None] = lambda: None):
         self.scheduler = Scheduler(engine, config, time.monotonic)
         self.timing = timing
-        self.on_done = on_done or (lambda _r: None)
+        self.on_end = on_end  # called on the scheduler thread as each job ends
         # asap: at most `parallel` jobs in flight; original: arrivals are never held back
         self.room = threading.Semaphore(config.parallel if timing == ASAP else 10**9)
 
@@ -89,7 +92,7 @@ class TraceRun:
             gap = record.get("arrived_at", 0.0) - first.get("arrived_at", 0.0)
             time.sleep(max(0.0, self.origin + gap - time.monotonic()))
         self.room.acquire()
-        waiter = Waiter(time.monotonic, self.room)
+        waiter = Waiter(time.monotonic, self.room, self.on_end)
         return self.scheduler.submit(job_request(record), waiter), waiter
 
     def collect(self, record: dict, job: Any, waiter: Waiter) -> Replayed:
@@ -101,7 +104,5 @@ class TraceRun:
                            job.started - at if job.started is not None else None,
                            len(job.request.prompt_tokens))
         slot = job.slot.index if job.slot is not None else None
-        out = Replayed(record["seq"], slot, job.generated(), job.finish_reason,
-                       job.error.message if job.error else None, timing)
-        self.on_done(out)
-        return out
+        return Replayed(record["seq"], slot, job.generated(), job.finish_reason,
+                        job.error.message if job.error else None, timing)

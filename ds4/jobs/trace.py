@@ -139,8 +139,12 @@ def check_record(path: str | Path, number: int, record: dict) -> dict:
 def read_trace_file(path: str | Path) -> Trace:
     """Header and records of a trace file; TraceError (naming the line) when it is not one."""
     trace = Trace()
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TraceError(f"{path}:{number}: not UTF-8 text") from None
             if not line.strip():
                 continue
             value = parse_line(path, number, line)

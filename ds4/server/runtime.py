@@ -170,10 +170,11 @@ class Runtime:
         from ds4.jobs.trace import trace_header
 
         if self.scheduler.trace is not None:
-            cfg = self.config
+            cfg, sched = self.config, self.scheduler.config
             self.scheduler.trace.write(trace_header(
                 model_dir, parallel=cfg.parallel, ctx=cfg.ctx, prefill_chunk=cfg.prefill_chunk,
-                backend=self.engine.backend.name))
+                backend=self.engine.backend.name, prefill_ms=sched.prefill_ms,
+                decode_tokens=sched.decode_tokens))
 
     def trace_file(self) -> dict | None:
         """The --trace file's identity, so a replayer can refuse to feed a server its own
