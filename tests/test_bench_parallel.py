@@ -31,3 +31,14 @@ def test_bench_prints_settings_and_a_row_per_measure(capsys):
                          "A total (s)", "A tokens", "A decode tok/s", "B tokens",
                          "B decode tok/s"}
     assert all(float(v) > 0 for v in rows["B TTFT (s)"][:2])
+
+
+def test_model_backend_and_load_format_pass_through_to_the_server():
+    bench = load_tool()
+    args = bench.parser().parse_args(["--model", "/models/flash", "--backend", "cupy",
+                                      "--load-format", "packed"])
+    assert bench.model_flags(args) == ["--model", "/models/flash", "--load-format", "packed"]
+    assert args.backend == "cupy"
+    plain = bench.parser().parse_args([])
+    assert bench.model_flags(plain) == [] and plain.backend == "numpy"  # nothing unasked
+    assert bench.settings(args, 0.0).startswith("/models/flash, cupy, ")

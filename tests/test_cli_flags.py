@@ -73,4 +73,5 @@ def test_generate_and_replay_help_show_defaults() -> None:
                           ("--ctx", "4096"), ("--backend", "auto")]:
         assert f"(default: {default})" in entries[flag], (flag, entries[flag])
     entries = help_entries(run("ds4.cli.replay", "--help").stdout)
-    assert "(default: http://127.0.0.1:8000)" in entries["--url"]
+    assert "send the requests to the server at this base URL" in entries["--url"]
+    assert "(default: asap)" in entries["--timing"]

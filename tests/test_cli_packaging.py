@@ -47,10 +47,11 @@ def distributions(modules: set[str]) -> set[str]:
 def test_every_import_of_ds4_is_a_core_dependency_and_every_dependency_is_used() -> None:
     core = {canonical(r) for r in PROJECT["dependencies"]}
     gpu = {canonical(r) for r in PROJECT["optional-dependencies"]["gpu"]}
-    used = distributions(third_party_imports(ROOT / "ds4") - {"cupy"})
+    used = distributions(third_party_imports(ROOT / "ds4") - {"cupy", "matplotlib"})
     assert used <= core, used - core
     assert core - used == distributions(IMPORTED_FOR_US)
     assert gpu == {"cupy-cuda12x"}
+    assert {canonical(r) for r in PROJECT["optional-dependencies"]["plot"]} == {"matplotlib"}
     assert {canonical(r) for r in PROJECT["optional-dependencies"]["gpu-cuda13"]} == \
         {"cupy-cuda13x"}
 
@@ -58,7 +59,7 @@ def test_every_import_of_ds4_is_a_core_dependency_and_every_dependency_is_used()
 def test_replay_needs_only_core_dependencies() -> None:
     core = {canonical(r) for r in PROJECT["dependencies"]}
     assert "httpx" in core
-    replay = third_party_imports(ROOT / "ds4" / "cli")
+    replay = third_party_imports(ROOT / "ds4" / "cli") - {"matplotlib"}  # --plot: ds4[plot]
     assert distributions(replay) <= core
 
 

@@ -1,8 +1,9 @@
 """What `ds4-server --parallel 2` buys a second client, over real HTTP streams: A streams a long
 greedy generation, B sends a long prompt once A has ~50 tokens; a --parallel 1 and a --parallel 2
-server (tiny model, NumPy, same prompts and env) are measured alike and the medians compared.
+server (same model, backend, prompts and env) are measured alike and the medians compared.
 
     python3 tools/bench_parallel.py --tokens-a 400 --prompt-b-tokens 3000 --prefill-ms 200 --repeat 3
+    python3 tools/bench_parallel.py --model /models/DeepSeek-V4-Flash --backend cupy  # on a GPU
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from ds4.tokenizer import Tokenizer
 
 MODEL = "deepseek-chat"  # alias with thinking off, so temperature 0 is greedy
 PROMPT_A = "Tell me a long story about a fox who learns to sail."
-WORDS = ("river stone lantern harvest copper meadow thunder quiet orchard signal ferry marble winter "
-         "cedar violin compass glacier ember saddle harbor 1987 the of, and; whispered (north) ancient:")
+WORDS = ("river stone lantern harvest copper meadow thunder quiet orchard signal ferry marble "
+         "winter cedar violin compass glacier ember saddle harbor 1987 the of, and; whispered "
+         "(north) ancient:")
 
 
 @contextlib.contextmanager
@@ -39,8 +41,9 @@ def server(parallel: int, args: argparse.Namespace):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, DS4_SERVER_SCHED_PREFILL_MS=str(args.prefill_ms))
-    cmd = [sys.executable, "-m", "ds4.cli.server", "--backend", "numpy", "--port", str(port),
-           "--parallel", str(parallel), "--prefill-chunk", str(args.prefill_chunk), "--ctx", "8192"]
+    cmd = [sys.executable, "-m", "ds4.cli.server", "--backend", args.backend, "--port", str(port),
+           "--parallel", str(parallel), "--prefill-chunk", str(args.prefill_chunk), "--ctx", "8192",
+           *model_flags(args)]
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -51,6 +54,13 @@ def server(parallel: int, args: argparse.Namespace):
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+
+
+def model_flags(args: argparse.Namespace) -> list[str]:
+    """--model and --load-format for ds4-server, each only when given (the server may not know
+    --load-format yet: it is never sent unasked)."""
+    flags = ["--model", args.model] if args.model else []
+    return flags + (["--load-format", args.load_format] if args.load_format else [])
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log) -> None:
@@ -149,12 +159,16 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for flag, kind, default, text in FLAGS:
         p.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
+    p.add_argument("--model", help="ds4-server --model (default: the built-in tiny model)")
+    p.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="numpy",
+                   help="ds4-server --backend (default numpy)")
+    p.add_argument("--load-format", help="ds4-server --load-format (passed only when given)")
     return p
 
 
 def medians(args: argparse.Namespace) -> dict[int, dict]:
     """Start both servers, alternate the repeats between them, return each one's medians."""
-    tokenizer = Tokenizer.for_model(default_model_dir())  # also builds the tiny model once
+    tokenizer = Tokenizer.for_model(args.model or default_model_dir())  # builds the tiny one
     runs: dict[int, list[dict]] = {1: [], 2: []}
     with server(1, args) as url1, server(2, args) as url2:
         for i in range(args.repeat):
@@ -166,7 +180,8 @@ def medians(args: argparse.Namespace) -> dict[int, dict]:
 
 def settings(args: argparse.Namespace, load: float) -> str:
     """The line that says what was run, on what, under which load."""
-    return (f"tiny model, NumPy, {os.cpu_count()} CPUs; A: {args.tokens_a} tokens greedy; "
+    model = args.model or "tiny model"
+    return (f"{model}, {args.backend}, {os.cpu_count()} CPUs; A: {args.tokens_a} tokens greedy; "
             f"B: {args.prompt_b_tokens}-token prompt sent at A's token {args.b_after}, "
             f"{args.tokens_b} tokens; --prefill-chunk {args.prefill_chunk}, "
             f"DS4_SERVER_SCHED_PREFILL_MS={args.prefill_ms:g}, decode burst "

@@ -1,218 +1,65 @@
-"""`ds4-replay`: re-POST the jobs of a --trace file to a running server and compare outputs.
+"""`ds4-replay`: run the jobs of a --trace file again and compare them with the recording.
 
-Jobs are sent in trace order, non-streamed. For greedy or seeded jobs what a client sees of
-the reply must equal what the trace recorded, read through the parser the server uses: the
-visible text, the reasoning (where the protocol shows it) and the tool calls (names and
-arguments; call ids are fresh on every run). Other jobs are sent too, since they shape the
-slots' caches, but are skipped in the comparison. A trace is never replayed into the server
-that is writing it.
+Without --url the model is loaded here and the jobs run through the real scheduler from their
+recorded prompt token ids, seeds and sampling settings: every job that ended on its own,
+greedy or sampled, must reproduce its recorded tokens exactly. With --url the recorded
+requests are sent to a running server (greedy and seeded jobs compared, the others timed).
+Either way a table puts the recorded and replayed latencies side by side.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import httpx
+from tqdm import tqdm
 
-from ds4.chat import parse_output
-from ds4.chat.responses import LOCAL_SHELL, custom_input, local_shell_action
-from ds4.chat.responses import responses_call_kinds
 from ds4.cli.flags import ShowDefaults, add_version
-from ds4.jobs.trace import read_trace
-from ds4.server.responses import SUMMARY_OPT_IN
-from ds4.server.runtime import trace_file_id
+from ds4.cli.replay_http import (  # noqa: F401  (the public names of the HTTP replay)
+    OwnTrace,
+    Report,
+    deterministic,
+    recorded_view,
+    replay,
+    replayable,
+    returned_view,
+)
+from ds4.cli.replay_plot import PlotUnavailable, plot, pyplot
+from ds4.cli.replay_report import JobRow, divergence, print_tables, report, write_report
+from ds4.jobs.latency import recorded_timing
+from ds4.jobs.trace import FORMAT, Trace, TraceError, model_fingerprint, read_trace_file
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
-Call = tuple[str, str, object]  # (kind: function | custom | local_shell, name, arguments)
-
-
-@dataclass(frozen=True)
-class Visible:
-    """What a client sees of one reply; reasoning is None where the protocol hides it."""
-
-    content: str
-    reasoning: str | None = None
-    tool_calls: tuple[Call, ...] = ()
-
-
-@dataclass
-class Report:
-    """The outcome of a replay: jobs compared, jobs sent but not compared, differences."""
-
-    compared: int = 0
-    skipped: int = 0
-    problems: list[str] = field(default_factory=list)
-    not_sent: int = 0  # failed or cancelled jobs, and jobs whose request was not kept
-
-    def summary(self) -> str:
-        """The closing line of ds4-replay."""
-        unsent = f", {self.not_sent} not sent (failed or cancelled)" if self.not_sent else ""
-        return (f"ds4-replay: {self.compared} job(s) compared, {self.skipped} skipped "
-                f"(not greedy or seeded){unsent}, {len(self.problems)} problem(s)")
+if TYPE_CHECKING:  # the scheduler (and the engine behind it) loads only for in-process runs
+    from ds4.jobs.scheduler import SchedulerConfig
 
 
-class OwnTrace(Exception):
-    """The server at the URL writes the very trace file being replayed."""
+SCHED_ENV = {"prefill_ms": "DS4_SERVER_SCHED_PREFILL_MS",
+             "decode_tokens": "DS4_SERVER_SCHED_DECODE_TOKENS"}
 
 
-def replayable(record: dict) -> bool:
-    """Jobs that ended on their own (not cancelled, not failed) and whose request was kept."""
-    return bool(record.get("raw_request") and record.get("endpoint")) and \
-        record.get("finish_reason") in ("stop", "length", "tool_calls")
+class Refused(Exception):
+    """A trace this replay will not run (another model, a newer format); exit 2."""
 
 
-def deterministic(record: dict) -> bool:
-    """Greedy jobs, and jobs whose request carried its own seed, must reproduce exactly."""
-    if record["sampling"].get("temperature", 1.0) <= 0:
-        return True
-    return record["sampling"].get("seed") is not None
-
-
-def arguments_value(text: str) -> object:
-    """A call's arguments as a JSON value (the text itself when it is not JSON)."""
+def seq_list(text: str) -> set[int]:
+    """--jobs: comma-separated job numbers."""
     try:
-        return json.loads(text or "{}")
+        return {int(s) for s in text.split(",") if s.strip()}
     except ValueError:
-        return text
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of job numbers: "
+                                         f"{text!r}") from None
 
 
-def shows_reasoning(endpoint: str, request: dict) -> bool:
-    """Chat and Messages replies carry reasoning; Responses only when summaries were asked."""
-    if endpoint == RESPONSES:
-        reasoning = request.get("reasoning")
-        return isinstance(reasoning, dict) and reasoning.get("summary") in SUMMARY_OPT_IN
-    return endpoint in (CHAT, MESSAGES)
-
-
-def recorded_call(endpoint: str, kinds: dict[str, str], name: str, arguments: str) -> Call:
-    """A recorded call as the endpoint presents it (Responses: custom and local shell items)."""
-    kind = kinds.get(name) if endpoint == RESPONSES else None
-    if kind == "custom":
-        return ("custom", name, custom_input(arguments))
-    if kind == LOCAL_SHELL and (action := local_shell_action(arguments)) is not None:
-        return ("local_shell", LOCAL_SHELL, action)
-    value = arguments_value(arguments)
-    if endpoint == MESSAGES and not isinstance(value, dict):
-        value = {}  # a tool_use block's input is always an object
-    return ("function", name, value)
-
-
-def recorded_view(record: dict) -> Visible:
-    """What a client saw of the recorded generation: raw text for completions, else the parse."""
-    if record["endpoint"] == COMPLETIONS:
-        return Visible(record["text"])
-    endpoint, request = record["endpoint"], json.loads(record["raw_request"])
-    out = parse_output(record["text"], thinking=record["thinking"],
-                       tools_active=record["tools_active"])
-    kinds = responses_call_kinds(request.get("tools")) if endpoint == RESPONSES else {}
-    calls = tuple(recorded_call(endpoint, kinds, c.name, c.arguments) for c in out.tool_calls)
-    reasoning = out.reasoning if shows_reasoning(endpoint, request) else None
-    return Visible(out.content, reasoning, calls)
-
-
-def chat_view(body: dict) -> Visible:
-    """A chat completion's message."""
-    msg = body["choices"][0]["message"]
-    calls = tuple(("function", c["function"]["name"], arguments_value(c["function"]["arguments"]))
-                  for c in msg.get("tool_calls") or [])
-    return Visible(msg.get("content") or "", msg.get("reasoning_content") or "", calls)
-
-
-def messages_view(body: dict) -> Visible:
-    """An Anthropic message's text, thinking and tool_use blocks."""
-    blocks = body["content"]
-    text = "".join(b["text"] for b in blocks if b["type"] == "text")
-    thinking = "".join(b["thinking"] for b in blocks if b["type"] == "thinking")
-    calls = tuple(("function", b["name"], b["input"]) for b in blocks if b["type"] == "tool_use")
-    return Visible(text, thinking, calls)
-
-
-def response_call(item: dict) -> Call | None:
-    """A Responses call item as a Call; None for other items."""
-    if item["type"] == "function_call":
-        return ("function", item["name"], arguments_value(item["arguments"]))
-    if item["type"] == "custom_tool_call":
-        return ("custom", item["name"], item["input"])
-    if item["type"] == "local_shell_call":
-        return ("local_shell", LOCAL_SHELL, item["action"])
-    return None
-
-
-def responses_view(body: dict, summaries: bool) -> Visible:
-    """A response's message text, reasoning summaries (when shown) and call items."""
-    items = body["output"]
-    text = "".join(p["text"] for i in items if i["type"] == "message" for p in i["content"])
-    summary = "".join(p["text"] for i in items if i["type"] == "reasoning"
-                      for p in i.get("summary") or [])
-    calls = tuple(c for c in map(response_call, items) if c is not None)
-    return Visible(text, summary if summaries else None, calls)
-
-
-def returned_view(endpoint: str, request: dict, body: dict) -> Visible:
-    """The same view of a server response."""
-    if endpoint == COMPLETIONS:
-        return Visible(body["choices"][0]["text"])
-    if endpoint == CHAT:
-        return chat_view(body)
-    if endpoint == MESSAGES:
-        return messages_view(body)
-    return responses_view(body, shows_reasoning(endpoint, request))
-
-
-def differences(seq: int, got: Visible, want: Visible) -> list[str]:
-    """One line per part of the reply that differs from the trace."""
-    return [f"job {seq}: the {part}: {g!r} != {w!r}"
-            for part, g, w in (("text differs", got.content, want.content),
-                               ("reasoning differs", got.reasoning, want.reasoning),
-                               ("tool calls differ", got.tool_calls, want.tool_calls)) if g != w]
-
-
-def refuse_own_trace(client: httpx.Client, trace: str | Path) -> None:
-    """Raise OwnTrace when the server reports that it writes `trace` (its /health names the
-    file's identity): replaying into it would append to the file being read."""
-    try:
-        health = client.get("/health").json()
-    except (httpx.HTTPError, ValueError):
-        return  # an old or unreachable server: the POSTs will say more
-    server_file = (health.get("trace") or {}).get("file_id") if isinstance(health, dict) else None
-    if server_file and server_file == trace_file_id(trace):
-        raise OwnTrace(f"the server at {client.base_url} writes its --trace to {trace}, the "
-                       "file being replayed; replay a copy of it, or a server with another "
-                       "--trace file (or none)")
-
-
-def replay_one(client: httpx.Client, record: dict, report: Report) -> None:
-    """POST one record's request and compare the reply when the job is deterministic."""
-    request = json.loads(record["raw_request"])
-    request["stream"] = False
-    response = client.post(record["endpoint"], json=request)
-    if response.status_code != 200:
-        report.problems.append(f"job {record['seq']}: HTTP {response.status_code} "
-                               f"{response.text.strip()}")
-    elif not deterministic(record):
-        report.skipped += 1
-    else:
-        report.compared += 1
-        got = returned_view(record["endpoint"], request, response.json())
-        report.problems += differences(record["seq"], got, recorded_view(record))
-
-
-def replay(records: list[dict], base_url: str, api_key: str | None = None,
-           trace: str | Path | None = None) -> Report:
-    """POST every record's request in order; with `trace`, first refuse the trace's writer."""
-    headers = {"Authorization": f"Bearer {api_key}", "x-api-key": api_key} if api_key else {}
-    report = Report()
-    with httpx.Client(base_url=base_url, timeout=None, headers=headers) as client:
-        if trace is not None:
-            refuse_own_trace(client, trace)
-        for record in records:
-            replay_one(client, record, report)
-    return report
+def positive(text: str) -> int:
+    """A whole number of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -221,32 +68,168 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=ShowDefaults)
     add_version(p)
     p.add_argument("trace", help="a file written by ds4-server --trace")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
-    p.add_argument("--api-key", help="the server's --api-key, if it has one")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--model", help="replay in-process on this model directory (default: "
+                       "the built-in tiny model)")
+    where.add_argument("--url", help="send the requests to the server at this base URL")
+    p.add_argument("--api-key", help="the server's --api-key, if it has one (with --url)")
+    p.add_argument("--parallel", type=positive, help="slots in-process, requests in flight "
+                   "over HTTP (default: the trace's --parallel, else 1)")
+    p.add_argument("--ctx", type=positive, help="context tokens per slot, in-process "
+                   "(default: the trace's --ctx)")
+    p.add_argument("--backend", choices=["auto", "numpy", "cupy"],
+                   help="array backend, in-process (default: the trace's, else auto)")
+    p.add_argument("--timing", choices=["original", "asap"], default="asap",
+                   help="original: the recorded arrival gaps; asap: as fast as slots allow")
+    p.add_argument("--report", metavar="FILE.json", help="write the per-job and aggregated "
+                   "figures as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="draw each job's queue, prefill and "
+                   "decode per slot (needs ds4[plot])")
+    p.add_argument("--jobs", type=seq_list, metavar="SEQ,...", help="replay only these jobs")
     return p
 
 
+def check_model(trace: Trace, path: str, model_dir: str) -> None:
+    """Refuse a trace of a newer format, or one recorded with another model."""
+    version = trace.header.get("ds4_trace", FORMAT)
+    if not isinstance(version, int) or version > FORMAT:
+        raise Refused(f"{path}: trace format {version!r} is newer than this ds4-replay "
+                      f"reads ({FORMAT})")
+    want = trace.header.get("model_fingerprint")
+    if want is None:
+        print(f"ds4-replay: {path} has no header line (an older server): the model is not "
+              "checked", file=sys.stderr)
+    elif want != (have := model_fingerprint(model_dir)):
+        raise Refused(f"{path} was recorded with another model (fingerprint {want}); "
+                      f"{model_dir} is {have}")
+
+
+def progress(total: int) -> tqdm:
+    """A progress bar on a terminal, nothing otherwise."""
+    return tqdm(total=total, unit="job", desc="ds4-replay", disable=not sys.stderr.isatty())
+
+
+def scheduler_config(a: argparse.Namespace, header: dict) -> SchedulerConfig:
+    """The recorded server's slots and timeslices; --parallel, --ctx and a DS4_SERVER_SCHED_*
+    variable that is set win over the trace's header."""
+    from ds4.jobs.scheduler import SchedulerConfig
+
+    recorded = {key: header[key] for key, env in SCHED_ENV.items()
+                if key in header and not os.environ.get(env)}
+    return replace(SchedulerConfig.from_env(), **recorded,
+                   parallel=a.parallel or header.get("parallel", 1),
+                   ctx_size=a.ctx or header.get("ctx", 32768))
+
+
+def in_process(a: argparse.Namespace, trace: Trace, records: list[dict]) -> list[JobRow]:
+    """Load the model, run the records through a scheduler, compare every job's tokens."""
+    from ds4.jobs.replay import ENDED_ON_ITS_OWN, TraceRun
+    from ds4.server.config import ServerConfig
+    from ds4.server.runtime import open_engine
+
+    header = trace.header
+    cfg = ServerConfig(model_dir=a.model, backend=a.backend or header.get("backend", "auto"),
+                       prefill_chunk=header.get("prefill_chunk", 2048))
+    engine = open_engine(a.model, cfg)
+    sched = scheduler_config(a, header)
+    runnable = [r for r in records if r.get("finish_reason") in ENDED_ON_ITS_OWN]
+    with progress(len(runnable)) as bar:
+        replayed = TraceRun(engine, sched, a.timing, bar.update).run(runnable)
+    origin = min(r.get("arrived_at", 0.0) for r in runnable) if runnable else 0.0
+    decode = engine.tokenizer.decode
+    rows = []
+    for record, out in zip(sorted(runnable, key=lambda r: r["seq"]), replayed):
+        div = divergence(out.seq, record["generated_tokens"], out.tokens, decode)
+        outcome = "failed" if out.error else ("diverged" if div else "token-exact")
+        rows.append(JobRow(out.seq, outcome, recorded_timing(record, origin), out.timing,
+                           out.slot, record.get("slot"), div))
+    return rows
+
+
+def over_http(a: argparse.Namespace, records: list[dict]) -> tuple[list[JobRow], Report]:
+    """Send the records to the server at --url; rows carry the end-to-end times."""
+    runnable = [r for r in records if replayable(r)]
+    with progress(len(runnable)) as bar:
+        rep = replay(runnable, a.url, a.api_key, trace=a.trace, parallel=a.parallel or 1,
+                     timing=a.timing, on_done=lambda _s: bar.update())
+    rep.not_sent = len(records) - len(runnable)
+    origin = min(r.get("arrived_at", 0.0) for r in runnable) if runnable else 0.0
+    rows = [JobRow(r["seq"], rep.outcomes.get(r["seq"], "failed"), recorded_timing(r, origin),
+                   rep.timings.get(r["seq"]), None, r.get("slot"))
+            for r in sorted(runnable, key=lambda r: r["seq"])]
+    return rows, rep
+
+
+def finish(a: argparse.Namespace, rows: list[JobRow], mode: str) -> None:
+    """Print the tables; write --report and --plot."""
+    data = report(rows, mode)
+    print_tables(data, rows)
+    if a.report:
+        write_report(a.report, data)
+    if a.plot:
+        plot(rows, a.plot)
+
+
+def run_in_process(a: argparse.Namespace, trace: Trace, records: list[dict]) -> int:
+    """The in-process replay; exit 1 when a job diverged or failed."""
+    rows = in_process(a, trace, records)
+    for row in rows:
+        if row.divergence:
+            print("\n".join(row.divergence.lines()))
+    finish(a, rows, "in-process")
+    exact = sum(r.outcome == "token-exact" for r in rows)
+    bad = len(rows) - exact
+    print(f"ds4-replay: {len(rows)} job(s) replayed in-process, {exact} token-exact, "
+          f"{bad} diverged or failed, {len(records) - len(rows)} not replayed (cancelled or "
+          "failed when recorded)")
+    return 1 if bad else 0
+
+
+def run_over_http(a: argparse.Namespace, records: list[dict]) -> int:
+    """The HTTP replay; exit 1 when a compared job differs or a request fails."""
+    rows, rep = over_http(a, records)
+    for line in rep.problems:
+        print(line)
+    finish(a, rows, "http")
+    print(rep.summary())
+    return 1 if rep.problems else 0
+
+
+def load(a: argparse.Namespace) -> tuple[Trace, list[dict]]:
+    """The trace and the records selected by --jobs; the model checked in-process."""
+    trace = read_trace_file(a.trace)
+    records = [r for r in trace.records if a.jobs is None or r["seq"] in a.jobs]
+    if a.jobs and (unknown := a.jobs - {r["seq"] for r in records}):
+        raise Refused(f"{a.trace} has no job {', '.join(map(str, sorted(unknown)))}")
+    if a.url is None:
+        if a.model is None:
+            from ds4.model.tiny import default_model_dir
+
+            a.model = str(default_model_dir())
+        check_model(trace, a.trace, a.model)
+    return trace, records
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ds4-replay; exit 1 when a deterministic job differs or a request fails."""
+    """Entry point of ds4-replay: 0 when all matched, 1 on a divergence or failed request,
+    2 for a trace it will not read or run."""
     a = parser().parse_args(argv)
     try:
-        recorded = read_trace(a.trace)
-        records = [r for r in recorded if replayable(r)]
-        report = replay(records, a.url, a.api_key, trace=a.trace)
-        report.not_sent = len(recorded) - len(records)
-    except OwnTrace as exc:
+        if a.plot:
+            pyplot()  # a missing matplotlib is said before the replay, not after
+        trace, records = load(a)
+        if a.url is None:
+            return run_in_process(a, trace, records)
+        return run_over_http(a, records)
+    except (TraceError, Refused, OwnTrace, PlotUnavailable) as exc:
         print(f"ds4-replay: {exc}", file=sys.stderr)
         return 2
     except httpx.HTTPError as exc:
         print(f"ds4-replay: {a.url}: {exc}", file=sys.stderr)
         return 1
-    except (OSError, ValueError) as exc:  # no such trace, or not a trace
+    except (OSError, ValueError, RuntimeError) as exc:  # no such trace, a model that won't load
         print(f"ds4-replay: {exc}", file=sys.stderr)
-        return 1
-    for line in report.problems:
-        print(line)
-    print(report.summary())
-    return 1 if report.problems else 0
+        return 2 if isinstance(exc, (OSError, UnicodeDecodeError)) else 1
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ _EXPORTS = {
     "Slot": "ds4.jobs.slot",
     "TraceWriter": "ds4.jobs.trace",
     "read_trace": "ds4.jobs.trace",
+    "read_trace_file": "ds4.jobs.trace",
+    "TraceError": "ds4.jobs.trace",
+    "TraceRun": "ds4.jobs.replay",
 }
 
 __all__ = list(_EXPORTS)

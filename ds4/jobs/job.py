@@ -59,6 +59,7 @@ class Job:
         self.cancel_requested = threading.Event()
         self.arrived = clock()
         self.arrived_wall = time.time()
+        self.started: float | None = None  # when it got a slot (traces: its queue time)
         seed = request.sampling.seed
         self.seed = seed if seed is not None else secrets.randbits(63)  # recorded for replay
         self.id_seed = secrets.token_hex(8)  # tool-call ids unique per job, stable on redecode
@@ -117,6 +118,7 @@ class Job:
         """Decide what the slot's session can reuse, or restore a longer prefix from disk; the
         timeline's old bindings go away."""
         prompt = self.request.prompt_tokens
+        self.started = self.clock()
         self.cached = self.slot.session.reusable_prefix(prompt)
         source = "slot"
         if self.checkpoints is not None:

@@ -173,6 +173,7 @@ class Runtime:
                                                  trace_path=cfg.trace,
                                                  ssd_streaming=cfg.ssd_streaming)
             self.scheduler = Scheduler(self.engine, sched_cfg, time.monotonic, self.kvstore)
+            self.write_trace_header(model_dir)
         except Exception as exc:  # any load failure: the server stays up, /health says why
             log.debug("model failed to load", exc_info=True)  # the one-line reason is enough
             self.error = f"{model_dir}: {load_failure(exc)}"
@@ -184,6 +185,18 @@ class Runtime:
         self.scheduler.start()
         self.state = SERVING
         return True
+
+    def write_trace_header(self, model_dir: str) -> None:
+        """The --trace file's first line: the model's fingerprint and the slots' settings, so
+        ds4-replay can refuse another model's trace and rebuild the same slots."""
+        from ds4.jobs.trace import trace_header
+
+        if self.scheduler.trace is not None:
+            cfg, sched = self.config, self.scheduler.config
+            self.scheduler.trace.write(trace_header(
+                model_dir, parallel=cfg.parallel, ctx=cfg.ctx, prefill_chunk=cfg.prefill_chunk,
+                backend=self.engine.backend.name, prefill_ms=sched.prefill_ms,
+                decode_tokens=sched.decode_tokens))
 
     def trace_file(self) -> dict | None:
         """The --trace file's identity, so a replayer can refuse to feed a server its own

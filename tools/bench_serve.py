@@ -1,0 +1,254 @@
+"""Poisson-arrival load against a running ds4-server (or any OpenAI/Anthropic server),
+printed in the shape of `vllm bench serve` so the numbers compare.
+
+Prompts are random words cut to a sampled token count (the V4 tokenizer), outputs are capped
+at a sampled max_tokens; requests stream, and each content chunk counts as a token arrival.
+
+    python3 tools/bench_serve.py --base-url http://127.0.0.1:8000 --num-prompts 50 \
+        --request-rate 2 --random-input-len 256 --random-output-len 64 --goodput ttft:2000 tpot:50
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+from ds4.jobs.latency import JobTiming, summary
+from ds4.tokenizer import Tokenizer
+
+WORDS = ("river stone lantern harvest copper meadow thunder quiet orchard signal ferry marble "
+         "winter cedar violin compass glacier ember saddle harbor the of and whispered north")
+ROUTES = {"openai-chat": "/v1/chat/completions", "openai": "/v1/completions",
+          "anthropic": "/v1/messages"}
+ANTHROPIC_INPUT = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+SLO_KEYS = {"ttft": "ttft", "tpot": "tpot", "e2el": "latency"}
+
+
+@dataclass
+class Outcome:
+    """One request: whether it succeeded, its token counts and its times."""
+
+    ok: bool
+    timing: JobTiming
+    error: str = ""
+
+
+def prompts(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """(prompt text, its token count, max_tokens) per request, from the length ranges."""
+    rng, tok = random.Random(args.seed), Tokenizer.for_model(args.tokenizer)
+    out = []
+    for _ in range(args.num_prompts):
+        n_in = sampled_length(rng, args.random_input_len, args.random_range_ratio)
+        n_out = sampled_length(rng, args.random_output_len, args.random_range_ratio)
+        words = " ".join(rng.choice(WORDS.split()) for _ in range(2 * n_in))
+        ids = tok.encode(words)[:n_in]
+        out.append((tok.decode(ids), len(ids), n_out))
+    return out
+
+
+def sampled_length(rng: random.Random, mean: int, ratio: float) -> int:
+    """A length uniform in [mean·(1-ratio), mean·(1+ratio)], at least 1 (vLLM's random set)."""
+    return max(1, rng.randint(int(mean * (1 - ratio)), int(mean * (1 + ratio))))
+
+
+def body(args: argparse.Namespace, prompt: str, max_tokens: int) -> dict:
+    """The request body of the chosen route, streamed, with usage in the stream."""
+    common = {"model": args.model, "max_tokens": max_tokens, "temperature": args.temperature,
+              "stream": True}
+    if args.backend == "anthropic":
+        return {**common, "messages": [{"role": "user", "content": prompt}]}
+    usage = {"stream_options": {"include_usage": True}}
+    if args.backend == "openai":
+        return {**common, **usage, "prompt": prompt}
+    return {**common, **usage, "messages": [{"role": "user", "content": prompt}]}
+
+
+def chunk_tokens(backend: str, event: dict) -> tuple[bool, int | None, int | None]:
+    """(carries generated content, prompt tokens, output tokens) of one stream event."""
+    if backend == "anthropic":
+        kind = event.get("type")
+        usage = (event.get("message") or {}).get("usage") or event.get("usage") or {}
+        prompt = sum(usage.get(k) or 0 for k in ANTHROPIC_INPUT) if "input_tokens" in usage \
+            else None  # the prompt is all three shares
+        return kind == "content_block_delta", prompt, \
+            usage.get("output_tokens") if kind == "message_delta" else None
+    usage = event.get("usage") or {}
+    choice = (event.get("choices") or [{}])[0]
+    delta = choice.get("delta") or {}
+    content = choice.get("text") or delta.get("content") or delta.get("reasoning_content") \
+        or delta.get("tool_calls")
+    return bool(content), usage.get("prompt_tokens"), usage.get("completion_tokens")
+
+
+async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, origin: float,
+                      prompt: tuple[str, int, int]) -> Outcome:
+    """Stream one request; note the arrival of every content chunk and the usage counts."""
+    text, n_in, n_out = prompt
+    timing = JobTiming(time.perf_counter() - origin, prompt_tokens=n_in)
+    try:
+        async with client.stream("POST", ROUTES[args.backend],
+                                 json=body(args, text, n_out)) as r:
+            if r.status_code != 200:
+                return Outcome(False, timing, f"HTTP {r.status_code}: {(await r.aread())!r}")
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    read_event(args.backend, json.loads(line[6:]), timing, origin)
+    except httpx.HTTPError as exc:
+        return Outcome(False, timing, f"{type(exc).__name__}: {exc}")
+    timing.ended = time.perf_counter() - origin
+    return Outcome(bool(timing.token_times), timing, "" if timing.token_times else "no tokens")
+
+
+def read_event(backend: str, event: dict, timing: JobTiming, origin: float) -> None:
+    """Fold one stream event into the request's timing."""
+    content, n_in, n_out = chunk_tokens(backend, event)
+    if content:
+        timing.token_times.append(time.perf_counter() - origin)
+    if n_in is not None:
+        timing.prompt_tokens = n_in
+    if n_out is not None:
+        timing.counted = n_out
+
+
+async def run(args: argparse.Namespace) -> tuple[list[Outcome], float]:
+    """Send every request at Poisson arrivals (bounded by --max-concurrency); wall time."""
+    work = prompts(args)
+    rng = np.random.default_rng(args.seed)
+    limit = asyncio.Semaphore(args.max_concurrency or len(work) or 1)
+    headers = {"Authorization": f"Bearer {args.api_key}", "x-api-key": args.api_key} \
+        if args.api_key else {}
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=None, headers=headers,
+                                 limits=httpx.Limits(max_connections=None)) as client:
+        origin = time.perf_counter()
+
+        async def bounded(prompt: tuple[str, int, int]) -> Outcome:
+            async with limit:
+                return await one_request(client, args, origin, prompt)
+
+        tasks = []
+        for prompt in work:
+            tasks.append(asyncio.create_task(bounded(prompt)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.gamma(args.burstiness,
+                                              1.0 / (args.request_rate * args.burstiness)))
+        outcomes = await asyncio.gather(*tasks)
+    return list(outcomes), time.perf_counter() - origin
+
+
+def slo(text: list[str]) -> dict[str, float]:
+    """--goodput KEY:MS pairs as seconds per JobTiming attribute."""
+    out = {}
+    for pair in text:
+        key, _, value = pair.partition(":")
+        if key not in SLO_KEYS or not value:
+            raise argparse.ArgumentTypeError(f"--goodput takes ttft|tpot|e2el:MS, got {pair!r}")
+        out[SLO_KEYS[key]] = float(value) / 1000.0
+    return out
+
+
+def good(timing: JobTiming, limits: dict[str, float]) -> bool:
+    """True when the request met every SLO (a TPOT of a one-token reply meets any)."""
+    return all((getattr(timing, attr) or 0.0) <= bound for attr, bound in limits.items())
+
+
+def line(label: str, value: object) -> str:
+    """One result row, aligned as vLLM prints them."""
+    if isinstance(value, float):
+        return f"{label:<40} {value:<10.2f}".rstrip()
+    return f"{label:<40} {value!s:<10}".rstrip()
+
+
+def section(title: str, char: str = "-") -> str:
+    """A centred section rule."""
+    return f"{title:{char}^50}"
+
+
+def result_lines(args: argparse.Namespace, outcomes: list[Outcome], wall: float) -> list[str]:
+    """The vLLM-shaped table."""
+    done = [o.timing for o in outcomes if o.ok]
+    s = summary(done)
+    limits = slo(args.goodput)
+    out = [section(" Serving Benchmark Result ", "="),
+           line("Successful requests:", len(done)),
+           line("Failed requests:", len(outcomes) - len(done)),
+           line("Maximum request concurrency:", args.max_concurrency),
+           line("Request rate configured (RPS):", float(args.request_rate)),
+           line("Benchmark duration (s):", wall),
+           line("Total input tokens:", s.get("input_tokens", 0)),
+           line("Total generated tokens:", s.get("output_tokens", 0)),
+           line("Request throughput (req/s):", len(done) / wall)]
+    if limits:
+        out.append(line("Request goodput (req/s):", sum(good(t, limits) for t in done) / wall))
+    out += [line("Output token throughput (tok/s):", s.get("output_tokens", 0) / wall),
+            line("Total Token throughput (tok/s):",
+                 (s.get("output_tokens", 0) + s.get("input_tokens", 0)) / wall)]
+    for title, short, key in (("Time to First Token", "TTFT", "ttft_s"),
+                              ("Time per Output Token (excl. 1st token)", "TPOT", "tpot_s"),
+                              ("Inter-token Latency", "ITL", "itl_s"),
+                              ("End-to-end Latency", "E2EL", "e2el_s")):
+        out += metric_lines(title, short, s.get(key) or {}, args.metric_percentiles)
+    return out + ["=" * 50]
+
+
+def metric_lines(title: str, short: str, stats: dict, percentiles: str) -> list[str]:
+    """Mean, median and the asked percentiles of one metric, in milliseconds."""
+    ms = lambda key: stats.get(key, 0.0) * 1000.0  # noqa: E731
+    rows = [section(title), line(f"Mean {short} (ms):", ms("mean")),
+            line(f"Median {short} (ms):", ms("p50"))]
+    return rows + [line(f"P{p} {short} (ms):", ms(f"p{p}")) for p in percentiles.split(",")]
+
+
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's flags (vLLM's names where it has one)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--backend", choices=sorted(ROUTES), default="openai-chat",
+                   help="route: /v1/chat/completions, /v1/completions or /v1/messages")
+    p.add_argument("--model", default="deepseek-chat", help="model name sent in requests")
+    p.add_argument("--api-key")
+    p.add_argument("--tokenizer", help="model directory whose tokenizer sizes the prompts")
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals (inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps; 1 is Poisson")
+    p.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    p.add_argument("--random-input-len", type=int, default=128)
+    p.add_argument("--random-output-len", type=int, default=32)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in len·(1±ratio)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--goodput", nargs="*", default=["ttft:2000", "tpot:50"],
+                   metavar="KEY:MS", help="SLOs a good request meets: ttft, tpot, e2el in ms")
+    p.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    p.add_argument("--save-result", metavar="FILE.json", help="write per-request figures")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the load, print the table; exit 1 when any request failed."""
+    args = parser().parse_args(argv)
+    slo(args.goodput)  # a bad --goodput is said before any request
+    outcomes, wall = asyncio.run(run(args))
+    print("\n".join(result_lines(args, outcomes, wall)))
+    for o in outcomes:
+        if not o.ok:
+            print(f"failed: {o.error}", file=sys.stderr)
+    if args.save_result:
+        with open(args.save_result, "w", encoding="utf-8") as f:
+            json.dump({"summary": summary([o.timing for o in outcomes if o.ok]),
+                       "requests": [o.timing.per_job() for o in outcomes]}, f, indent=2)
+    return 0 if all(o.ok for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
