@@ -1,4 +1,4 @@
-"""`--trace FILE`: one JSON line per ended job, written whole under a lock (server.md §11)."""
+"""`--trace FILE`: one JSON line per ended job, written whole (docs/ARCHITECTURE.md, Traces)."""
 
 from __future__ import annotations
 
