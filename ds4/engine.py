@@ -90,7 +90,9 @@ class Engine:
 
 @dataclass
 class Frontier:
-    """The end of the last synced prompt, kept so a regenerate of it costs no prefill (spec §4.5).
+    """The end of the last synced prompt: regenerating it costs no prefill.
+
+    See docs/MODEL.md, Frontier and rollback.
 
     Compressed rows are append-only, so besides the counters only the fixed-size arrays (raw
     rings, pending rows, overlaps) need copies.

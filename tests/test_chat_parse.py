@@ -1,4 +1,4 @@
-"""Output parsing (spec encoding §5): final parse, and the stream agreeing with it for every
+"""Output parsing (docs/PROTOCOLS.md): the final parse, and the stream agreeing with it for every
 split of the text, including token by token with the real tokenizer."""
 
 import json

@@ -1,4 +1,4 @@
-"""Prompt rendering: spec encoding §7 worked examples byte- and token-exact, plus §2-§4 rules."""
+"""Prompt rendering: worked examples byte- and token-exact, and the rules of docs/PROTOCOLS.md."""
 
 import hashlib
 
@@ -127,7 +127,7 @@ def test_ex3_chat_mode():
 
 
 def test_chat_mode_prefix_property(tok):
-    """Turn N+1's prompt starts with turn N's prompt + sampled answer + EOS (§3.2)."""
+    """Turn N+1's prompt starts with turn N's prompt + sampled answer + EOS."""
     turn1 = render_chat([SYSTEM, U1], thinking="none")
     turn2 = render_chat([SYSTEM, U1, A1, U2], thinking="none")
     assert turn2.startswith(turn1 + A1["content"] + "<｜end▁of▁sentence｜>")
@@ -227,7 +227,10 @@ def test_response_format_follows_tools():
 
 
 def test_canonical_turn_continues_the_prompt_exactly():
-    """prompt + canonical_turn(parse(C1)) is what the next request renders (§6.2)."""
+    """prompt + canonical_turn(parse(C1)) is what the next request renders.
+
+    See docs/PROTOCOLS.md, Canonical turns.
+    """
     p1 = render_chat([SYSTEM, WEATHER_USER], tools=TOOLS)
     p2 = render_chat(weather_history(), tools=TOOLS)
     assert p2.startswith(p1 + canonical_turn(parse_output(C1), thinking=True))
@@ -261,13 +264,13 @@ def test_legacy_function_call_field():
 
 
 def test_special_strings_are_the_spec_tokens(tok):
-    """Each marker the renderer writes and the parser reads is one token, with §1's id."""
+    """Each marker the renderer writes and the parser reads is one token (docs/PROTOCOLS.md)."""
     assert [tok.encode(s) for s in SPECIAL_STRINGS] == [
         [0], [1], [128803], [128804], [128821], [128822], [128825], [128828]]
 
 
 def test_replay_memory_is_bounded_in_bytes_too():
-    """Server spec §7.7: LRU-bounded by ids and by bytes; a block shared by a turn's ids
+    """LRU-bounded by ids and by bytes; a block shared by a turn's ids
     counts once and is freed with its last id."""
     memory = ToolMemory(max_bytes=10)
     memory.remember(["a", "b"], "123456")

@@ -1,4 +1,4 @@
-"""Block-level properties of spec §3: YaRN frequencies, RoPE, mHC Sinkhorn, compressor windows."""
+"""Block-level properties (docs/MODEL.md): YaRN, RoPE, mHC Sinkhorn, compressor windows."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_hyper_connection_comb_is_doubly_stochastic():
     np.testing.assert_allclose(comb.sum(axis=-1), 1.0, atol=1e-3)
     np.testing.assert_allclose(comb.sum(axis=-2), 1.0, atol=1e-5)
     assert np.all((post > 0) & (post < 2)) and np.all(pre > 1e-6)
-    assert not np.allclose(comb, comb.transpose(0, 2, 1))  # direction matters (spec §3.2)
+    assert not np.allclose(comb, comb.transpose(0, 2, 1))  # direction matters (docs/MODEL.md)
 
 
 @pytest.mark.parametrize("ratio,overlap", [(4, True), (8, False)])

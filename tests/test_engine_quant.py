@@ -1,4 +1,4 @@
-"""FP8 E4M3 / FP4 E2M1 rounding (spec §6.2) against known values, and FP8/FP4 weight decoding."""
+"""FP8/FP4 rounding (docs/MODEL.md, Quantization simulation) and FP8/FP4 weight decoding."""
 
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ def test_grouped_experts_on_the_gpu_equal_the_numpy_loop():
 
 
 def test_hc_weights_of_a_chunk_match_the_array_formula():
-    """The one-thread-per-token mHC weights equal the model's xp formula (spec 3.2) per token."""
+    """The one-thread-per-token mHC weights equal the model's xp formula per token."""
     import cupy
 
     from ds4.model.hyper_connection import hc_weights

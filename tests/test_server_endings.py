@@ -1,5 +1,5 @@
 """How turns end, over real HTTP on the tiny model: stop sequences reported as each protocol
-does, and forced tool calls the random model cannot complete (encoding.md §4.5, §5.5)."""
+does, and forced tool calls the random model cannot complete (docs/PROTOCOLS.md, Malformed DSML)."""
 
 from __future__ import annotations
 

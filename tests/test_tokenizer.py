@@ -1,4 +1,4 @@
-"""The packaged V4 tokenizer gives the ids spec/encoding.md §1 lists."""
+"""The packaged V4 tokenizer gives the ids of docs/PROTOCOLS.md, Special tokens."""
 
 from ds4.tokenizer import Tokenizer
 

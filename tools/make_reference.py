@@ -1,4 +1,4 @@
-"""Write the HF-parity fixtures under tests/fixtures/ (spec/model.md §9).
+"""Write the HF-parity fixtures under tests/fixtures/ (docs/MODEL.md, Reference fixtures).
 
 Run with a Python that has torch 2.13 (CPU) and transformers 5.23:
 
@@ -8,8 +8,8 @@ For each small random DeepseekV4ForCausalLM config it writes a directory holding
   config.json            HF fields plus the official-style keys (compress_ratios, ...)
   model.safetensors      HF `save_pretrained(save_original_format=False)` names, fp32
   default/               the same weights as transformers' default save_pretrained() writes
-                         them (hybrid naming, spec §2.1), stored as bf16
-  official/              the same weights under the official DeepSeek names (spec §2.2),
+                         them (hybrid naming), stored as bf16
+  official/              the same weights under the official DeepSeek names,
                          experts one by one, stored as bf16 (weights are bf16-exact, so
                          both layouts hold identical values)
   ref.npz                ids, non-cached logits of every position, logits at the end of
@@ -56,7 +56,7 @@ CASES = {
         seed=3,  # seeds chosen so every top-k pick wins by > 3e-4 (see selection_margins)
         hf_dtype="bfloat16",  # the bf16-on-disk case (values are bf16-exact anyway)
     ),
-    # HCA m=8 / window 16 as in spec §9 (many HCA rows), HCA before CSA, topk 4.
+    # HCA m=8 / window 16 (many HCA rows), HCA before CSA, topk 4.
     "v4_hca8": dict(
         config=dict(
             hidden_size=32,
@@ -294,7 +294,7 @@ def make_case(name: str, case: dict, out: Path) -> dict:
     state = official_state(model.state_dict(), config.moe_intermediate_size)
     save_file(as_bf16(state), official_dir / "model.safetensors", metadata={"format": "pt"})
     shutil.copy(directory / "config.json", official_dir / "config.json")
-    # transformers' default save_pretrained() layout (spec §2.1: a hybrid of both namings),
+    # transformers' default save_pretrained() layout (both namings mixed, docs/MODEL.md, Weights),
     # which is what users get unless they ask for save_original_format=False.
     default_dir = directory / "default"
     model.save_pretrained(default_dir)

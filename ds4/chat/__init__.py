@@ -1,12 +1,14 @@
 """DeepSeek-V4 chat encoding: requests → prompt text, generated text → reasoning/content/calls.
 
-Render (spec encoding §2-§4): render_chat, render_anthropic, render_responses, render_completion
-return prompt TEXT; tokenize it whole with ds4.tokenizer.Tokenizer.encode. Bad input raises
-ChatError (a ValueError the server answers with 400).
-tool_choice (§4.5): tools_active() says whether to parse DSML; forced_text() is the DSML
-prefix the decoder appends as if sampled once OutputParser.reasoning_done turns True.
-Parse (§5): OutputParser streams events; parse_output() is the final word, and the stream's
-result() always equals it, call ids included. ToolMemory keeps sampled DSML for replay (§6.1).
+Render (docs/PROTOCOLS.md, Prompt rendering): render_chat, render_anthropic, render_responses,
+render_completion return prompt TEXT; tokenize it whole with ds4.tokenizer.Tokenizer.encode.
+Bad input raises ChatError (a ValueError the server answers with 400).
+tool_choice (docs/PROTOCOLS.md, Tools and tool_choice): tools_active() says whether to parse
+DSML; forced_text() is the DSML prefix the decoder appends as if sampled once
+OutputParser.reasoning_done turns True.
+Parse (docs/PROTOCOLS.md, Output parsing): OutputParser streams events; parse_output() is the
+final word, and the stream's result() always equals it, call ids included. ToolMemory keeps
+sampled DSML for replay (docs/PROTOCOLS.md, Exact replay).
 """
 
 from ds4.chat.events import (

@@ -1,4 +1,4 @@
-"""Anthropic Messages requests → renderer items (spec encoding §2)."""
+"""Anthropic Messages requests → renderer items (docs/PROTOCOLS.md, Prompt rendering)."""
 
 from __future__ import annotations
 

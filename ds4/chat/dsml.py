@@ -1,4 +1,4 @@
-"""DSML output grammar shared by the final and the streaming parser (spec encoding §5.1)."""
+"""DSML output grammar shared by both parsers (docs/PROTOCOLS.md, DSML tool calls)."""
 
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ EXPECTED_INVOKE = "malformed DSML: expected an invoke or the end of the tool cal
 EXPECTED_PARAMETER = "malformed DSML: expected a parameter or the end of the invoke"
 TURN_IN_BLOCK = "malformed DSML: a turn marker inside the tool calls"
 UNTERMINATED = "unterminated tool call"
-# The model opening a new turn inside a block lost the thread (§5.5 sends it to a redecode).
+# The model opening a new turn inside a block lost the thread (docs/PROTOCOLS.md, Malformed DSML).
 TURN_MARKERS = (USER, ASSISTANT)
 
 

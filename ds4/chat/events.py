@@ -1,4 +1,4 @@
-"""Events the incremental output parser emits while a generation streams (spec encoding §5.2)."""
+"""Events the output parser emits as a turn streams (docs/PROTOCOLS.md, Output parsing)."""
 
 from __future__ import annotations
 
@@ -55,12 +55,12 @@ class ToolCall:
 
 @dataclass
 class ParsedOutput:
-    """Final parse of one generated turn (spec encoding §5.1)."""
+    """Final parse of one generated turn (docs/PROTOCOLS.md, Output parsing)."""
 
     reasoning: str = ""
     content: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
-    raw_block: str = ""  # sampled DSML bytes, for exact replay (§6.1)
+    raw_block: str = ""  # sampled DSML bytes, for replay (docs/PROTOCOLS.md, Exact replay)
     malformed: str | None = None  # why the DSML was rejected, None when fine or absent
     unterminated: bool = False  # a block opened and never closed
 

@@ -1,4 +1,4 @@
-"""Final parse of a generated turn: reasoning, content, DSML tool calls (spec encoding §5.1)."""
+"""Final parse of a turn: reasoning, content, DSML calls (docs/PROTOCOLS.md, Output parsing)."""
 
 from __future__ import annotations
 

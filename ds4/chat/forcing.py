@@ -1,4 +1,7 @@
-"""`tool_choice` (§4.5): whether tools are active and which DSML prefix to force."""
+"""`tool_choice`: whether tools are active, which DSML prefix to force.
+
+See docs/PROTOCOLS.md, Tools and tool_choice.
+"""
 
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ def tools_active(tools: list[dict] | None, tool_choice: Any) -> bool:
 
 
 def forced_text(tools: list[dict] | None, tool_choice: Any) -> str:
-    """"" or the DSML prefix the decoder appends once reasoning is done (§4.5)."""
+    """"" or the DSML prefix the decoder appends once reasoning is done."""
     kind, name = choice_kind(tool_choice)
     if kind in ("auto", "none"):
         return ""

@@ -1,5 +1,5 @@
-"""The renderer's items (spec encoding §2): system, user parts, assistant turns, and how
-consecutive user parts and tool results merge into one user turn."""
+"""The renderer's items (docs/PROTOCOLS.md, Prompt rendering): system, user parts, assistant
+turns, and how consecutive user parts and tool results merge into one user turn."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ Item = System | User | Assistant
 
 
 def warn_special(text: str, where: str) -> None:
-    """Log when client text contains a special-token string (it becomes that token, §1)."""
+    """Log client text holding a special-token string (docs/PROTOCOLS.md, Special tokens)."""
     for s in SPECIAL_STRINGS:
         if s in text:
             log.warning("%s contains the special token string %r", where, s)
@@ -97,7 +97,7 @@ def checked_calls(calls: list[Call]) -> list[Call]:
 
 
 class ItemList:
-    """Collects items in request order, merging the way the official encoder does (§2)."""
+    """Collects items in request order, merging the way the official encoder does."""
 
     def __init__(self) -> None:
         self.items: list[Item] = []

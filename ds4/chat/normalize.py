@@ -1,4 +1,4 @@
-"""OpenAI chat messages → renderer items (spec encoding §2)."""
+"""OpenAI chat messages → renderer items (docs/PROTOCOLS.md, Prompt rendering)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Incremental output parser: sampled bytes in, reasoning/text/tool-call events out (§5.2).
+"""Incremental output parser: bytes in, reasoning/text/call events out (docs/PROTOCOLS.md).
 
 Its final result always equals parse_output() of the whole text: it holds back only what a
 later byte could still reinterpret (partial UTF-8, `<think>`/`</think>`, a DSML start marker,

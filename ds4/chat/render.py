@@ -1,4 +1,4 @@
-"""Items → DeepSeek-V4 prompt text, byte-exact with the official encoder (spec encoding §3)."""
+"""Items → prompt text as the official encoder writes it (docs/PROTOCOLS.md, Prompt rendering)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def turn_reasoning(item: Assistant, memory: ToolMemory | None) -> str:
 
 def canonical_turn(parsed: ParsedOutput, thinking: bool) -> str:
     """What the next request renders after this turn's prompt when the client echoes the
-    parsed turn back as JSON (§6.2): [reasoning + </think>] + content + DSML(calls) + EOS."""
+    parsed turn back as JSON: [reasoning + </think>] + content + DSML(calls) + EOS."""
     calls = [Call(c.id, c.name, c.arguments) for c in parsed.tool_calls]
     head = parsed.reasoning + THINK_END if thinking else ""
     return head + parsed.content + dsml_calls(calls) + EOS
@@ -85,7 +85,7 @@ def canonical_turn(parsed: ParsedOutput, thinking: bool) -> str:
 
 def render_items(items: list[Item], thinking: str = "high",
                  tool_memory: ToolMemory | None = None) -> str:
-    """The prompt text of normalised items (the §3.1 procedure)."""
+    """The prompt text of normalised items (docs/PROTOCOLS.md, Prompt rendering)."""
     think = check_thinking(thinking)
     out = [BOS, MAX_PREFIX if thinking == "max" else ""]
     keep_reasoning = any(isinstance(i, System) and i.tools for i in items)

@@ -1,4 +1,4 @@
-"""Exact replay of sampled DSML by tool-call id (spec encoding §6.1, server §7.7)."""
+"""Exact replay of sampled DSML by tool-call id (docs/PROTOCOLS.md, Exact replay)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-MAX_BYTES = 512 * 2**20  # server spec §7.7: LRU-bounded by ids and by 512 MiB
+MAX_BYTES = 512 * 2**20  # LRU-bounded by ids and by 512 MiB
 
 
 @dataclass(eq=False)
@@ -23,7 +23,7 @@ class StoredTurn:
 class ToolMemory:
     """Bounded LRU map tool-call id → the raw DSML block the model sampled for its turn.
 
-    With replay_reasoning (the spec's proposed extension) a calls turn whose reasoning the
+    With replay_reasoning (off in the server) a calls turn whose reasoning the
     client did not send back renders the stored reasoning instead of an empty one.
     """
 

@@ -1,4 +1,4 @@
-"""OpenAI Responses `input` items → renderer items (spec encoding §2, server §2.4)."""
+"""OpenAI Responses `input` items → renderer items (docs/PROTOCOLS.md, Prompt rendering)."""
 
 from __future__ import annotations
 

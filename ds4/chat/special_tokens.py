@@ -1,4 +1,4 @@
-"""The V4 format's special-token strings (spec encoding §1): each one encodes to one token."""
+"""The V4 special-token strings (docs/PROTOCOLS.md, Special tokens): each encodes to one token."""
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -9,5 +9,5 @@ THINK_END = "</think>"
 DSML = "｜DSML｜"
 LATEST_REMINDER = "<｜latest_reminder｜>"
 
-# The ones the format uses; client text containing them injects the token (logged, §1).
+# The ones the format uses; client text containing them injects the token (logged).
 SPECIAL_STRINGS = (BOS, EOS, USER, ASSISTANT, THINK, THINK_END, DSML, LATEST_REMINDER)

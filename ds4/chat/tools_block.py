@@ -1,4 +1,4 @@
-"""The tools block of the system prompt (§4.1) and canonical DSML of past calls (§4.3)."""
+"""The tools block and canonical DSML of past calls (docs/PROTOCOLS.md, Tools and tool_choice)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Jobs, slots and the interleaving scheduler (spec server.md §8, §9).
+"""Jobs, slots and the interleaving scheduler (docs/ARCHITECTURE.md, The scheduler).
 
 `from ds4.jobs import Scheduler, SchedulerConfig` loads lazily, so that importing the plain
 event contracts (ds4.jobs.events) never pulls in the engine, the parser or the sampler.

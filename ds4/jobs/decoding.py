@@ -1,4 +1,4 @@
-"""One decode attempt of a job: per-token work that stays out of the job machine (§7.3)."""
+"""A decode attempt: per-token work kept out of the job machine (docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -89,14 +89,14 @@ class DecodeAttempt:
         return kept
 
     def recoverable(self) -> bool:
-        """True when a redecode may repair the tool-call block (encoding.md §5.5)."""
+        """True when a redecode may repair the DSML block (docs/PROTOCOLS.md, Malformed DSML)."""
         if not self.request.tools_active or self.finish_reason == "length":
             return False
         return self.finish_reason == "malformed" or self.result().unterminated
 
     def result(self) -> ParsedOutput:
         """The parsed turn, with the answer cut before a stop string; a rejected DSML block
-        makes the whole answer plain text (encoding.md §5.5)."""
+        makes the whole answer plain text (docs/PROTOCOLS.md, Malformed DSML)."""
         out = self.parser.result()
         if self.finish_reason == "malformed":
             return self._as_text(out)
@@ -139,7 +139,7 @@ class DecodeAttempt:
         return self.parser.feed(piece)
 
     def _force_if_due(self) -> None:
-        """Queue the forced DSML prefix once reasoning is over (encoding.md §4.5)."""
+        """Queue the forced DSML once reasoning ends (docs/PROTOCOLS.md, Tools and tool_choice)."""
         if self._forced_ids and self.forced_at is None and self.parser.reasoning_done:
             self.forced_at = len(self.tokens)
             self.forced = deque(self._forced_ids)

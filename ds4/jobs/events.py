@@ -33,7 +33,7 @@ class JobRequest:
     stop: list[str] = field(default_factory=list)  # stop sequences (text)
     thinking: bool = False  # prompt ends with <think>: output starts in reasoning
     tools_active: bool = False  # parse DSML tool calls, stop after </｜DSML｜tool_calls>
-    forced_text: str = ""  # tool_choice required / named: bytes forced after reasoning (§4.5)
+    forced_text: str = ""  # tool_choice required / named: DSML forced after reasoning
     id_prefix: str = "call_"  # tool-call id prefix: call_ (OpenAI) or toolu_ (Anthropic)
     call_ids: list[str] = field(default_factory=list)  # ids this request continues (slot routing)
     streamed: bool = False  # the client sees events live: a call it saw begin cannot be undone

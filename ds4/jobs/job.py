@@ -35,7 +35,7 @@ log = logging.getLogger("ds4.jobs")
 
 @dataclass
 class Timeslice:
-    """What a job needs from the scheduler while it runs on a slot (server.md §9.2)."""
+    """What a job needs from the scheduler while on a slot (docs/ARCHITECTURE.md, The scheduler)."""
 
     prefill_s: float
     decode_tokens: int
@@ -208,7 +208,7 @@ class Job:
         """Settle the finish reason; a closed tool-call turn binds its ids to the slot."""
         out = self.attempt.result()
         reason = self.attempt.finish_reason
-        if reason == "malformed":  # recovery gave up: the turn is plain text (§5.5)
+        if reason == "malformed":  # recovery gave up: the turn is plain text
             log.warning("job %d: invalid tool call (%s); returned as text", self.seq,
                         out.malformed)
             reason = "length" if len(self.attempt.tokens) >= self.attempt.cap else "stop"
@@ -218,7 +218,7 @@ class Job:
             self.slot.bind_call_ids([c.id for c in out.tool_calls])
 
     def unterminated(self, _event: Any = None) -> bool:
-        """True when a tool-call block opened and never closed (encoding.md §5.5), or a
+        """True when a tool-call block never closed (docs/PROTOCOLS.md, Malformed DSML), or a
         streamed turn announced a call that its final parse lacks: a client that saw the call
         begin cannot take it back, so success would be a lie."""
         out = self.attempt.result()

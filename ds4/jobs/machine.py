@@ -1,4 +1,4 @@
-"""The job machine as data: one table of states and transitions (spec server.md §8, §9.2).
+"""The job machine as data: one table of states and transitions (docs/ARCHITECTURE.md).
 
 Each scheduler turn fires exactly one trigger of a job. A trigger that can end in several
 states lists one row per destination; the first row whose conditions hold wins. The phase's
@@ -44,7 +44,7 @@ TRANSITIONS: list[dict[str, Any]] = [
     # redecode: tool-call recovery truncates to the last valid DSML offset and decodes again.
     {"trigger": "redecode", "source": "decoded", "dest": "decoding",
      "conditions": "needs_redecode", "after": "redecode_work"},
-    # finish: an open tool-call block that recovery could not close fails the turn (§5.5).
+    # finish: a DSML block still open after recovery fails the turn (docs/PROTOCOLS.md).
     {"trigger": "finish", "source": "decoded", "dest": "failed",
      "prepare": "finish_work", "conditions": "unterminated"},
     {"trigger": "finish", "source": "decoded", "dest": "done"},

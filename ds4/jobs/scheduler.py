@@ -1,4 +1,4 @@
-"""The scheduler: one thread owns the engine and interleaves N slots' jobs (server.md §9).
+"""The scheduler: one thread owns the engine and runs N slots' jobs (docs/ARCHITECTURE.md).
 
 A turn reads like its description: admit queued jobs to idle slots, pick the next busy slot
 round-robin, fire one transition of its job, release the slot if the job ended.
@@ -234,7 +234,7 @@ class Scheduler:
         return acted
 
     def others_waiting(self, job: Job) -> bool:
-        """True when someone other than `job` could run now (server.md §9.4 item 3)."""
+        """True when someone other than `job` could run now."""
         if any(s.busy and s.job is not job for s in self.slots):
             return True
         return any(self.picker.could_start(j, self.slots) for j in self.pending.jobs()

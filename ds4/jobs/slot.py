@@ -1,4 +1,4 @@
-"""One slot: an engine session plus the protocol state bound to its timeline (server.md §9.1)."""
+"""A session lent to one job at a time (docs/ARCHITECTURE.md, Slots and tool-call continuations)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ class Slot:
 
     `call_ids` are the tool-call ids of the last turn this slot finished; they stay valid only
     while the session still holds exactly `bound_tokens` tokens (Responses/Anthropic
-    continuations append tool results to that frontier, encoding.md §6.4).
+    continuations append tool results to that frontier: docs/PROTOCOLS.md, Continuations).
     `kv_frontier` is the slot's continued-checkpoint frontier (ds4.jobs.kvstore); the last job's
     reused prefix came from `prefix_source`: "slot" (this session), "disk" or "cold" (none).
     """

@@ -1,4 +1,4 @@
-"""Stop sequences on the visible answer text (spec server.md §5: stop → text cut at the match)."""
+"""Stop sequences on the visible answer text (docs/PROTOCOLS.md, Stop sequences)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """`--trace FILE`: a header line naming the model, then one JSON line per ended job, each
-written whole under a lock (server.md §11). Traces without a header (older servers) still read."""
+written whole under a lock (docs/ARCHITECTURE.md, Traces). Traces without a header (older
+servers) still read."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-// Single-query attention for decode (spec 3.4, 3.7): one shared K=V head, per-head sinks,
+// Single-query attention for decode (docs/MODEL.md, Attention): one shared K=V head, head sinks,
 // keys = the raw sliding window ring plus compressed rows (all of them, or an indexer selection).
 
 #include "common.cuh"

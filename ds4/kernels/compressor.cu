@@ -1,4 +1,4 @@
-// KV compressors for decode (spec 3.5, 4.1), on the session state layout of ds4/model/state.py:
+// KV compressors for decode (docs/MODEL.md, Compressors), on the state layout of model/state.py:
 // pending_kv/pending_score [m, cw] hold the open window's rows at slot pos % m (scores with the
 // position bias added), cw = c * hd (c = 2 for CSA and the indexer, 1 for HCA); with overlap,
 // overlap_kv/overlap_score [m, hd] hold the A-half of the last closed window (scores -inf before

@@ -31,7 +31,7 @@ def compressor_push_numpy(kvp, g, bias, pos, pending_kv, pending_score):
 
 def compressor_pool(pending_kv, pending_score, overlap_kv, overlap_score, norm_w, freqs, pos,
                     comp, rope_dim: int, eps: float = 1e-6):
-    """If token pos closes a window, pool it into comp[(pos + 1) // m - 1] (spec 3.5)."""
+    """If token pos closes a window, pool it into comp[(pos + 1) // m - 1]."""
     m = pending_kv.shape[0]
     hd = comp.shape[1]
     block = (hd + 31) // 32 * 32

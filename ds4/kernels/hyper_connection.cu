@@ -1,4 +1,4 @@
-// Manifold-constrained hyper-connections (spec 3.2, 3.9), all fp32. X is the residual state
+// mHC hyper-connections (docs/MODEL.md, Hyper-connections), all fp32. X is the residual state
 // [streams, D]; mix = (fn @ flatten(X)) * rsqrt(mean(X^2) + eps); pre/post/comb come from mix.
 
 #include "common.cuh"

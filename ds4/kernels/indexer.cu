@@ -1,4 +1,4 @@
-// Lightning indexer scores for one query (spec 3.6):
+// Lightning indexer scores for one query (docs/MODEL.md, Indexer):
 //   score[s] = wscale * sum_h wts[h] * relu(q[h] . keys[s])   for s < (pos + 1) / ratio.
 // wscale folds 1/sqrt(heads) and 1/sqrt(hd). Each block scores 32 entries with 256 threads:
 // 8 threads per entry, each summing heads h = sub, sub + 8, ...

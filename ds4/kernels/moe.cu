@@ -1,6 +1,7 @@
-// Mixture of experts for decode (spec 3.8): router top-k on sqrt(softplus(logit)) and the expert
-// GEMVs with clamped SwiGLU. Expert weights are bf16 words or fp32: gate/up rows [inter, cols]
-// each and down [rows, inter], expert e at base + e * expert_stride (HF stacked layout).
+// Mixture of experts for decode (docs/MODEL.md, Mixture of experts): router top-k on
+// sqrt(softplus(logit)) and the expert GEMVs with clamped SwiGLU. Expert weights are bf16 words
+// or fp32: gate/up rows [inter, cols] each and down [rows, inter], expert e at
+// base + e * expert_stride (HF stacked layout).
 
 #include "common.cuh"
 

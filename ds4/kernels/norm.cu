@@ -1,4 +1,4 @@
-// RMSNorm in fp32 (spec 6.1): out = x * rsqrt(mean(x^2) + eps) * w, one block per row.
+// RMSNorm in fp32 (docs/MODEL.md, Numerics): out = x * rsqrt(mean(x^2) + eps) * w, a block per row.
 
 #include "common.cuh"
 

@@ -1,4 +1,4 @@
-// RoPE on the trailing `rope_dim` channels of each row, interleaved pairs (spec 3.4): pair k of
+// RoPE on a row's last `rope_dim` channels, interleaved pairs (docs/MODEL.md, Attention): pair k of
 // row r turns by angle sign * pos * freqs[k]. The angle is formed in float64 (as the NumPy engine
 // does; fp32 angles drift at long positions), then cos/sin are rounded to fp32.
 

@@ -1,5 +1,5 @@
 // Selection on the device: greedy argmax over logits and the top-k entry set used by the indexer
-// (and by top-k sampling). Ties go to the lower index, as ds4 does (spec 7.3).
+// (and by top-k sampling). Ties go to the lower index, as ds4/sampling.py does.
 
 #include "common.cuh"
 

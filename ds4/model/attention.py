@@ -1,4 +1,4 @@
-"""Attention for every layer type (spec §3.4, §3.7): sliding window + compressed rows, sinks."""
+"""Attention of every layer type (docs/MODEL.md, Attention): window, compressed rows, sinks."""
 
 from __future__ import annotations
 

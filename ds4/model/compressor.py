@@ -1,4 +1,4 @@
-"""KV compressor (spec §3.5): windows aligned to absolute positions, softmax pooling, CSA overlap."""
+"""KV compressor (docs/MODEL.md, Compressors): windows at absolute positions, softmax pooling."""
 
 from __future__ import annotations
 

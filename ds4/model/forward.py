@@ -1,4 +1,4 @@
-"""A chunk of tokens through all layers (spec §3): embedding, mHC-wrapped blocks, head."""
+"""A chunk of tokens through all layers (docs/MODEL.md, The forward pass)."""
 
 from __future__ import annotations
 

@@ -203,7 +203,7 @@ class KernelDecoder:
         hc.hc_post(b["X"], b["y"], b["post_comb"], b["X"])
 
     def run_head(self) -> None:
-        """buf["logits"] = W_head RMSNorm(HyperHead(X)) (spec 3.9)."""
+        """buf["logits"] = W_head RMSNorm(HyperHead(X))."""
         cfg, b, top = self.cfg, self.buf, self.top
         hc.hc_mix(top["hc_fn"], b["X"], b["mix"][:cfg.hc_mult], cfg.rms_norm_eps)
         hc.hc_pre(b["mix"], top["hc_scale"], top["hc_base"], b["X"], b["u"], b["post_comb"],
@@ -219,7 +219,7 @@ class KernelDecoder:
                        b["post_comb"], cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
 
     def _attention(self, i: int, t: dict, ls) -> None:
-        """y = attention output of layer i for h (spec 3.4), updating the layer's state."""
+        """y = attention output of layer i for h, updating the layer's state."""
         cfg, b, eps, r = self.cfg, self.buf, self.cfg.rms_norm_eps, self.cfg.qk_rope_head_dim
         H = cfg.num_attention_heads
         freqs = self.freqs["main" if ls.kind == SLIDING else "compress"]
@@ -278,7 +278,7 @@ class KernelDecoder:
         sampling.topk_select(scores, cfg.index_topk, b["sel"], b["sel_count"], self.pos, cs.ratio)
 
     def _moe(self, i: int, t: dict) -> None:
-        """y = routed experts + shared expert of h (spec 3.8)."""
+        """y = routed experts + shared expert of h."""
         cfg, b = self.cfg, self.buf
         inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
         matvec(t["mlp.gate.weight"], b["h"], b["router"])

@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC, spec §3.2) and the final HyperHead (§3.9), fp32."""
+"""mHC hyper-connections and the final HyperHead, fp32 (docs/MODEL.md, Hyper-connections)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Lightning indexer (spec §3.6): picks the top-k compressed entries each CSA query attends to."""
+"""Lightning indexer (docs/MODEL.md, Indexer): the top-k compressed entries a CSA query sees."""
 
 from __future__ import annotations
 

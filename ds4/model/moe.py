@@ -1,4 +1,4 @@
-"""Mixture of experts (spec §3.8): hash or top-k routing, clamped SwiGLU experts + shared expert."""
+"""Mixture of experts (docs/MODEL.md, Mixture of experts): hash or top-k routing, clamped SwiGLU."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Interleaved partial RoPE on the trailing channels of a head (spec §3.4), plain or YaRN."""
+"""Interleaved partial RoPE on a head's last channels, plain or YaRN (docs/MODEL.md, Attention)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ds4.model.config import RopeSpec
 
 
 def inverse_frequencies(spec: RopeSpec, rope_dim: int) -> np.ndarray:
-    """f_k for the rope_dim/2 pairs (float64), YaRN-blended when the spec says so."""
+    """f_k for the rope_dim/2 pairs (float64), YaRN-blended when the RopeSpec says so."""
     base = spec.theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
     extrapolation = 1.0 / base
     if spec.rope_type != "yarn":

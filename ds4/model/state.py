@@ -1,4 +1,4 @@
-"""One session's incremental state (spec §4), preallocated for ctx_size: fixed arrays + counters."""
+"""One session's state, preallocated for ctx_size (docs/MODEL.md, Incremental state)."""
 
 from __future__ import annotations
 

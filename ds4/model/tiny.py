@@ -2,7 +2,7 @@
 
 It has every layer type (2 sliding, then CSA and HCA alternating), hash-routed MoE layers, an
 indexer whose top-k is smaller than the compressed rows of a few-hundred-token prompt, and an
-MTP block under the official `mtp.0.*` names (spec/model.md §2.3). Weights are stored as bf16
+MTP block under the official `mtp.0.*` names (docs/MODEL.md, MTP block). Weights are stored as bf16
 in transformers' `save_original_format=False` layout, so it loads like a real checkpoint.
 """
 

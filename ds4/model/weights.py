@@ -1,4 +1,4 @@
-"""Model weights: both checkpoint layouts (spec §2) mapped to HF names, checked, held on the device."""
+"""Model weights: every checkpoint layout mapped to HF names, checked (docs/MODEL.md, Weights)."""
 
 from __future__ import annotations
 
@@ -429,7 +429,7 @@ HYBRID_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": 
 
 
 def _unhybrid(stored: dict) -> dict:
-    """Official names for transformers' default `save_pretrained()` output (spec §2.1, §7.10).
+    """Official names for transformers' default `save_pretrained()` output (docs/MODEL.md, Weights).
 
     That layout keeps the `model.` prefix and a few HF top-level names around official layer
     names, and calls the attention kv_norm `attn.norm`; users get it unless they pass

@@ -1,4 +1,4 @@
-"""POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API (spec §3, §4.3)."""
+"""POST /v1/messages and /v1/messages/count_tokens (docs/PROTOCOLS.md, Messages)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GET /v1/models and /v1/models/{id} (spec server §2.2)."""
+"""GET /v1/models and /v1/models/{id} (docs/PROTOCOLS.md, Endpoints)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions: OpenAI chat, non-streamed and SSE (spec server §3, §4.2)."""
+"""POST /v1/chat/completions: OpenAI chat (docs/PROTOCOLS.md, Chat completions)."""
 
 from __future__ import annotations
 

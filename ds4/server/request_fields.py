@@ -126,7 +126,7 @@ def _effort(body: dict) -> str | None:
 
 
 def thinking_mode(body: dict, alias_mode: str | None, ctx: int) -> str:
-    """"none" | "high" | "max" from the request's thinking controls (spec server §2.3)."""
+    """"none" | "high" | "max" from the thinking controls (docs/PROTOCOLS.md, Thinking)."""
     switch, effort = _switch(body), _effort(body)
     if switch is False:
         mode = "none"

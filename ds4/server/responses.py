@@ -1,4 +1,4 @@
-"""POST /v1/responses: the OpenAI Responses API, non-streamed and SSE (spec server §3, §4.4)."""
+"""POST /v1/responses: the OpenAI Responses API (docs/PROTOCOLS.md, Responses)."""
 
 from __future__ import annotations
 
