@@ -229,11 +229,23 @@ def metric(url: str, name: str) -> float:
 
 def test_metrics_and_slots_after_generation(live):
     url = live[0]
-    assert metric(url, "ds4_generated_tokens_total") > 0
-    assert metric(url, "ds4_prompt_tokens_total") > 0
-    assert metric(url, "ds4_time_to_first_token_seconds_count") > 0
-    assert metric(url, "ds4_inter_token_seconds_count") > 0
-    assert metric(url, 'ds4_requests_total{endpoint="/v1/messages"') > 0
+    names = ("ds4_generated_tokens_total", "ds4_prompt_tokens_total",
+             "ds4_time_to_first_token_seconds_count", "ds4_inter_token_seconds_count",
+             'ds4_requests_total{endpoint="/v1/messages"')
+    before = {name: metric(url, name) for name in names}
+    chat = httpx.post(url + CHAT, json={"model": GREEDY, "messages": HI, "max_tokens": 5,
+                                        "temperature": 0}).json()["usage"]
+    msg = httpx.post(url + MSG, json={"model": GREEDY, "messages": HI, "max_tokens": 5,
+                                      "temperature": 0}).json()["usage"]
+    grew = {name: metric(url, name) - before[name] for name in names}
+    assert grew["ds4_generated_tokens_total"] == chat["completion_tokens"] + msg["output_tokens"]
+    msg_prompt = (msg["input_tokens"] + msg["cache_read_input_tokens"]
+                  + msg["cache_creation_input_tokens"])
+    assert grew["ds4_prompt_tokens_total"] == chat["prompt_tokens"] + msg_prompt
+    assert grew["ds4_time_to_first_token_seconds_count"] == 2
+    gaps = chat["completion_tokens"] - 1 + msg["output_tokens"] - 1
+    assert grew["ds4_inter_token_seconds_count"] == gaps
+    assert grew['ds4_requests_total{endpoint="/v1/messages"'] == 1
     slots = httpx.get(url + "/slots").json()["slots"]
     used = [s for s in slots if s["last_used"] is not None]
     assert used and all(abs(s["last_used"] - time.time()) < 600 and s["tokens"] > 0 for s in used)
