@@ -153,3 +153,24 @@ def test_a_tiny_temperature_draws_the_best_token(options) -> None:
     for seed in range(4):
         assert sample(logits, options, make_rng(seed)) == 1
         assert sample_masked(np, logits, options, make_rng(seed)) == 1
+
+
+@pytest.mark.parametrize("top_p", [0.0, -0.5, 1.5, float("nan")])
+def test_top_p_outside_zero_to_one_keeps_every_token(top_p) -> None:
+    # the spec's "top_p outside (0, 1] -> 1": the same draws as top_p=1, on both paths
+    from ds4.sampling import sample_masked
+
+    logits = logits_of([0.4, 0.3, 0.2, 0.1])
+    assert draws(logits, n=400, top_p=top_p) == draws(logits, n=400, top_p=1.0)
+    assert set(draws(logits, n=400, top_p=top_p)) == {0, 1, 2, 3}
+    host, device = make_rng(3), make_rng(3)
+    options = SamplingOptions(top_p=top_p, min_p=0.0)
+    want = [sample(logits, SamplingOptions(min_p=0.0), host) for _ in range(50)]
+    assert [sample_masked(np, logits, options, device) for _ in range(50)] == want
+
+
+def test_top_p_of_one_and_just_below_differ() -> None:
+    # 1.0 is inside the range and keeps everything; a hair below drops the 0.1% tail token
+    logits = logits_of([0.6, 0.399, 0.001])
+    assert 2 in draws(logits, n=8000, top_p=1.0)
+    assert set(draws(logits, n=8000, top_p=0.995)) == {0, 1}

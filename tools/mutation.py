@@ -1,0 +1,279 @@
+"""Mutation testing of a few small, logic-dense modules against the tests that guard them.
+
+Each mutant changes one thing in one module (a comparison, an operator, a constant, a boolean
+connective, a `not`, or a statement replaced by `pass`), is written into a scratch copy of the
+tree, and the module's test files run on it (`pytest -x`). A mutant is killed when a test
+fails, survives when all pass. Survivors are listed with their line for docs/TESTING.md.
+Not part of CI: a full run takes tens of minutes on two cores.
+
+    PYTHONPATH=. python3 tools/mutation.py                      # every module, this tree
+    python3 tools/mutation.py ds4/jobs/stop.py --root /tmp/old  # one module, another tree
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# module -> test files that guard it, quickest first (-x stops at the first failure)
+TARGETS = {
+    "ds4/jobs/stop.py": ["tests/test_stop_strings.py", "tests/test_jobs_decoding.py"],
+    "ds4/chat/dsml.py": ["tests/test_dsml_values.py", "tests/test_chat_parse.py",
+                         "tests/test_chat_fuzz.py"],
+    "ds4/server/request_fields.py": ["tests/test_request_fields.py",
+                                     "tests/test_server_requests.py",
+                                     "tests/test_server_shapes.py"],
+    "ds4/sampling.py": ["tests/test_sampling.py"],
+    "ds4/model/rope.py": ["tests/test_rope.py", "tests/test_engine_blocks.py",
+                          "tests/test_parity_tiny.py"],
+}
+COMPARE_SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,
+                 ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In,
+                 ast.Is: ast.IsNot, ast.IsNot: ast.Is}
+BINOP_SWAPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult,
+               ast.FloorDiv: ast.Div, ast.Mod: ast.FloorDiv, ast.Pow: ast.Mult}
+DELETABLE = (ast.Assign, ast.AugAssign, ast.Expr, ast.Return, ast.Raise, ast.Break,
+             ast.Continue)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One change: the `variant`-th mutation of the `index`-th node in ast.walk order."""
+
+    index: int
+    variant: int
+    line: int
+    description: str
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of docstring statements (changing them changes nothing a test could see)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                out.update((id(body[0]), id(body[0].value)))
+    return out
+
+
+def _inert(tree: ast.AST) -> set[int]:
+    """ids of nodes no mutation should touch: annotations, f-string parts, log calls."""
+    roots = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            roots.append(node.annotation)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns:
+            roots.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            roots.append(node.annotation)
+        elif isinstance(node, ast.JoinedStr):
+            roots.append(node)
+        elif _is_log_call(node):
+            roots.append(node)
+    return {id(n) for root in roots for n in ast.walk(root)} | _docstrings(tree)
+
+
+def _is_log_call(node: ast.AST) -> bool:
+    """`log.info(...)` and friends: logging is not behaviour a user sees."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "log")
+
+
+def _constant_variants(value: object) -> list[object]:
+    """Replacements of a literal: the other bool, n+1 (and 0 for 1), x*2 / 0, a changed string."""
+    if isinstance(value, bool):
+        return [not value]
+    if isinstance(value, int):
+        return [value + 1] + ([0] if value == 1 else [])
+    if isinstance(value, float):
+        return [value * 2 if value else 1.0]
+    if isinstance(value, str):
+        return ["XX" + value if value else "XX"]
+    return []
+
+
+def variants(node: ast.AST, in_function: bool) -> list[tuple[str, object]]:
+    """(description, replacement payload) of each mutation this node allows."""
+    if isinstance(node, ast.Compare):
+        return [(f"{type(op).__name__} -> {COMPARE_SWAPS[type(op)].__name__}", ("cmp", i))
+                for i, op in enumerate(node.ops) if type(op) in COMPARE_SWAPS]
+    if isinstance(node, ast.BinOp) and type(node.op) in BINOP_SWAPS:
+        return [(f"{type(node.op).__name__} -> {BINOP_SWAPS[type(node.op)].__name__}",
+                 ("binop", None))]
+    if isinstance(node, ast.BoolOp):
+        return [("and <-> or", ("boolop", None))]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return [("drop not", ("not", None))]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return [("drop unary minus", ("neg", None))]
+    if isinstance(node, ast.Constant) and node.value is not None:
+        return [(f"{node.value!r} -> {v!r}", ("const", v)) for v in _constant_variants(node.value)]
+    if in_function and isinstance(node, DELETABLE):
+        return [("statement -> pass", ("pass", None))]
+    return []
+
+
+def _function_statements(tree: ast.AST) -> set[int]:
+    """ids of statements directly inside a function body (where `pass` may replace them)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for child in ast.walk(node):
+                for name in ("body", "orelse", "finalbody"):
+                    block = getattr(child, name, None)
+                    if isinstance(block, list):
+                        out.update(id(s) for s in block)
+    return out
+
+
+def mutants(source: str) -> list[Mutant]:
+    """Every mutant of a module's source."""
+    tree = ast.parse(source)
+    inert, in_function = _inert(tree), _function_statements(tree)
+    out = []
+    for index, node in enumerate(ast.walk(tree)):
+        if id(node) in inert:
+            continue
+        for variant, (text, _) in enumerate(variants(node, id(node) in in_function)):
+            out.append(Mutant(index, variant, getattr(node, "lineno", 0), text))
+    return out
+
+
+class _Replace(ast.NodeTransformer):
+    """Swaps one statement node for `pass` wherever it sits."""
+
+    def __init__(self, target: ast.AST):
+        self.target = target
+
+    def generic_visit(self, node):
+        if node is self.target:
+            return ast.copy_location(ast.Pass(), node)
+        return super().generic_visit(node)
+
+
+def mutated_source(source: str, mutant: Mutant) -> str:
+    """The module's source with `mutant` applied."""
+    tree = ast.parse(source)
+    inert, in_function = _inert(tree), _function_statements(tree)
+    node = list(ast.walk(tree))[mutant.index]
+    kind, arg = variants(node, id(node) in in_function)[mutant.variant][1]
+    assert id(node) not in inert
+    if kind == "cmp":
+        node.ops[arg] = COMPARE_SWAPS[type(node.ops[arg])]()
+    elif kind == "binop":
+        node.op = BINOP_SWAPS[type(node.op)]()
+    elif kind == "boolop":
+        node.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+    elif kind in ("not", "neg"):
+        tree = _Unwrap(node).visit(tree)
+    elif kind == "const":
+        node.value = arg
+    else:
+        tree = _Replace(node).visit(tree)
+    return ast.unparse(ast.fix_missing_locations(tree))
+
+
+class _Unwrap(ast.NodeTransformer):
+    """Replaces a unary operation by its operand."""
+
+    def __init__(self, target: ast.AST):
+        self.target = target
+
+    def generic_visit(self, node):
+        if node is self.target:
+            return node.operand
+        return super().generic_visit(node)
+
+
+def scratch_tree(root: Path) -> Path:
+    """A copy of the package, the tests and the pytest settings to mutate in."""
+    work = Path(tempfile.mkdtemp(prefix="ds4-mutation-"))
+    for name in ("ds4", "tests"):
+        shutil.copytree(root / name, work / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy(root / "setup.cfg", work / "setup.cfg")
+    return work
+
+
+def run_tests(work: Path, tests: list[str], timeout: float) -> str:
+    """killed | survived | timeout for the tree as it is now."""
+    env = dict(os.environ, PYTHONPATH=str(work), PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+           "-p", "no:randomly", *tests]
+    try:
+        done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    return "survived" if done.returncode == 0 else "killed"
+
+
+def run_module(work: Path, module: str, tests: list[str], timeout: float,
+               log) -> dict[str, int]:
+    """Run every mutant of one module; survivors are printed and logged as JSON lines."""
+    path = work / module
+    source = path.read_text()
+    counts = {"killed": 0, "survived": 0, "timeout": 0}
+    lines = source.splitlines()
+    try:
+        for mutant in mutants(source):
+            path.write_text(mutated_source(source, mutant))
+            outcome = run_tests(work, tests, timeout)
+            counts[outcome] += 1
+            record = {"module": module, "line": mutant.line, "mutation": mutant.description,
+                      "code": lines[mutant.line - 1].strip() if mutant.line else "",
+                      "outcome": outcome}
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            if outcome == "survived":
+                print(f"  survived {module}:{mutant.line} {mutant.description}: "
+                      f"{record['code']}", flush=True)
+    finally:
+        path.write_text(source)
+    return counts
+
+
+def baseline_seconds(work: Path, tests: list[str]) -> float:
+    """Seconds the unmutated tests take; they must pass, or no mutant result means anything."""
+    start = time.monotonic()
+    if run_tests(work, tests, 900) != "survived":
+        raise SystemExit(f"the tests fail without any mutant: {' '.join(tests)}")
+    return time.monotonic() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Mutate the named modules (all of TARGETS by default) and print the counts."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modules", nargs="*", default=list(TARGETS))
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent,
+                        help="tree whose ds4/ and tests/ are mutated (default: this one)")
+    parser.add_argument("--log", type=Path, default=Path("mutation.jsonl"))
+    args = parser.parse_args(argv)
+    work = scratch_tree(args.root.resolve())
+    try:
+        with args.log.open("w") as log:
+            for module in args.modules:
+                tests = [t for t in TARGETS[module] if (work / t).exists()]
+                timeout = 3 * baseline_seconds(work, tests) + 30
+                counts = run_module(work, module, tests, timeout, log)
+                total = sum(counts.values())
+                print(f"{module}: {total} mutants, {counts['killed']} killed, "
+                      f"{counts['timeout']} timed out, {counts['survived']} survived "
+                      f"({' '.join(tests)})", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
