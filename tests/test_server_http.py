@@ -70,11 +70,11 @@ def test_chat_non_stream_and_stream_agree(oai, live):
     assert done.model == GREEDY and isinstance(done.created, int)
     choice = done.choices[0]
     assert choice.index == 0 and choice.message.role == "assistant"
-    assert choice.finish_reason in ("stop", "length") and isinstance(choice.message.content, str)
+    assert choice.finish_reason == "length" and isinstance(choice.message.content, str)
     prompt = n_tokens(runtime, render_chat(HI, thinking="none"))
     assert done.usage.prompt_tokens == prompt
     assert done.usage.total_tokens == prompt + done.usage.completion_tokens
-    assert 0 < done.usage.completion_tokens <= 8
+    assert done.usage.completion_tokens == 8  # a random model does not end on its own
 
     chunks = list(oai.chat.completions.create(model=GREEDY, messages=HI, max_tokens=8,
                                               temperature=0, stream=True,
@@ -92,7 +92,7 @@ def test_completions(oai):
     done = oai.completions.create(model=GREEDY, prompt="Once upon a time", max_tokens=6,
                                   temperature=0)
     assert done.object == "text_completion" and done.id.startswith("cmpl-")
-    assert done.choices[0].finish_reason in ("stop", "length") and done.usage.completion_tokens <= 6
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 6
     streamed = list(oai.completions.create(model=GREEDY, prompt="Once upon a time", max_tokens=6,
                                            temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
@@ -118,7 +118,7 @@ def test_chat_with_tools_and_tool_results_in_history(oai, live):
     expected = render_chat(TOOL_HISTORY, tools=[WEATHER], thinking="none")
     assert "<tool_result>" in expected and "get_weather" in expected
     assert done.usage.prompt_tokens == n_tokens(live[1], expected)
-    assert done.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert done.choices[0].finish_reason == "length" and not done.choices[0].message.tool_calls
 
 
 def test_anthropic_messages_stream_and_count_tokens(claude, live):
@@ -127,12 +127,12 @@ def test_anthropic_messages_stream_and_count_tokens(claude, live):
     msg = claude.messages.create(**args)
     assert msg.type == "message" and msg.role == "assistant" and msg.model == GREEDY
     assert msg.id.startswith("msg_") and msg.stop_sequence is None
-    assert msg.stop_reason in ("end_turn", "max_tokens")
+    assert msg.stop_reason == "max_tokens"
     assert [b.type for b in msg.content] == ["text"]
     prompt = n_tokens(live[1], render_anthropic(HI, thinking="none"))
     assert claude.messages.count_tokens(model=GREEDY, messages=HI).input_tokens == prompt
     assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == prompt
-    assert msg.usage.cache_creation_input_tokens == 0 and msg.usage.output_tokens <= 8
+    assert msg.usage.cache_creation_input_tokens == 0 and msg.usage.output_tokens == 8
 
     with claude.messages.stream(**args) as stream:
         kinds = [event.type for event in stream]
@@ -148,12 +148,12 @@ def test_responses_non_stream_and_stream_agree(oai):
     args = {"model": GREEDY, "input": "Say hi", "max_output_tokens": 8, "temperature": 0}
     done = oai.responses.create(**args)
     assert done.id.startswith("resp_") and done.object == "response"
-    assert done.status in ("completed", "incomplete")
+    assert done.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"
     assert [item.type for item in done.output] == ["message"]
     events = list(oai.responses.create(stream=True, **args))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].type == "response.created"
-    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].type == "response.incomplete"
     streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert streamed == done.output_text == events[-1].response.output_text
 
