@@ -84,3 +84,17 @@ def test_a_finished_job_hands_the_client_strict_json_arguments():
     end = rec.finished()
     assert end.finish_reason == "tool_calls"
     assert [strict(c.arguments) for c in end.output.tool_calls] == [{"city": "Paris", "x": "NaN"}]
+
+
+def test_a_lone_surrogate_in_the_text_is_kept_and_hashed_not_raised():
+    # decoded trace text can hold one (JSON "\ud800"); call ids hash the text before the call
+    text = "Broken \ud800 char." + block(param("s", "x\udfffy", None))
+    final = parse_output(text, thinking=False, tools_active=True)
+    parser = OutputParser(thinking=False, tools_active=True)
+    parser.feed(text)
+    parser.finish()
+    assert final.content == "Broken \ud800 char.Calling."
+    assert json.loads(final.tool_calls[0].arguments) == {"s": "x\udfffy"}
+    assert parser.result() == final
+    other = parse_output(text.replace("\ud800", "\ud801"), thinking=False, tools_active=True)
+    assert other.tool_calls[0].id != final.tool_calls[0].id

@@ -6,8 +6,9 @@ tree, and the module's test files run on it (`pytest -x`). A mutant is killed wh
 fails, survives when all pass. Survivors are listed with their line for docs/TESTING.md.
 Not part of CI: a full run takes tens of minutes on two cores.
 
-    PYTHONPATH=. python3 tools/mutation.py                      # every module, this tree
-    python3 tools/mutation.py ds4/jobs/stop.py --root /tmp/old  # one module, another tree
+    python3 tools/mutation.py                                    # every module, this tree
+    python3 tools/mutation.py ds4/jobs/stop.py --root /tmp/old   # one module, another tree
+    python3 tools/mutation.py --rerun before.jsonl --log after.jsonl  # only earlier survivors
 """
 
 from __future__ import annotations
@@ -218,22 +219,28 @@ def run_tests(work: Path, tests: list[str], timeout: float) -> str:
     return "survived" if done.returncode == 0 else "killed"
 
 
-def run_module(work: Path, module: str, tests: list[str], timeout: float,
-               log) -> dict[str, int]:
-    """Run every mutant of one module; survivors are printed and logged as JSON lines."""
+def run_module(work: Path, module: str, tests: list[str], timeout: float, log,
+               earlier: list[dict] | None = None) -> dict[str, int]:
+    """Run every mutant of one module; survivors are printed and logged as JSON lines.
+
+    With `earlier` (this module's records of a run on the same source) only its survivors
+    run again: a test added since cannot revive a mutant that a test already killed.
+    """
     path = work / module
     source = path.read_text()
     counts = {"killed": 0, "survived": 0, "timeout": 0}
     lines = source.splitlines()
     try:
-        for mutant in mutants(source):
-            path.write_text(mutated_source(source, mutant))
-            outcome = run_tests(work, tests, timeout)
-            counts[outcome] += 1
+        for n, mutant in enumerate(mutants(source)):
             record = {"module": module, "line": mutant.line, "mutation": mutant.description,
-                      "code": lines[mutant.line - 1].strip() if mutant.line else "",
-                      "outcome": outcome}
-            log.write(json.dumps(record) + "\n")
+                      "code": lines[mutant.line - 1].strip() if mutant.line else ""}
+            if earlier is not None and earlier[n]["outcome"] != "survived":
+                outcome = earlier[n]["outcome"]
+            else:
+                path.write_text(mutated_source(source, mutant))
+                outcome = run_tests(work, tests, timeout)
+            counts[outcome] += 1
+            log.write(json.dumps({**record, "outcome": outcome}) + "\n")
             log.flush()
             if outcome == "survived":
                 print(f"  survived {module}:{mutant.line} {mutant.description}: "
@@ -241,6 +248,20 @@ def run_module(work: Path, module: str, tests: list[str], timeout: float,
     finally:
         path.write_text(source)
     return counts
+
+
+def earlier_records(path: Path | None, module: str, source: str) -> list[dict] | None:
+    """A previous log's records of `module`, if they are of exactly this source's mutants."""
+    if path is None:
+        return None
+    records = [r for r in map(json.loads, path.read_text().splitlines()) if r["module"] == module]
+    found = mutants(source)
+    lines = source.splitlines()
+    same = len(records) == len(found) and all(
+        (r["line"], r["mutation"], r["code"]) ==
+        (m.line, m.description, lines[m.line - 1].strip() if m.line else "")
+        for r, m in zip(records, found))
+    return records if same else None
 
 
 def baseline_seconds(work: Path, tests: list[str]) -> float:
@@ -258,14 +279,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent,
                         help="tree whose ds4/ and tests/ are mutated (default: this one)")
     parser.add_argument("--log", type=Path, default=Path("mutation.jsonl"))
+    parser.add_argument("--rerun", type=Path, default=None,
+                        help="an earlier log: where a module's source is unchanged, run only "
+                             "the mutants that survived it")
     args = parser.parse_args(argv)
     work = scratch_tree(args.root.resolve())
     try:
         with args.log.open("w") as log:
             for module in args.modules:
                 tests = [t for t in TARGETS[module] if (work / t).exists()]
+                earlier = earlier_records(args.rerun, module, (work / module).read_text())
                 timeout = 3 * baseline_seconds(work, tests) + 30
-                counts = run_module(work, module, tests, timeout, log)
+                counts = run_module(work, module, tests, timeout, log, earlier)
                 total = sum(counts.values())
                 print(f"{module}: {total} mutants, {counts['killed']} killed, "
                       f"{counts['timeout']} timed out, {counts['survived']} survived "
