@@ -164,6 +164,8 @@ TURN_IN_BLOCK = "malformed DSML: a turn marker inside the tool calls"
 @pytest.mark.parametrize("good,bad,message", [
     ('<｜DSML｜invoke name="f">\n', 'hello</｜DSML｜invoke>',
      "malformed DSML: expected a parameter or the end of the invoke"),
+    ('<｜DSML｜invoke name="f">\n', 'X </｜DSML｜invoke>',  # X is no whitespace
+     "malformed DSML: expected a parameter or the end of the invoke"),
     ('', 'junk', "malformed DSML: expected an invoke or the end of the tool calls"),
     ('', '<｜DSML｜invoke nam="f">\n</｜DSML｜invoke>', BAD_INVOKE),
     ('', '<｜DSML｜invoke name="">\n</｜DSML｜invoke>', BAD_INVOKE),

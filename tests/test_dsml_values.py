@@ -98,3 +98,20 @@ def test_a_lone_surrogate_in_the_text_is_kept_and_hashed_not_raised():
     assert parser.result() == final
     other = parse_output(text.replace("\ud800", "\ud801"), thinking=False, tools_active=True)
     assert other.tool_calls[0].id != final.tool_calls[0].id
+
+
+def test_text_before_a_block_keeps_its_last_characters():
+    # only the blank line before the block is syntax; "X" is no whitespace
+    text = "Use X" + block(param("k", "X", None))[len("Calling."):]
+    final = parse_output(text, thinking=False, tools_active=True)
+    assert final.content == "Use X" and strict(final.tool_calls[0].arguments) == {"k": "X"}
+    assert arguments(text)[1] == final.tool_calls[0].arguments
+
+
+def test_a_block_at_the_very_start_wins_over_other_spellings_later_in_it():
+    # the canonical block opens at offset 0; a plain "<tool_calls>" inside a value is data
+    text = block(param("v", "a <tool_calls> b", None))[len("Calling.\n\n"):]
+    final = parse_output(text, thinking=False, tools_active=True)
+    assert final.content == ""
+    assert [strict(c.arguments) for c in final.tool_calls] == [{"v": "a <tool_calls> b"}]
+    assert arguments(text)[0] == final.tool_calls[0].arguments

@@ -70,6 +70,9 @@ def test_the_longest_possible_stop_prefix_is_held_and_no_more():
     stop = StopText(["abc", "cab"])
     assert stop.filter([TextDelta("xxcab")]) == [TextDelta("xx")] and stop.hit == "cab"
     stop = StopText(["abcd", "cd"])
+    assert stop.filter([TextDelta("ab")]) == []  # all held: no empty delta reaches a client
+    assert stop.filter([TextDelta("")]) == [] and stop.held == "ab"
+    assert stop.filter([TextDelta("x")]) == [TextDelta("abx")]
     assert stop.filter([TextDelta("zabc")]) == [TextDelta("z")]  # "abc" may become "abcd"
     assert stop.filter([TextDelta("x")]) == [TextDelta("abcx")]
     assert stop.filter([TextDelta("zc")]) == [TextDelta("z")] and stop.held == "c"

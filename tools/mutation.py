@@ -19,7 +19,7 @@ import copy
 import json
 import os
 import shutil
-import subprocess
+import signal
 import sys
 import tempfile
 import time
@@ -207,24 +207,64 @@ def scratch_tree(root: Path) -> Path:
     return work
 
 
+# Imported once by the parent so that each forked test run skips their start-up cost; the
+# parent never imports ds4 or the tests, so every child imports the mutated tree afresh.
+PRELOAD = ("numpy", "pytest", "hypothesis", "tokenizers", "httpx", "starlette", "uvicorn",
+           "anyio", "openai", "anthropic", "scipy.linalg", "ml_dtypes", "safetensors")
+
+
+def preload() -> None:
+    """Import the third-party libraries the tests use (those installed)."""
+    sys.dont_write_bytecode = True  # a mutant must never leave a .pyc another one could load
+    for name in PRELOAD:
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+
+
 def run_tests(work: Path, tests: list[str], timeout: float) -> str:
-    """killed | survived | timeout for the tree as it is now."""
-    env = dict(os.environ, PYTHONPATH=str(work), PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-           "-p", "no:randomly", *tests]
+    """killed | survived | timeout for the tree as it is now (pytest -x in a forked child)."""
+    pid = os.fork()
+    if pid == 0:  # the child: run the tests and leave without running the parent's cleanup
+        os._exit(_child(work, tests))
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return "survived" if os.waitstatus_to_exitcode(status) == 0 else "killed"
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "timeout"
+        time.sleep(0.05)
+
+
+def _child(work: Path, tests: list[str]) -> int:
+    """pytest on `tests` in `work`, output discarded; its exit status."""
     try:
-        done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return "timeout"
-    return "survived" if done.returncode == 0 else "killed"
+        import pytest
+
+        os.chdir(work)
+        os.environ["PYTHONPATH"] = str(work)  # for tests that start `python -m ds4...`
+        os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+        sys.path.insert(0, str(work))
+        quiet = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(quiet, 1)
+        os.dup2(quiet, 2)
+        return int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                                *tests]))
+    except BaseException:
+        return 99
 
 
 def run_module(work: Path, module: str, tests: list[str], timeout: float, log,
-               earlier: list[dict] | None = None) -> dict[str, int]:
+               earlier: list[dict] | None = None, resume: bool = False) -> dict[str, int]:
     """Run every mutant of one module; survivors are printed and logged as JSON lines.
 
     With `earlier` (this module's records of a run on the same source) only its survivors
-    run again: a test added since cannot revive a mutant that a test already killed.
+    run again: a test added since cannot revive a mutant that a test already killed. With
+    `resume` its records stand as they are and only the mutants it did not reach run.
     """
     path = work / module
     source = path.read_text()
@@ -234,7 +274,8 @@ def run_module(work: Path, module: str, tests: list[str], timeout: float, log,
         for n, mutant in enumerate(mutants(source)):
             record = {"module": module, "line": mutant.line, "mutation": mutant.description,
                       "code": lines[mutant.line - 1].strip() if mutant.line else ""}
-            if earlier is not None and earlier[n]["outcome"] != "survived":
+            if earlier is not None and n < len(earlier) and (
+                    resume or earlier[n]["outcome"] != "survived"):
                 outcome = earlier[n]["outcome"]
             else:
                 path.write_text(mutated_source(source, mutant))
@@ -251,13 +292,14 @@ def run_module(work: Path, module: str, tests: list[str], timeout: float, log,
 
 
 def earlier_records(path: Path | None, module: str, source: str) -> list[dict] | None:
-    """A previous log's records of `module`, if they are of exactly this source's mutants."""
+    """A previous log's records of `module` if they are of this source's mutants (the first
+    ones, when that run stopped early)."""
     if path is None:
         return None
     records = [r for r in map(json.loads, path.read_text().splitlines()) if r["module"] == module]
     found = mutants(source)
     lines = source.splitlines()
-    same = len(records) == len(found) and all(
+    same = 0 < len(records) <= len(found) and all(
         (r["line"], r["mutation"], r["code"]) ==
         (m.line, m.description, lines[m.line - 1].strip() if m.line else "")
         for r, m in zip(records, found))
@@ -282,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun", type=Path, default=None,
                         help="an earlier log: where a module's source is unchanged, run only "
                              "the mutants that survived it")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --rerun: keep all its outcomes, run only what it lacks")
     args = parser.parse_args(argv)
+    preload()
     work = scratch_tree(args.root.resolve())
     try:
         with args.log.open("w") as log:
@@ -290,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                 tests = [t for t in TARGETS[module] if (work / t).exists()]
                 earlier = earlier_records(args.rerun, module, (work / module).read_text())
                 timeout = 3 * baseline_seconds(work, tests) + 30
-                counts = run_module(work, module, tests, timeout, log, earlier)
+                counts = run_module(work, module, tests, timeout, log, earlier, args.resume)
                 total = sum(counts.values())
                 print(f"{module}: {total} mutants, {counts['killed']} killed, "
                       f"{counts['timeout']} timed out, {counts['survived']} survived "
