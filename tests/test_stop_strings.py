@@ -149,3 +149,9 @@ def test_a_job_stops_at_the_earliest_match_in_either_order(stops):
     end = rec.finished()
     assert (end.finish_reason, end.output.content, end.text) == ("stop", "The ", "The ")
     assert streamed(rec) == "The "
+
+
+def test_a_complete_stop_string_ends_the_answer_at_once_even_if_a_longer_one_may_follow():
+    # "ab" and "abc" start at the same place: the cut is the same, so no reason to wait
+    stop = StopText(["abc", "ab"])
+    assert stop.filter([TextDelta("xab")]) == [TextDelta("x")] and stop.hit == "ab"

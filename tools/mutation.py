@@ -23,6 +23,7 @@ import signal
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,6 +152,20 @@ def mutants(source: str) -> list[Mutant]:
     return out
 
 
+def sampled(source: str, every: int) -> list[Mutant]:
+    """One mutant in `every`, picked by a hash of its line's code and its change, so a run on
+    an edited module samples the same mutants on the lines that did not change."""
+    if every <= 1:
+        return mutants(source)
+    lines, seen, out = source.splitlines(), {}, []
+    for m in mutants(source):
+        key = f"{lines[m.line - 1].strip() if m.line else ''}|{m.description}"
+        seen[key] = seen.get(key, 0) + 1
+        if zlib.crc32(f"{key}|{seen[key]}".encode()) % every == 0:
+            out.append(m)
+    return out
+
+
 class _Replace(ast.NodeTransformer):
     """Swaps one statement node for `pass` wherever it sits."""
 
@@ -259,7 +274,8 @@ def _child(work: Path, tests: list[str]) -> int:
 
 
 def run_module(work: Path, module: str, tests: list[str], timeout: float, log,
-               earlier: list[dict] | None = None, resume: bool = False) -> dict[str, int]:
+               earlier: list[dict] | None = None, resume: bool = False,
+               every: int = 1) -> dict[str, int]:
     """Run every mutant of one module; survivors are printed and logged as JSON lines.
 
     With `earlier` (this module's records of a run on the same source) only its survivors
@@ -271,7 +287,7 @@ def run_module(work: Path, module: str, tests: list[str], timeout: float, log,
     counts = {"killed": 0, "survived": 0, "timeout": 0}
     lines = source.splitlines()
     try:
-        for n, mutant in enumerate(mutants(source)):
+        for n, mutant in enumerate(sampled(source, every)):
             record = {"module": module, "line": mutant.line, "mutation": mutant.description,
                       "code": lines[mutant.line - 1].strip() if mutant.line else ""}
             if earlier is not None and n < len(earlier) and (
@@ -291,13 +307,14 @@ def run_module(work: Path, module: str, tests: list[str], timeout: float, log,
     return counts
 
 
-def earlier_records(path: Path | None, module: str, source: str) -> list[dict] | None:
+def earlier_records(path: Path | None, module: str, source: str,
+                    every: int = 1) -> list[dict] | None:
     """A previous log's records of `module` if they are of this source's mutants (the first
     ones, when that run stopped early)."""
     if path is None:
         return None
     records = [r for r in map(json.loads, path.read_text().splitlines()) if r["module"] == module]
-    found = mutants(source)
+    found = sampled(source, every)
     lines = source.splitlines()
     same = 0 < len(records) <= len(found) and all(
         (r["line"], r["mutation"], r["code"]) ==
@@ -324,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun", type=Path, default=None,
                         help="an earlier log: where a module's source is unchanged, run only "
                              "the mutants that survived it")
+    parser.add_argument("--sample", type=int, default=1, metavar="N",
+                        help="run one mutant in N (the same ones on unchanged lines)")
     parser.add_argument("--resume", action="store_true",
                         help="with --rerun: keep all its outcomes, run only what it lacks")
     args = parser.parse_args(argv)
@@ -333,9 +352,11 @@ def main(argv: list[str] | None = None) -> int:
         with args.log.open("w") as log:
             for module in args.modules:
                 tests = [t for t in TARGETS[module] if (work / t).exists()]
-                earlier = earlier_records(args.rerun, module, (work / module).read_text())
+                earlier = earlier_records(args.rerun, module, (work / module).read_text(),
+                                          args.sample)
                 timeout = 3 * baseline_seconds(work, tests) + 30
-                counts = run_module(work, module, tests, timeout, log, earlier, args.resume)
+                counts = run_module(work, module, tests, timeout, log, earlier, args.resume,
+                                    args.sample)
                 total = sum(counts.values())
                 print(f"{module}: {total} mutants, {counts['killed']} killed, "
                       f"{counts['timeout']} timed out, {counts['survived']} survived "
