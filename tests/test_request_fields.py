@@ -91,3 +91,13 @@ def test_max_tokens_takes_the_first_field_present():
     assert rf.max_tokens({"max_tokens": 7, "max_completion_tokens": None}, names, 9) == 7
     assert rf.max_tokens({"max_tokens": -4}, names, 9) == 0
     assert rf.max_tokens({}, names, 9) == 9
+
+
+@pytest.mark.parametrize("effort, mode", [
+    ("max", "max"), ("xhigh", "high"), ("high", "high"), ("medium", "high"), ("low", "high"),
+    ("minimal", "high"), ("none", "none"),
+])
+def test_every_reasoning_effort_word(effort, mode):
+    for body in ({"reasoning_effort": effort}, {"reasoning": {"effort": effort}},
+                 {"output_config": {"effort": effort}}):
+        assert rf.thinking_mode(body, "none", 393216) == mode

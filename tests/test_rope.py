@@ -31,16 +31,35 @@ def yarn_reference(spec: RopeSpec, dim: int) -> np.ndarray:
         wavelength_ratio = spec.original_max_position_embeddings / (rotations * 2 * math.pi)
         return dim * math.log(wavelength_ratio) / (2 * math.log(spec.theta))
 
-    low, high = math.floor(dim_of(spec.beta_fast)), math.ceil(dim_of(spec.beta_slow))
+    low, high = dim_of(spec.beta_fast), dim_of(spec.beta_slow)
+    if spec.truncate:
+        low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
     ramp = np.clip((np.arange(dim // 2) - low) / (high - low), 0, 1)
     return (1.0 / (spec.factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * (1 - ramp)
 
 
-@pytest.mark.parametrize("spec", [FLASH_YARN, PLAIN], ids=["yarn", "plain"])
+YARN_VARIANTS = {
+    "flash": FLASH_YARN,
+    "plain": PLAIN,
+    "untruncated": RopeSpec(theta=10000.0, rope_type="yarn", factor=8.0,
+                            original_max_position_embeddings=4096, truncate=False),
+    "zero-width ramp": RopeSpec(theta=10000.0, rope_type="yarn", factor=4.0,
+                                original_max_position_embeddings=4096, beta_fast=8.0,
+                                beta_slow=8.0, truncate=False),
+    "clamped both ends": RopeSpec(theta=10000.0, rope_type="yarn", factor=4.0,
+                                  original_max_position_embeddings=64, beta_fast=32.0,
+                                  beta_slow=1e-3),
+}
+
+
+@pytest.mark.parametrize("spec", YARN_VARIANTS.values(), ids=YARN_VARIANTS.keys())
 def test_inverse_frequencies_follow_the_reference(spec):
-    np.testing.assert_allclose(inverse_frequencies(spec, 64), yarn_reference(spec, 64),
-                               rtol=1e-14)
+    got = inverse_frequencies(spec, 64)
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, yarn_reference(spec, 64), rtol=1e-14)
 
 
 @pytest.mark.parametrize("spec", [FLASH_YARN, PLAIN], ids=["yarn", "plain"])
