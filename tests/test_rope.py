@@ -49,9 +49,10 @@ YARN_VARIANTS = {
     "zero-width ramp": RopeSpec(theta=10000.0, rope_type="yarn", factor=4.0,
                                 original_max_position_embeddings=4096, beta_fast=8.0,
                                 beta_slow=8.0, truncate=False),
-    "clamped both ends": RopeSpec(theta=10000.0, rope_type="yarn", factor=4.0,
-                                  original_max_position_embeddings=64, beta_fast=32.0,
-                                  beta_slow=1e-3),
+    "clamped low": RopeSpec(theta=10000.0, rope_type="yarn", factor=4.0,
+                            original_max_position_embeddings=64, beta_slow=1e-3),
+    "clamped high": RopeSpec(theta=10000.0, rope_type="yarn", factor=4.0,
+                             original_max_position_embeddings=65536, beta_slow=1e-5),
 }
 
 
