@@ -101,3 +101,11 @@ def test_every_reasoning_effort_word(effort, mode):
     for body in ({"reasoning_effort": effort}, {"reasoning": {"effort": effort}},
                  {"output_config": {"effort": effort}}):
         assert rf.thinking_mode(body, "none", 393216) == mode
+
+
+def test_protocols_without_min_p_get_the_default():
+    # Anthropic and Responses carry no min_p: a field in the body is ignored, 0.05 applies
+    got = rf.sampling({"min_p": 0.5, "top_k": 9, "seed": 4}, "none", with_min_p=False,
+                      with_top_k=False, with_seed=False)
+    assert (got.min_p, got.top_k, got.seed) == (0.05, 0, None)
+    assert rf.sampling({"min_p": 0.5}, "none").min_p == 0.5
