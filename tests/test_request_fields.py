@@ -109,3 +109,11 @@ def test_protocols_without_min_p_get_the_default():
                       with_top_k=False, with_seed=False)
     assert (got.min_p, got.top_k, got.seed) == (0.05, 0, None)
     assert rf.sampling({"min_p": 0.5}, "none").min_p == 0.5
+
+
+def test_an_unknown_model_is_a_404_naming_the_field_and_the_models():
+    with pytest.raises(ApiError) as err:
+        rf.resolve_model({"model": "gpt-4o"})
+    assert (err.value.status, err.value.param, err.value.code) == (404, "model", "model_not_found")
+    assert err.value.message == ("The model 'gpt-4o' does not exist; this server serves "
+                                 "deepseek-v4-flash, deepseek-chat, deepseek-reasoner")
