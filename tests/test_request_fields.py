@@ -117,3 +117,10 @@ def test_an_unknown_model_is_a_404_naming_the_field_and_the_models():
     assert (err.value.status, err.value.param, err.value.code) == (404, "model", "model_not_found")
     assert err.value.message == ("The model 'gpt-4o' does not exist; this server serves "
                                  "deepseek-v4-flash, deepseek-chat, deepseek-reasoner")
+
+
+@pytest.mark.parametrize("top_p, kept", [(0, 1.0), (-0.5, 1.0), (1.5, 1.0), (1, 1.0),
+                                         (0.25, 0.25)])
+def test_top_p_outside_zero_to_one_is_read_as_one(top_p, kept):
+    # what the sampler applies and what a trace records of the request
+    assert rf.sampling({"top_p": top_p}, "none").top_p == kept
