@@ -1,10 +1,11 @@
 """Draw the next token from logits: greedy, temperature, top_k, top_p, min_p, seeded.
 
 Temperature scales the logits, top_k keeps the k best tokens, then top_p (smallest prefix of
-the ranked tokens holding that probability mass) and min_p (probability at least min_p times
-the best one's) both judge the distribution top_k left; a token must pass both. Candidates are
-ranked by logit, then by lower token id. The survivors, in token-id order, split [0, 1) by
-their float64 weights and one uniform draw of the request's generator picks the token.
+the ranked tokens holding that probability mass; a top_p outside (0, 1] filters nothing) and
+min_p (probability at least min_p times the best one's) both judge the distribution top_k
+left; a token must pass both. Candidates are ranked by logit, then by lower token id. The
+survivors, in token-id order, split [0, 1) by their float64 weights and one uniform draw of
+the request's generator picks the token.
 
 Logits on the GPU (a CuPy array) are sampled there and only the token id comes back; the draw
 still comes from the same host generator, so a seed gives the same tokens on both backends.
@@ -59,6 +60,11 @@ def _scaled(logits, temperature: float):
         return (logits - logits.max()) / logits.dtype.type(temperature)
 
 
+def _top_p(opts: SamplingOptions) -> float:
+    """top_p as the filter applies it: a value outside (0, 1] (NaN too) keeps every token."""
+    return opts.top_p if 0.0 < opts.top_p <= 1.0 else 1.0
+
+
 def _log_min_p(opts: SamplingOptions) -> np.float32:
     """log of min_p, capped at 1 so the best token always passes the filter."""
     return np.float32(np.log(min(opts.min_p, 1.0)))
@@ -68,7 +74,8 @@ def _pick(scaled: np.ndarray, opts: SamplingOptions, u: float) -> int:
     """Host path: the token that draw u selects among the survivors of the filters."""
     n, peak = scaled.size, scaled.max()
     k = min(opts.top_k, TOP_K_CAP) if opts.top_k > 0 else n
-    ids = _top_k_top_p(scaled, k, opts.top_p, peak) if k < n or opts.top_p < 1.0 else None
+    top_p = _top_p(opts)
+    ids = _top_k_top_p(scaled, k, top_p, peak) if k < n or top_p < 1.0 else None
     if opts.min_p > 0:  # p >= min_p * p_max, in log space
         floor = peak + _log_min_p(opts)
         ids = np.flatnonzero(scaled >= floor) if ids is None else ids[scaled[ids] >= floor]
@@ -120,16 +127,17 @@ def sample_masked(xp, logits, opts: SamplingOptions, rng: np.random.Generator) -
     scaled = _scaled(logits, opts.temperature)
     n, peak = scaled.size, scaled.max()
     k = min(opts.top_k, TOP_K_CAP) if opts.top_k > 0 else n
+    top_p = _top_p(opts)
     weight = xp.exp(scaled.astype(xp.float64) - peak)
     keep = None
-    if k < n or opts.top_p < 1.0:
+    if k < n or top_p < 1.0:
         order = _rank_order(xp, scaled)
         rank = xp.empty(n, dtype=xp.int64)
         rank[order] = xp.arange(n, dtype=xp.int64)
         limit = k
-        if opts.top_p < 1.0:
+        if top_p < 1.0:
             mass = xp.cumsum(weight[order[:k]])
-            target = xp.asarray([opts.top_p], dtype=xp.float64)
+            target = xp.asarray([top_p], dtype=xp.float64)
             limit = xp.searchsorted(mass / mass[-1], target, side="left")[0] + 1
         keep = rank < limit
     if opts.min_p > 0:

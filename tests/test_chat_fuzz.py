@@ -5,6 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ds4.chat import ChatError, render_anthropic, render_chat, render_responses
+from ds4.chat.special_tokens import BOS
 
 WORDS = st.sampled_from([
     "user", "assistant", "system", "developer", "tool", "text", "tool_use", "tool_result",
@@ -47,10 +48,13 @@ FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=list(Heal
 
 
 def renders_or_refuses(render) -> None:
+    """Either a prompt (text opening with BOS) or a ChatError saying what is wrong."""
     try:
-        render()
-    except ChatError:
-        pass
+        prompt = render()
+    except ChatError as err:
+        assert str(err).strip(), "a refusal must say why"
+        return
+    assert isinstance(prompt, str) and prompt.startswith(BOS)
 
 
 @given(messages=st.lists(OPENAI, max_size=5), tools=TOOLS, choice=CHOICE, response_format=ANY)

@@ -157,24 +157,37 @@ def test_thinking_without_end_is_all_reasoning():
     assert out.reasoning == "still thinking <｜DSML｜tool_calls>" and out.content == ""
 
 
+BAD_INVOKE = "malformed DSML: invalid invoke tag"
+TURN_IN_BLOCK = "malformed DSML: a turn marker inside the tool calls"
+
+
 @pytest.mark.parametrize("good,bad,message", [
-    ('<｜DSML｜invoke name="f">\n', 'hello</｜DSML｜invoke>', "expected a parameter"),
-    ('', 'junk', "expected an invoke"),
-    ('', '<｜DSML｜invoke nam="f">\n</｜DSML｜invoke>', "invalid invoke tag"),
-    ('', '<｜DSML｜invoke name="">\n</｜DSML｜invoke>', "invalid invoke tag"),
+    ('<｜DSML｜invoke name="f">\n', 'hello</｜DSML｜invoke>',
+     "malformed DSML: expected a parameter or the end of the invoke"),
+    ('<｜DSML｜invoke name="f">\n', 'X </｜DSML｜invoke>',  # X is no whitespace
+     "malformed DSML: expected a parameter or the end of the invoke"),
+    ('', 'junk', "malformed DSML: expected an invoke or the end of the tool calls"),
+    ('', '<｜DSML｜invoke nam="f">\n</｜DSML｜invoke>', BAD_INVOKE),
+    ('', '<｜DSML｜invoke name="">\n</｜DSML｜invoke>', BAD_INVOKE),
+    ('', '<｜DSML｜invoke name="f" junk>\n</｜DSML｜invoke>', BAD_INVOKE),
     ('<｜DSML｜invoke name="f">\n',
-     ('<｜DSML｜parameter name="k" string="maybe">v</｜DSML｜parameter>'), "invalid parameter tag"),
+     ('<｜DSML｜parameter name="k" string="maybe">v</｜DSML｜parameter>'),
+     "malformed DSML: invalid parameter tag"),
+    ('<｜DSML｜invoke name="f">\n', '<｜DSML｜parameter string="true">v</｜DSML｜parameter>',
+     "malformed DSML: invalid parameter tag"),
+    ('<｜DSML｜invoke name="f">\n', '<｜DSML｜parameter name="k" "x">v</｜DSML｜parameter>',
+     "malformed DSML: invalid parameter tag"),
     ('<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="k" string="true">', 'v<｜User｜>hi',
-     "turn marker inside"),
+     TURN_IN_BLOCK),
     ('<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="k" string="false">',
-     '[1, <｜Assistant｜>', "turn marker inside"),
+     '[1, <｜Assistant｜>', TURN_IN_BLOCK),
 ])
 def test_malformed_dsml_is_reported_with_the_valid_offset(good, bad, message):
     head = 'r</think>C\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="ok">\n</｜DSML｜invoke>\n'
     head += good
     text = head + bad
     final, parser = assert_stream_matches(text, [text.encode()])
-    assert message in final.malformed and message in parser.error
+    assert final.malformed == parser.error == message
     assert not final.unterminated and len(final.tool_calls) == 1
     assert parser.valid_offset == len(head.encode())
     for chunks in byte_cuts(text.encode()):

@@ -129,6 +129,7 @@ def test_context_overflow(engine):
 
 
 def test_memory_report(engine):
+    engine.new_session(128).sync(prompt(3, 20))  # scratch is sized by the first forward
     report = engine.memory_report()
     cfg = engine.config
     # CSA layers append head_dim/4 + index_head_dim/4 floats per token, HCA head_dim/16

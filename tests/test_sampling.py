@@ -153,3 +153,48 @@ def test_a_tiny_temperature_draws_the_best_token(options) -> None:
     for seed in range(4):
         assert sample(logits, options, make_rng(seed)) == 1
         assert sample_masked(np, logits, options, make_rng(seed)) == 1
+
+
+@pytest.mark.parametrize("top_p", [0.0, -0.5, 1.5, float("nan")])
+def test_top_p_outside_zero_to_one_keeps_every_token(top_p) -> None:
+    # the spec's "top_p outside (0, 1] -> 1": the same draws as top_p=1, on both paths
+    from ds4.sampling import sample_masked
+
+    logits = logits_of([0.4, 0.3, 0.2, 0.1])
+    assert draws(logits, n=400, top_p=top_p) == draws(logits, n=400, top_p=1.0)
+    assert set(draws(logits, n=400, top_p=top_p)) == {0, 1, 2, 3}
+    host, device = make_rng(3), make_rng(3)
+    options = SamplingOptions(top_p=top_p, min_p=0.0)
+    want = [sample(logits, SamplingOptions(min_p=0.0), host) for _ in range(50)]
+    assert [sample_masked(np, logits, options, device) for _ in range(50)] == want
+
+
+def test_top_p_of_one_and_just_below_differ() -> None:
+    # 1.0 is inside the range and keeps everything; a hair below drops the 0.1% tail token
+    logits = logits_of([0.6, 0.399, 0.001])
+    assert 2 in draws(logits, n=8000, top_p=1.0)
+    assert set(draws(logits, n=8000, top_p=0.995)) == {0, 1}
+
+
+class FixedDraw:
+    """A generator whose every uniform draw is `u` (selects a known survivor)."""
+
+    def __init__(self, u: float):
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+def test_the_top_k_cap_is_exactly_1024_tokens() -> None:
+    # the best 1100 tokens are flat; a draw at the top of [0, 1) picks the last survivor in
+    # id order, which is the cap's last token
+    from ds4.sampling import sample_masked
+
+    logits = np.zeros(3000, dtype=np.float32)
+    logits[:1100] = 1.0
+    options = SamplingOptions(top_k=3000, min_p=0.0)
+    assert sample(logits, options, FixedDraw(1 - 1e-12)) == TOP_K_CAP - 1 == 1023
+    assert sample_masked(np, logits, options, FixedDraw(1 - 1e-12)) == 1023
+    assert sample(logits, SamplingOptions(top_k=1100, min_p=0.0), FixedDraw(1 - 1e-12)) == 1023
+    assert sample(logits, SamplingOptions(top_k=7, min_p=0.0), FixedDraw(1 - 1e-12)) == 6

@@ -98,8 +98,8 @@ def check_message_events(frames: list) -> dict:
             open_index = None
     assert blocks and open_index is None
     delta = data[-2]
-    assert delta["delta"]["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
-    assert delta["usage"]["output_tokens"] > 0
+    assert delta["delta"]["stop_reason"] == "max_tokens"  # 8 tokens of a random model
+    assert delta["usage"]["output_tokens"] == 8
     return delta
 
 
@@ -107,7 +107,7 @@ def test_claude_code_turns(live):
     base = live[0]
     url = base + "/v1/messages?beta=true"
     first = post_stream(url, claude_body(FIRST_TURN), CLAUDE_HEADERS)
-    assert check_message_events(first)["usage"]["output_tokens"] <= 8
+    check_message_events(first)
     follow = post_stream(url, claude_body(FOLLOW_UP), CLAUDE_HEADERS)
     check_message_events(follow)
     # it counts tokens of the same body, and sends small-model requests unstreamed
@@ -120,7 +120,7 @@ def test_claude_code_turns(live):
         "cache_read_input_tokens"] + start["cache_creation_input_tokens"])
     quick = {**claude_body(FIRST_TURN), "stream": False, "thinking": {"type": "disabled"}}
     r = httpx.post(url, json=quick, headers=CLAUDE_HEADERS, timeout=60)
-    assert r.status_code == 200 and r.json()["content"][-1]["type"] in ("text", "tool_use")
+    assert r.status_code == 200 and [b["type"] for b in r.json()["content"]] == ["text"]
     # without ANTHROPIC_MODEL it would send a Claude model id: refused, in Anthropic's shape
     r = httpx.post(url, json={**quick, "model": "claude-sonnet-4-5-20250929"},
                    headers=CLAUDE_HEADERS)
@@ -178,7 +178,7 @@ def test_codex_turn(live):
     assert [sdk.validate_python(e).type for e in events] == [e["type"] for e in events]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[0]["type"] == "response.created"
-    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    assert events[-1]["type"] == "response.incomplete"  # 8 tokens: still reasoning
     added = {e["output_index"]: e["item"]["id"] for e in events
              if e["type"] == "response.output_item.added"}
     done = {e["output_index"]: e["item"]["id"] for e in events
@@ -186,7 +186,7 @@ def test_codex_turn(live):
     assert added and added == done  # every item added is done
     final = events[-1]["response"]
     assert [item["id"] for item in final["output"]] == [added[i] for i in sorted(added)]
-    assert final["usage"]["output_tokens"] <= 8
+    assert final["usage"]["output_tokens"] == 8
     # it asked for summaries and for encrypted reasoning: the reasoning item has both
     reasoning = final["output"][0]
     assert reasoning["type"] == "reasoning" and reasoning["summary"][0]["text"]
@@ -220,6 +220,6 @@ def test_opencode_chat_stream(live):
         extra_body={"reasoning_effort": "high"}))
     assert chunks[0].choices[0].delta.role == "assistant"
     finals = [c.choices[0].finish_reason for c in chunks if c.choices]
-    assert finals[-1] in ("stop", "length", "tool_calls") and not any(finals[:-1])
+    assert finals[-1] == "length" and not any(finals[:-1])
     usage = chunks[-1].usage
-    assert chunks[-1].choices == [] and 0 < usage.completion_tokens <= 8
+    assert chunks[-1].choices == [] and usage.completion_tokens == 8

@@ -11,7 +11,7 @@ import openai
 import pytest
 from test_server_support import GREEDY, busy_slots, live_server, wait_idle
 
-from ds4.cli.replay import deterministic, replay, replayable
+from ds4.cli.replay import deterministic, recorded_text, replay, replayable
 from ds4.cli.replay import main as replay_main
 from ds4.jobs.trace import read_trace
 
@@ -19,10 +19,9 @@ PROMPTS = ["Tell me a story about a fox.", "List three prime numbers and explain
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    trace = tmp_path_factory.mktemp("trace") / "jobs.jsonl"
-    with live_server(parallel=2, ctx=4096, trace=str(trace)) as (url, _runtime):
-        yield url, trace
+def live():
+    with live_server(parallel=2, ctx=4096) as (url, runtime):
+        yield url, runtime
 
 
 def stream_text(url: str, prompt: str, max_tokens: int) -> str:
@@ -121,14 +120,18 @@ def test_queued_streams_get_keep_alive_pings():
             assert [e["sequence_number"] for e in events] == [0, 1, 2]
 
 
-def test_trace_replays_with_the_same_text(live, capsys, tmp_path):
-    url, trace = live
-    records = [r for r in read_trace(trace) if replayable(r)]
-    assert len(records) >= 5 and all(deterministic(r) for r in records)
-    assert {r["endpoint"] for r in records} == {"/v1/chat/completions"}
-    copy = tmp_path / "copy.jsonl"  # the server writes `trace` itself: ds4-replay refuses it
-    copy.write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert replay_main([str(copy), "--url", url]) == 0
-    assert f"{len(records)} job(s) compared, 0 skipped" in capsys.readouterr().out
-    tampered = dict(records[0], text="something else")
-    assert len(replay([tampered], url).problems) == 1
+def test_trace_replays_with_the_same_text(tmp_path, capsys):
+    trace = tmp_path / "jobs.jsonl"
+    with live_server(parallel=2, ctx=4096, trace=str(trace)) as (url, _runtime):
+        texts = [stream_text(url, prompt, n) for prompt in PROMPTS for n in (6, 12)]
+        wait_idle(url)
+        records = [r for r in read_trace(trace) if replayable(r)]
+        assert [recorded_text(r) for r in records] == texts
+        assert all(deterministic(r) for r in records)
+        assert {r["endpoint"] for r in records} == {"/v1/chat/completions"}
+        copy = tmp_path / "copy.jsonl"  # the server writes `trace` itself: ds4-replay refuses it
+        copy.write_text("".join(json.dumps(r) + "\n" for r in records))
+        assert replay_main([str(copy), "--url", url]) == 0
+        assert f"{len(records)} job(s) compared, 0 skipped" in capsys.readouterr().out
+        tampered = dict(records[0], text="something else")
+        assert len(replay([tampered], url).problems) == 1

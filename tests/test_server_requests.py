@@ -60,16 +60,22 @@ def test_json_without_nan_or_infinity():
     assert rf.parse_json('{"temperature": 1e5}') == {"temperature": 1e5}
 
 
-@pytest.mark.parametrize("body", [
-    {"temperature": "hot"}, {"temperature": True}, {"top_k": 1.5}, {"seed": "1"},
-    {"reasoning_effort": "extreme"}, {"thinking": "yes"}, {"stop": [1, 2]},
+@pytest.mark.parametrize("read, body, name", [
+    (lambda b: rf.sampling(b, "none"), {"temperature": "hot"}, "temperature"),
+    (lambda b: rf.sampling(b, "none"), {"temperature": True}, "temperature"),
+    (lambda b: rf.sampling(b, "none"), {"top_k": 1.5}, "top_k"),
+    (lambda b: rf.sampling(b, "none"), {"seed": "1"}, "seed"),
+    (lambda b: rf.sampling(b, "high"), {"top_p": "x"}, "top_p"),  # checked even when thinking
+    (lambda b: rf.thinking_mode(b, None, CTX), {"reasoning_effort": "extreme"},
+     "reasoning_effort"),
+    (lambda b: rf.thinking_mode(b, None, CTX), {"thinking": "yes"}, "thinking"),
+    (rf.stop_sequences, {"stop": [1, 2]}, "stop"),
 ])
-def test_wrong_types_are_400(body):
+def test_wrong_types_are_400(read, body, name):
     with pytest.raises(ApiError) as err:
-        rf.thinking_mode(body, None, CTX)
-        rf.sampling(body, "none")
-        rf.stop_sequences(body)
-    assert err.value.status == 400 and "invalid JSON request" in err.value.message
+        read(body)
+    assert (err.value.status, err.value.param) == (400, name)
+    assert err.value.message.startswith("invalid JSON request: ")
 
 
 def test_models_and_aliases():

@@ -6,10 +6,12 @@ from ds4.chat.events import ParserEvent, TextDelta
 
 
 class StopText:
-    """Holds back answer text that may begin a stop sequence; reports the first complete one.
+    """Holds back answer text that may begin a stop sequence; cuts at the earliest one.
 
     Text that could still grow into a stop string is never streamed, so a client never sees
-    a stop sequence or a piece of one. Reasoning and tool arguments are not scanned.
+    a stop sequence or a piece of one. The answer ends before the stop string that starts
+    earliest in the text, whatever the order of the list and however the text was split into
+    pieces. Reasoning and tool arguments are not scanned.
     """
 
     def __init__(self, stops: list[str]):
@@ -26,27 +28,35 @@ class StopText:
                 break
             if isinstance(event, TextDelta) and self.stops:
                 out += self._text(event.text)
-            else:
-                out += self.flush()
+                continue
+            out += self.flush()  # may itself end the answer at a held stop string
+            if self.hit is None:
                 out.append(event)
         return out
 
     def flush(self) -> list[ParserEvent]:
-        """Release held text: the answer ended or moved on without completing a stop string."""
+        """Release held text at the end of the answer (or when it moves on to a tool call or
+        reasoning): a stop string complete inside it still ends the answer there."""
         if not self.held or self.hit is not None:
             return []
-        return self._let_through(self._take_held())
+        buf = self._take_held()
+        match = self._first_match(buf)
+        return self._let_through(buf) if match is None else self._stop_at(buf, match)
 
     def _text(self, text: str) -> list[ParserEvent]:
         buf = self.held + text
         self.held = ""
         match = self._first_match(buf)
-        if match is not None:
-            at, self.hit = match
-            return self._let_through(buf[:at])
-        keep = self._partial_tail(buf)
-        self.held = buf[len(buf) - keep:]
-        return self._let_through(buf[: len(buf) - keep])
+        growing = len(buf) - self._partial_tail(buf)  # a stop string may still grow from here
+        if match is not None and match[0] <= growing:
+            return self._stop_at(buf, match)
+        # a longer stop string that began before a complete one may still complete: wait
+        self.held = buf[growing:]
+        return self._let_through(buf[:growing])
+
+    def _stop_at(self, buf: str, match: tuple[int, str]) -> list[ParserEvent]:
+        at, self.hit = match
+        return self._let_through(buf[:at])
 
     def _first_match(self, buf: str) -> tuple[int, str] | None:
         found = [(buf.find(s), s) for s in self.stops if s in buf]
