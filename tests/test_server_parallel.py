@@ -11,7 +11,7 @@ import openai
 import pytest
 from test_server_support import GREEDY, busy_slots, live_server, wait_idle
 
-from ds4.cli.replay import deterministic, recorded_text, replay, replayable
+from ds4.cli.replay import deterministic, recorded_view, replay, replayable
 from ds4.cli.replay import main as replay_main
 from ds4.jobs.trace import read_trace
 
@@ -126,7 +126,7 @@ def test_trace_replays_with_the_same_text(tmp_path, capsys):
         texts = [stream_text(url, prompt, n) for prompt in PROMPTS for n in (6, 12)]
         wait_idle(url)
         records = [r for r in read_trace(trace) if replayable(r)]
-        assert [recorded_text(r) for r in records] == texts
+        assert [recorded_view(r).content for r in records] == texts
         assert all(deterministic(r) for r in records)
         assert {r["endpoint"] for r in records} == {"/v1/chat/completions"}
         copy = tmp_path / "copy.jsonl"  # the server writes `trace` itself: ds4-replay refuses it
