@@ -37,7 +37,7 @@ def cached(reply: dict) -> int:
 
 
 def tokens_of(runtime, prompt: str) -> list[int]:
-    return runtime.engine.tokenizer.encode(render_completion(prompt, thinking="none"))
+    return runtime.engine.tokenizer.encode(render_completion(prompt))
 
 
 def aligned_common(runtime, old: str, new: str) -> int:
@@ -45,6 +45,14 @@ def aligned_common(runtime, old: str, new: str) -> int:
     a, b = tokens_of(runtime, old), tokens_of(runtime, new)
     common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return common // INTERVAL * INTERVAL
+
+
+def stored_common(runtime, old: str, new: str) -> int:
+    """The longest checkpoint of a finished `old` prompt that `new` starts with: the whole of
+    `old` when its tokens are a prefix of `new`'s, else its last aligned frontier before they
+    part."""
+    a, b = tokens_of(runtime, old), tokens_of(runtime, new)
+    return len(a) if b[:len(a)] == a else aligned_common(runtime, old, new)
 
 
 def metric(url: str, name: str) -> float:
@@ -72,7 +80,7 @@ def test_restart_restores_the_prefix_and_matches_a_cold_run(tmp_path, cold):
         first = complete(url, prompt)
         assert cached(first) == 0
     with live_server(kv_disk_dir=str(tmp_path), **KV) as (url, runtime):
-        expect = aligned_common(runtime, prompt, grown)
+        expect = stored_common(runtime, prompt, grown)
         assert expect >= 3 * INTERVAL
         reply = complete(url, grown)
         assert cached(reply) == expect
@@ -109,7 +117,7 @@ def test_two_conversations_alternating_on_one_slot_both_hit(tmp_path, cold):
         for text in convs:
             grown = text + " and one more question about it"
             replies.append((grown, complete(url, grown)))
-            assert cached(replies[-1][1]) == aligned_common(runtime, text, grown) > 0
+            assert cached(replies[-1][1]) == stored_common(runtime, text, grown) > 0
             assert slot_sources(url) == ["disk"]
         assert metric(url, "ds4_kv_disk_hits_total") == 2
     for grown, reply in replies:
@@ -123,7 +131,7 @@ def test_three_conversations_on_two_slots_all_hit(tmp_path):
             complete(url, text, max_tokens=1)
         for text in convs:  # each slot's session now holds some other conversation
             grown = text + " tell me more"
-            expect = aligned_common(runtime, text, grown)
+            expect = stored_common(runtime, text, grown)
             got = cached(complete(url, grown, max_tokens=1))
             assert got >= expect > 0
 
@@ -142,7 +150,7 @@ def test_interleaved_prefill_slices_checkpoint_and_restore_exactly(tmp_path, col
     with live_server(kv_disk_dir=str(tmp_path), parallel=2, **KV) as (url, runtime):
         replies = [complete(url, text) for text in grown]
         for text, more, reply in zip(convs, grown, replies):
-            assert cached(reply) == aligned_common(runtime, text, more) > 0
+            assert cached(reply) == stored_common(runtime, text, more) > 0
     for more, reply in zip(grown, replies):
         assert reply["choices"][0]["text"] == complete(cold[0], more)["choices"][0]["text"]
 

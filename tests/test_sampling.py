@@ -157,7 +157,8 @@ def test_a_tiny_temperature_draws_the_best_token(options) -> None:
 
 @pytest.mark.parametrize("top_p", [0.0, -0.5, 1.5, float("nan")])
 def test_top_p_outside_zero_to_one_keeps_every_token(top_p) -> None:
-    # the spec's "top_p outside (0, 1] -> 1": the same draws as top_p=1, on both paths
+    # top_p outside (0, 1] reads as 1 (docs/PROTOCOLS.md, Sampling): the same draws as
+    # top_p=1, on both paths
     from ds4.sampling import sample_masked
 
     logits = logits_of([0.4, 0.3, 0.2, 0.1])
