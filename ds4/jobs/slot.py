@@ -21,6 +21,7 @@ class Slot:
     job: Any = None  # the Job running here, None when idle
     call_ids: frozenset[str] = field(default_factory=frozenset)
     bound_tokens: int = -1
+    decode_peers: tuple[int, ...] = ()  # slots that shared this slot's last decode step
 
     @property
     def busy(self) -> bool:
@@ -60,4 +61,5 @@ class Slot:
             "busy": self.busy,
             "tokens": self.held_tokens,
             "last_used": self.last_used,
+            "decode_batch": list(self.decode_peers),
         }

@@ -19,6 +19,7 @@ from ds4.jobs.stats import SchedulerStats
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # a whole request: a long stream runs for minutes
 _REQUEST_BUCKETS = _LATENCY_BUCKETS + (120.0, 300.0, 600.0, 1800.0)
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)  # sessions in one engine decode step
 
 
 class Metrics:
@@ -41,6 +42,9 @@ class Metrics:
         self.inter_token = Histogram("ds4_inter_token_seconds",
                                      "Time between two generated tokens of one job",
                                      buckets=_LATENCY_BUCKETS, registry=reg)
+        self.decode_batch = Histogram("ds4_decode_batch_size",
+                                      "Sessions decoded together in one engine step",
+                                      buckets=_BATCH_BUCKETS, registry=reg)
 
         self.http_requests = Counter("ds4_http_requests", "HTTP requests answered",
                                      ["route", "status"], registry=reg)
