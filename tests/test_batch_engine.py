@@ -9,6 +9,8 @@ CSA (m=4) and HCA (m=8 / 16) window ends, so a compressor closes a row inside a 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ from ds4.engine import MAX_BATCH, ContextOverflow, Engine
 from ds4.model.tiny import default_model_dir
 
 FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 
 
@@ -25,9 +28,20 @@ def prompt(seed: int, length: int, vocab: int = 512) -> list[int]:
     return [0] + np.random.default_rng(seed).integers(2, vocab, length - 1).tolist()
 
 
-@pytest.fixture(scope="module", params=["v4_csa_hca", "v4_hca8", "tiny"])
-def engine(request) -> Engine:
-    path = default_model_dir() if request.param == "tiny" else FIXTURES / request.param
+def packed_tiny(root: Path) -> Path:
+    """The tiny model as an official FP8 + FP4 checkpoint (held packed, widened per use)."""
+    out = root / "packed"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_official.py"), "tiny", str(out),
+                    "--shard-mb", "8"], check=True, cwd=ROOT, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module", params=["v4_csa_hca", "v4_hca8", "tiny", "tiny-packed"])
+def engine(request, tmp_path_factory) -> Engine:
+    if request.param == "tiny-packed":
+        path = packed_tiny(tmp_path_factory.mktemp("official"))
+    else:
+        path = default_model_dir() if request.param == "tiny" else FIXTURES / request.param
     return Engine.open(path, backend="numpy", prefill_chunk=16)
 
 
