@@ -1,7 +1,9 @@
 """The scheduler: one thread owns the engine and interleaves N slots' jobs (server.md §9).
 
 A turn reads like its description: admit queued jobs to idle slots, pick the next busy slot
-round-robin, fire one transition of its job, release the slot if the job ended.
+round-robin, fire one transition of its job, release the slot if the job ended. When that job
+decodes, every decoding job advances one burst in lock-step instead, one engine step per token
+for all of them (ds4/jobs/decode_batch.py), and each fires its own transition.
 """
 
 from __future__ import annotations

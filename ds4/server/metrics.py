@@ -23,8 +23,8 @@ _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)  # sessions in one engine decode
 
 
 class Metrics:
-    """Queue depth, busy slots, token counters, TTFT and inter-token histograms, and every HTTP
-    request by route and status class with its end-to-end time."""
+    """Queue depth, busy slots, token counters, TTFT, inter-token and decode batch-size
+    histograms, and every HTTP request by route and status class with its end-to-end time."""
 
     def __init__(self, queue_depth: Callable[[], float], busy_slots: Callable[[], float],
                  stats: Callable[[], SchedulerStats | None] = lambda: None):
