@@ -115,3 +115,23 @@ def test_bad_batches_are_refused_before_any_work(engine):
     with pytest.raises(ValueError, match="tokens"):
         engine.decode_batch(sessions, [3])
     assert [s.tokens for s in sessions] == before
+
+
+def test_a_failed_batched_step_rolls_every_session_back(engine, monkeypatch):
+    """A step that fails after writing state leaves each session at its prompt's frontier,
+    from where it decodes exactly as a fresh twin does."""
+    single, batched = twin_sessions(engine, [12, 33])
+    prompts = [list(s.tokens) for s in batched]
+    run = engine.model.decode_rows
+
+    def broken(states, tokens):
+        run(states, tokens)  # every layer wrote its rows
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(engine.model, "decode_rows", broken)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.decode_batch(batched, [5, 6])
+    monkeypatch.undo()
+    assert [s.tokens for s in batched] == prompts
+    alone = [s.decode(t) for s, t in zip(single, [5, 6])]
+    for a, b in zip(alone, engine.decode_batch(batched, [5, 6])):
+        assert_close(b, a)

@@ -158,3 +158,29 @@ def test_one_slot_decodes_one_session_per_step(engine):
     drain(sched)
     assert sizes == [1] * 7
     assert sched.slots_info()[0]["decode_batch"] == [0]
+
+
+def test_a_failed_batched_step_fails_its_jobs_only(engine, monkeypatch):
+    from ds4.jobs.events import Failed
+
+    reqs = [request(prompt(engine, t), max_tokens=12) for t in PROMPTS[:2]]
+    sched = scheduler(engine, parallel=3, decode_tokens=3)
+    recs = [Recorder() for _ in reqs]
+    for r, rec in zip(reqs, recs):
+        sched.submit(r, rec)
+    real = type(engine).decode_batch
+
+    def failing(self, sessions, tokens):
+        if len(sessions) > 1:
+            raise RuntimeError("device lost")
+        return real(self, sessions, tokens)
+    monkeypatch.setattr(type(engine), "decode_batch", failing)
+    drain(sched)
+    monkeypatch.undo()
+    errors = [rec.of(Failed) for rec in recs]
+    assert all(e and e[0].status == 500 and "device lost" in e[0].message for e in errors)
+    assert_all_idle(sched)
+    later, rec = request(prompt(engine, PROMPTS[3]), max_tokens=4), Recorder()
+    sched.submit(later, rec)
+    drain(sched)
+    assert rec.tokens() == alone(engine, later)
