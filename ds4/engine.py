@@ -76,7 +76,8 @@ class Engine:
             "scratch_bytes": self.model.scratch.nbytes,
         }
 
-    def decode_batch(self, sessions: Sequence["Session"], tokens: Sequence[int]) -> list[np.ndarray]:
+    def decode_batch(self, sessions: Sequence["Session"],
+                     tokens: Sequence[int]) -> list[np.ndarray]:
         """Append one token to each session in one engine step; logits (float32 [vocab]) per
         session, equal to each one's own `Session.decode` (see docs/PERF.md for the rounding).
 

@@ -1,10 +1,12 @@
 """Engine.decode_batch: one engine step for B sessions equals B single `Session.decode` calls.
 
 On NumPy a [B, D] block times a weight is one GEMM while a single decode is a GEMV, and BLAS
-sums the two in different orders, so batched logits are not bitwise equal: they agree within 1e-5
-of the logits' scale, max|batched - single| <= 1e-5 * max|single| (measured: at most 1.2e-5
-absolute on the tiny model's logits of magnitude ~3; 3e-6 on the fixtures'). Sessions sit at different positions, and the steps cross
-CSA (m=4) and HCA (m=8 / 16) window ends, so a compressor closes a row inside a batched step.
+sums the two in different orders, so batched logits are not bitwise equal: they agree within
+1e-5 of the logits' scale, max|batched - single| <= 1e-5 * max|single| (measured: at most 1.2e-5
+absolute on the tiny model's logits of magnitude ~3; 3e-6 on the fixtures'). Sessions sit at
+different positions, and the steps cross CSA (m=4) and HCA (m=8 / 16 / 32) window ends, so a
+compressor closes a row inside a batched step. The models: both HF-parity fixtures, the tiny
+model (every layer type) and the tiny model as packed FP8 + FP4 weights.
 """
 
 from __future__ import annotations

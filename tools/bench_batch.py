@@ -136,7 +136,7 @@ def report(res: dict, label: str) -> None:
     print(f"batched decode, {label}; read bandwidth {res['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
     print(f"| {'B':>2} | {'ms/step':>8} | {'tok/s':>9} | {'x B=1':>6} | {'experts/layer':>13} "
           f"| {'bound MB':>9} | {'bound ms':>8} | {'of bound':>8} |")
-    print(f"|{'-' * 4}|{'-' * 10}|{'-' * 11}|{'-' * 8}|{'-' * 15}|{'-' * 11}|{'-' * 10}|{'-' * 10}|")
+    print("|" + "|".join("-" * w for w in (4, 10, 11, 8, 15, 11, 10, 10)) + "|")
     rows = res["rows"]
     base = rows[min(rows)]["tok_per_s"]
     for b, r in rows.items():

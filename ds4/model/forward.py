@@ -73,7 +73,8 @@ class Model:
         cos_sin = {kind: rope.cos_sin(positions) for kind, rope in self.ropes.items()}
         ids = xp.asarray(token_ids, dtype=xp.int64)
         x = widen(self.weights["model.embed_tokens.weight"][ids], xp)
-        X = xp.ascontiguousarray(xp.broadcast_to(x[:, None, :], (x.shape[0], cfg.hc_mult, x.shape[1])))
+        streams = (x.shape[0], cfg.hc_mult, x.shape[1])
+        X = xp.ascontiguousarray(xp.broadcast_to(x[:, None, :], streams))
         for i in range(len(states[0].layers)):
             X = self._layer_rows(i, [s.layers[i] for s in states], X, ids, steps, cos_sin)
         for s in states:
