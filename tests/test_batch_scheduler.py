@@ -184,3 +184,17 @@ def test_a_failed_batched_step_fails_its_jobs_only(engine, monkeypatch):
     sched.submit(later, rec)
     drain(sched)
     assert rec.tokens() == alone(engine, later)
+
+
+def test_an_engine_without_batched_decode_still_runs_in_lock_step():
+    from test_jobs_support import ScriptedEngine
+
+    engine = ScriptedEngine([[10, 11, 12, 13]])  # no decode_batch: sessions one after another
+    sched = scheduler(engine, parallel=2, decode_tokens=2)
+    sizes = watched(sched)
+    recs = [Recorder(), Recorder()]
+    for text, rec in zip(PROMPTS, recs):
+        sched.submit(request(engine.tokenizer.encode(text), max_tokens=10), rec)
+    drain(sched)
+    assert [rec.tokens() for rec in recs] == [[10, 11, 12, 13]] * 2
+    assert 2 in sizes

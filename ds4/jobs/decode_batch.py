@@ -103,12 +103,22 @@ class LockStepDecode:
         """One engine step for the chosen tokens; a failure fails the jobs that were in it."""
         slots = [slot for slot, _ in stepping]
         try:
-            self.engine.decode_batch([s.session for s in slots], [t for _, t in stepping])
+            self._decode([s.session for s in slots], [t for _, t in stepping])
         except Exception as exc:
             log.exception("a batched decode step of slots %s failed", [s.index for s in slots])
             failed.update((s.job, exc) for s in slots)
             return
         self.observe(len(slots), tuple(s.index for s in slots), slots)
+
+
+    def _decode(self, sessions: list, tokens: list[int]) -> None:
+        """The batched engine step; one session after another for an engine without one."""
+        batched = getattr(self.engine, "decode_batch", None)
+        if batched is not None:
+            batched(sessions, tokens)
+            return
+        for session, token in zip(sessions, tokens):
+            session.decode(token)
 
 
 class BatchRotation:
