@@ -100,14 +100,14 @@ class Engine:
         if len(sessions) == 1:
             return [sessions[0].decode(tokens[0])]
         try:
-            logits = self.model.decode_rows([s.state for s in sessions], tokens)
-            host = np.asarray(self.backend.to_numpy(logits), dtype=np.float32)
+            logits = self.model.decode_many([s.state for s in sessions], tokens)
+            host = [np.asarray(self.backend.to_numpy(row), dtype=np.float32) for row in logits]
         except BaseException:
             for s in sessions:  # each one's layers may have written rows: back to a whole state
                 s._rewind_after_failure()
             raise
-        for b, s in enumerate(sessions):
-            s._took([tokens[b]], host[b].copy(), logits[b])
+        for s, token, row, device_row in zip(sessions, tokens, host, logits):
+            s._took([token], row.copy(), device_row)
         return [s.logits for s in sessions]
 
     def close(self) -> None:

@@ -137,3 +137,18 @@ def test_a_failed_batched_step_rolls_every_session_back(engine, monkeypatch):
     alone = [s.decode(t) for s, t in zip(single, [5, 6])]
     for a, b in zip(alone, engine.decode_batch(batched, [5, 6])):
         assert_close(b, a)
+
+
+@pytest.mark.parametrize("choice, rows", [("rows", True), ("replay", False), ("", True)])
+def test_decode_batch_env_picks_the_batched_pass_or_single_steps(monkeypatch, choice, rows):
+    """DS4_DECODE_BATCH=replay runs single steps one after another: bitwise equal to them."""
+    monkeypatch.setenv("DS4_DECODE_BATCH", choice)
+    engine = Engine.open(FIXTURES / "v4_hca8", backend="numpy", prefill_chunk=16)
+    assert engine.model.batch_rows is rows
+    single, batched = twin_sessions(engine, [9, 20])
+    alone = [s.decode(t) for s, t in zip(single, [4, 7])]
+    together = engine.decode_batch(batched, [4, 7])
+    for a, b in zip(alone, together):
+        assert_close(b, a)
+        if not rows:
+            assert np.array_equal(a, b)

@@ -1,12 +1,13 @@
 """Engine.decode_batch on CuPy (needs CuPy and a GPU).
 
-The batched step on CuPy is the model code run eagerly on CuPy arrays (shared matrices as one
-cuBLAS GEMM over the [B, D] block, each routed expert one grouped GEMM over the rows that
-picked it, attention per session); a single decode replays the session's CUDA graph of
-ds4/kernels. So two comparisons: against single steps of the same eager code (kernel decoder
-off), within 1e-5 of the logits' scale, and against the CUDA-graph single steps, within the
-2e-4 that separates the eager path from the kernels (tests/test_gpu_engine.py) and with the
-same argmax.
+Two ways to run a batch there. The batched pass (`Model.batch_rows`, DS4_DECODE_BATCH=rows) is
+the model code run eagerly on CuPy arrays: shared matrices as one cuBLAS GEMM over the [B, D]
+block, each routed expert one grouped GEMM over the rows that picked it, attention per
+session. It is compared with single steps of the same eager code (kernel decoder off), within
+1e-5 of the logits' scale, and with the CUDA-graph single steps, within the 2e-4 that separates
+the eager path from the kernels (tests/test_gpu_engine.py) and with the same argmax. The default
+where the kernel decoder runs (DS4_DECODE_BATCH=replay) replays each session's graph in turn,
+which must equal single steps bitwise.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def twin_runs(engine: Engine, lengths, steps: int = 5):
 def test_cupy_batched_step_equals_single_eager_steps(path, lengths):
     engine = Engine.open(path, backend="cupy", prefill_chunk=16)
     engine.model.kernel_decoder = None  # single steps through the same model code
+    engine.model.batch_rows = True
     for alone, together in twin_runs(engine, lengths):
         for a, b in zip(alone, together):
             assert np.abs(b - a).max() <= 1e-5 * np.abs(a).max()
@@ -79,7 +81,16 @@ def test_cupy_batched_step_equals_single_eager_steps(path, lengths):
 def test_cupy_batched_step_tracks_graph_decode(path, lengths):
     engine = Engine.open(path, backend="cupy", prefill_chunk=16)
     assert engine.model.kernel_decoder is not None
+    engine.model.batch_rows = True
     for alone, together in twin_runs(engine, lengths):
         for a, b in zip(alone, together):
             np.testing.assert_allclose(b, a, atol=2e-4, rtol=0)
             assert int(np.argmax(a)) == int(np.argmax(b))
+
+
+def test_cupy_default_batch_replays_each_graph_bitwise(path):
+    engine = Engine.open(path, backend="cupy", prefill_chunk=16)
+    assert engine.model.kernel_decoder is not None and not engine.model.batch_rows
+    for alone, together in twin_runs(engine, LENGTHS[2]):
+        for a, b in zip(alone, together):
+            assert np.array_equal(a, b)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -47,6 +48,7 @@ class Model:
             matrix = xp.asarray(quant.hadamard(cfg.index_head_dim))
             self.indexer_qat = partial(quant.indexer_fp4_simulation, xp, hadamard_matrix=matrix)
         self.kernel_decoder = kernel_decoder_for(self)  # GPU: one-token steps as CUDA graphs
+        self.batch_rows = batch_rows_default(self.kernel_decoder is not None)
 
     def forward(self, state: SessionState, token_ids: list[int]):
         """Run tokens at positions state.n.. through every layer; logits [V] of the last one."""
@@ -60,6 +62,14 @@ class Model:
             X = self._layer(i, layer_state, X, step)
         state.n += len(token_ids)
         return self._head(X[-1:])[0]
+
+    def decode_many(self, states: list[SessionState], token_ids: list[int]) -> list:
+        """Logits [V] per session of one token each: one batched pass when `batch_rows`, else
+        each session's own step (GPU: its CUDA graph replay) one after another."""
+        if self.batch_rows:
+            logits = self.decode_rows(states, token_ids)
+            return [logits[b] for b in range(len(states))]
+        return [self.forward(s, [t]) for s, t in zip(states, token_ids)]
 
     def decode_rows(self, states: list[SessionState], token_ids: list[int]):
         """One token for each of B sessions in one pass: logits [B, V].
@@ -130,3 +140,13 @@ class Model:
                        X, cfg.hc_eps, cfg.rms_norm_eps)
         y = rms_norm(xp, y, w["model.norm.weight"], cfg.rms_norm_eps)
         return linear(xp, y, w["lm_head.weight"])
+
+
+def batch_rows_default(graph_steps: bool) -> bool:
+    """Whether several sessions' tokens run as one batched pass: DS4_DECODE_BATCH=rows or
+    =replay decides; by default yes, except where single steps replay CUDA graphs (the batched
+    pass is the eager model code there, which the launches bound; see docs/PERF.md)."""
+    choice = os.environ.get("DS4_DECODE_BATCH", "")
+    if choice in ("rows", "replay"):
+        return choice == "rows"
+    return not graph_steps
