@@ -106,11 +106,16 @@ def step_times(engine: Engine, sessions: list, steps: int) -> tuple[list[float],
     return times, picks
 
 
-def distinct_experts(picks: list, k: int, layers: int, batch: int) -> float:
-    """Mean distinct experts a step reads per layer (a one-session GPU step: k, kernel path)."""
-    if not picks or not picks[0]:
-        return float(min(k, k * batch))
-    return float(statistics.mean(len(np.unique(ids)) for step in picks for ids in step))
+def distinct_experts(picks: list, cfg, batch: int) -> float:
+    """Mean distinct experts a step reads per layer: counted from the router's picks, or where
+    no pick was seen (steps replayed as CUDA graphs) the uniform-routing expectation
+    E (1 - (1 - k/E)^B)."""
+    if picks and picks[0]:
+        L = cfg.num_hidden_layers  # a step routes layer by layer, once or once per session
+        return float(statistics.mean(len(np.unique(np.concatenate(step[layer::L])))
+                                     for step in picks for layer in range(L)))
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    return E * (1.0 - (1.0 - k / E) ** batch)
 
 
 def batch_bench(engine: Engine, batches: list[int], prompt: int, steps: int) -> dict:
@@ -122,7 +127,7 @@ def batch_bench(engine: Engine, batches: list[int], prompt: int, steps: int) -> 
     for b in batches:
         sessions = sessions_at(engine, b, prompt, prompt + steps + 8)
         times, picks = step_times(engine, sessions, steps)
-        distinct = distinct_experts(picks, cfg.num_experts_per_tok, cfg.num_hidden_layers, b)
+        distinct = distinct_experts(picks, cfg, b)
         moved = shared_bytes(engine, b) + sum(int(distinct * e) for e in per_expert)
         step = statistics.median(times)
         rows[b] = {"step_s": step, "tok_per_s": b / step, "distinct_experts": distinct,
@@ -162,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(default_model_dir())
     engine = Engine.open(args.model, backend=args.backend, prefill_chunk=256)
     res = batch_bench(engine, [int(b) for b in args.batch.split(",")], args.prompt, args.steps)
-    report(res, f"{args.model} on {engine.backend.name}, sessions at position {args.prompt}")
+    mode = "one batched pass" if engine.model.batch_rows else "single steps in turn"
+    report(res, f"{args.model} on {engine.backend.name} ({mode}), sessions at position "
+                f"{args.prompt}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
