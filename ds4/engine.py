@@ -19,6 +19,7 @@ from ds4.model.weights import load_weights
 from ds4.sampling import sample
 
 SNAPSHOT_VERSION = 1
+MAX_BATCH = 8  # sessions per batched decode step; larger batches run as several steps
 
 
 class ContextOverflow(ValueError):
@@ -74,6 +75,40 @@ class Engine:
             "state_fixed_bytes": fixed,
             "scratch_bytes": self.model.scratch.nbytes,
         }
+
+    def decode_batch(self, sessions: Sequence["Session"],
+                     tokens: Sequence[int]) -> list[np.ndarray]:
+        """Append one token to each session in one engine step; logits (float32 [vocab]) per
+        session, equal to each one's own `Session.decode` (see docs/PERF.md for the rounding).
+
+        A batch of one is exactly `Session.decode`; more than MAX_BATCH sessions run as
+        several steps of at most MAX_BATCH.
+        """
+        sessions, tokens = list(sessions), [int(t) for t in tokens]
+        if len(sessions) != len(tokens):
+            raise ValueError(f"{len(sessions)} sessions but {len(tokens)} tokens")
+        if len({id(s) for s in sessions}) != len(sessions):
+            raise ValueError("a session may appear only once in a decode batch")
+        for s, t in zip(sessions, tokens):
+            s._check_decode(self, t)
+        out: list[np.ndarray] = []
+        for b in range(0, len(sessions), MAX_BATCH):
+            out += self._decode_rows(sessions[b:b + MAX_BATCH], tokens[b:b + MAX_BATCH])
+        return out
+
+    def _decode_rows(self, sessions: list["Session"], tokens: list[int]) -> list[np.ndarray]:
+        if len(sessions) == 1:
+            return [sessions[0].decode(tokens[0])]
+        try:
+            logits = self.model.decode_many([s.state for s in sessions], tokens)
+            host = [np.asarray(self.backend.to_numpy(row), dtype=np.float32) for row in logits]
+        except BaseException:
+            for s in sessions:  # each one's layers may have written rows: back to a whole state
+                s._rewind_after_failure()
+            raise
+        for s, token, row, device_row in zip(sessions, tokens, host, logits):
+            s._took([token], row.copy(), device_row)
+        return [s.logits for s in sessions]
 
     def close(self) -> None:
         """Free the shared scratch (sessions of this engine must not be used afterwards)."""
@@ -144,9 +179,7 @@ class Session:
 
     def decode(self, token_id: int) -> np.ndarray:
         """Append one token and return its logits (float32 [vocab])."""
-        if len(self.tokens) + 1 > self.ctx_size:
-            raise ContextOverflow(f"context is full ({self.ctx_size} tokens); cannot decode more")
-        self._check_vocabulary([int(token_id)])
+        self._check_decode(self.engine, token_id)
         self._run([int(token_id)])
         return self.logits
 
@@ -213,17 +246,33 @@ class Session:
             bad = next(t for t in ids if not 0 <= t < vocab)
             raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})")
 
+    def _check_decode(self, engine: Engine, token_id: int) -> None:
+        """Raise unless one more token `token_id` fits this session of `engine`."""
+        if engine is not self.engine:
+            raise ValueError("the session belongs to another engine")
+        if len(self.tokens) + 1 > self.ctx_size:
+            raise ContextOverflow(f"context is full ({self.ctx_size} tokens); cannot decode more")
+        self._check_vocabulary([int(token_id)])
+
     def _run(self, ids: list[int]) -> None:
         try:
             logits = self.engine.model.forward(self.state, ids)
-            self.tokens.extend(ids)
-            self.logits = _read_only(np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32))
+            host = np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32)
         except BaseException:
-            # earlier layers may have written rows and moved pending/overlap state: fall back
-            # to a point whose state is whole (the frontier's rows lie below this step's)
-            self._rewind_to(len(self._frontier.tokens) if self._frontier is not None else 0, force=True)
+            self._rewind_after_failure()
             raise
-        self._device_logits = logits if self.engine.backend.is_gpu else None
+        self._took(ids, host, logits)
+
+    def _took(self, ids: list[int], host: np.ndarray, device_logits) -> None:
+        """The state now covers `ids` too; its logits are `host` (and `device_logits` there)."""
+        self.tokens.extend(ids)
+        self.logits = _read_only(host)
+        self._device_logits = device_logits if self.engine.backend.is_gpu else None
+
+    def _rewind_after_failure(self) -> None:
+        # earlier layers may have written rows and moved pending/overlap state: fall back
+        # to a point whose state is whole (the frontier's rows lie below this step's)
+        self._rewind_to(len(self._frontier.tokens) if self._frontier is not None else 0, force=True)
 
     def _rewind_to(self, keep: int, force: bool = False) -> None:
         """Make the held state cover exactly the first `keep` tokens it can reuse (force: even

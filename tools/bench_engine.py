@@ -10,6 +10,9 @@ same weights when torch and transformers are importable.
 
 --format official adds the same layers held as an official checkpoint is (FP8 + FP4 packed,
 tools/bench_official.py) in the same run, beside the bf16 tables.
+
+--batch 1,2,4,8 times batched decode steps through the engine instead (tools/bench_batch.py:
+--model, --backend; runs on the CPU too).
 """
 
 from __future__ import annotations
@@ -320,6 +323,11 @@ def prefill_in_child(args) -> dict:
 
 def main(argv=None) -> int:
     """Run the benchmark; print the tables and optionally write JSON."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--batch" or a.startswith("--batch=") for a in argv):
+        from bench_batch import main as batch_main
+
+        return batch_main(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", default="sliding,csa,hca,csa")
     ap.add_argument("--ctx", type=int, default=4096, help="decode position")

@@ -4,6 +4,9 @@ server (same model, backend, prompts and env) are measured alike and the medians
 
     python3 tools/bench_parallel.py --tokens-a 400 --prompt-b-tokens 3000 --prefill-ms 200 --repeat 3
     python3 tools/bench_parallel.py --model /models/DeepSeek-V4-Flash --backend cupy  # on a GPU
+
+--streams 1,2,4,8 measures instead the aggregate decode tok/s of N concurrent greedy streams on
+one server of --parallel max(N) (see concurrent_streams).
 """
 
 from __future__ import annotations
@@ -191,11 +194,81 @@ def settings(args: argparse.Namespace, load: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Measure, then print the settings and the table."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--streams" or a.startswith("--streams=") for a in argv):
+        return streams_main(argv)
     args = parser().parse_args(argv)
     load = os.getloadavg()[0]
     med = medians(args)
     print(settings(args, load))
     print(table(med))
+    return 0
+
+
+STREAM_PROMPTS = ("Tell me a long story about a fox who learns to sail.",
+                  "Describe the water cycle for a child.", "Write a letter to a future city.",
+                  "Explain how a compass works.", "List the moons you can name and why.",
+                  "Invent a recipe with lanterns and copper.", "Narrate a ferry crossing at dawn.",
+                  "Teach me the rules of a made-up game.")
+
+
+def concurrent_streams(url: str, n: int, tokens: int) -> dict:
+    """n greedy streams started together: aggregate tok/s from the first token to the last."""
+    results: dict[int, dict] = {}
+    start = threading.Barrier(n)
+
+    def client(i: int) -> None:
+        start.wait()
+        results[i] = stream(url, STREAM_PROMPTS[i % len(STREAM_PROMPTS)] + f" ({i})", tokens)
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = min(r["times"][0] for r in results.values())
+    last = max(r["times"][-1] for r in results.values())
+    total = sum(r["tokens"] for r in results.values())
+    return {"streams": n, "tokens": total, "aggregate tok/s": (total - n) / (last - first),
+            "per-stream tok/s": statistics.median(rate(r) for r in results.values())}
+
+
+def batch_sizes(url: str) -> tuple[float, float]:
+    """(engine decode steps, sessions decoded) so far, from the ds4_decode_batch_size histogram."""
+    lines = httpx.get(url + "/metrics").text.splitlines()
+
+    def value(name: str) -> float:
+        return next((float(ln.split()[-1]) for ln in lines if ln.startswith(name)), 0.0)
+    return value("ds4_decode_batch_size_count"), value("ds4_decode_batch_size_sum")
+
+
+def streams_main(argv: list[str]) -> int:
+    """--streams 1,2,4,8: aggregate decode rate of N concurrent streams (median of --repeat)."""
+    p = parser()
+    p.add_argument("--streams", required=True, help="concurrent stream counts, comma separated")
+    p.add_argument("--stream-tokens", type=int, default=64, help="tokens per stream (default 64)")
+    args = p.parse_args(argv)
+    counts = [int(n) for n in args.streams.split(",")]
+    Tokenizer.for_model(default_model_dir())  # builds the tiny model once, outside the timing
+    rows = []
+    with server(max(counts), args) as url:
+        for n in counts:
+            runs, steps0, rows0 = [], *batch_sizes(url)
+            for _ in range(args.repeat):
+                runs.append(concurrent_streams(url, n, args.stream_tokens))
+            steps, sessions = batch_sizes(url)
+            row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            row["mean batch"] = (sessions - rows0) / max(1.0, steps - steps0)
+            rows.append(row)
+    print(f"{args.stream_tokens} greedy tokens per stream, one server of --parallel "
+          f"{max(counts)}, median of {args.repeat}; load average {os.getloadavg()[0]:.2f}")
+    print(f"| {'streams':>7} | {'aggregate tok/s':>15} | {'x 1 stream':>10} | "
+          f"{'per-stream tok/s':>16} | {'mean batch':>10} |")
+    print(f"|{'-' * 9}|{'-' * 17}|{'-' * 12}|{'-' * 18}|{'-' * 12}|")
+    base = rows[0]["aggregate tok/s"]
+    for r in rows:
+        print(f"| {r['streams']:>7} | {r['aggregate tok/s']:>15.1f} | "
+              f"{r['aggregate tok/s'] / base:>9.2f}x | {r['per-stream tok/s']:>16.1f} | "
+              f"{r['mean batch']:>10.2f} |")
     return 0
 
 

@@ -76,6 +76,7 @@ class Job:
         self.error: Failed | None = None
         self.token_times: list[float] = []
         self.announced: set[int] = set()  # indexes of tool calls whose start was emitted
+        self.burst_ran = False  # set by a lock-step decode turn before it fires decode_round
 
     # -- driving -------------------------------------------------------------------------
 
@@ -178,13 +179,21 @@ class Job:
 
     def decode_burst(self, _event: Any = None) -> None:
         """Up to decode_tokens tokens; a cancel request ends the burst at a token boundary."""
-        session = self.slot.session
+        if self.burst_ran:  # the scheduler ran this burst in lock-step with other jobs
+            self.burst_ran = False
+            return
         for _ in range(self.timeslice.decode_tokens):
-            if self.attempt.over or self.cancel_requested.is_set():
+            if not self.burst_token(self.slot.session):
                 break
-            if self.checkpoints is not None:
-                self.checkpoints.decoding()
-            self._emit_all(self.attempt.step(session))
+
+    def burst_token(self, session: Any) -> bool:
+        """One token of a burst through `session`; False (nothing done) once it must end."""
+        if self.attempt.over or self.cancel_requested.is_set():
+            return False
+        if self.checkpoints is not None:
+            self.checkpoints.decoding()
+        self._emit_all(self.attempt.step(session))
+        return True
 
     def decode_over(self, _event: Any = None) -> bool:
         """True once the attempt stopped decoding."""

@@ -1,7 +1,9 @@
 """The scheduler: one thread owns the engine and runs N slots' jobs (docs/ARCHITECTURE.md).
 
 A turn reads like its description: admit queued jobs to idle slots, pick the next busy slot
-round-robin, fire one transition of its job, release the slot if the job ended.
+round-robin, fire one transition of its job, release the slot if the job ended. When that job
+decodes, every decoding job advances one burst in lock-step instead, one engine step per token
+for all of them (ds4/jobs/decode_batch.py), and each fires its own transition.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ds4.jobs.decode_batch import BatchRotation, LockStepDecode
 from ds4.jobs.events import JobRequest, JobSink, Queued
 from ds4.jobs.job import Job, Timeslice
 from ds4.jobs.kvstore import KVStore, SlotCheckpoints
@@ -129,23 +132,6 @@ class SlotPicker:
         return any(not s.busy for s in slots)
 
 
-class TurnRotation:
-    """Round-robin over busy slots: each turn goes to the next busy slot after the last one."""
-
-    def __init__(self) -> None:
-        self._last = -1
-
-    def next(self, slots: list[Slot]) -> Slot | None:
-        """The busy slot whose turn it is, or None when all are idle."""
-        n = len(slots)
-        for k in range(1, n + 1):
-            slot = slots[(self._last + k) % n]
-            if slot.busy:
-                self._last = slot.index
-                return slot
-        return None
-
-
 class Scheduler:
     """Owns the engine; runs jobs on N slots, one transition per turn."""
 
@@ -161,7 +147,8 @@ class Scheduler:
                       for i in range(self.config.parallel)]
         self.pending = PendingQueue()
         self.picker = SlotPicker()
-        self.rotation = TurnRotation()
+        self.rotation = BatchRotation()  # a lock-step decode of every decoding job is one turn
+        self.lockstep = LockStepDecode(engine, self.config.decode_tokens)
         self.trace = TraceWriter(self.config.trace_path) if self.config.trace_path else None
         self.turns = 0
         self._seq = 0
@@ -194,7 +181,7 @@ class Scheduler:
         self._wakeup.set()
 
     def slots_info(self) -> list[dict]:
-        """Per slot: id, busy, tokens held, last used, prefix source (for GET /slots)."""
+        """Per slot: id, busy, tokens held, last used, prefix source, decode batch (GET /slots)."""
         return [s.info() for s in self.slots]
 
     def live_call_ids(self) -> set[str]:
@@ -227,7 +214,11 @@ class Scheduler:
         acted = self._admit()
         slot = self.rotation.next(self.slots)
         if slot is not None:
-            self._advance(slot)
+            batch = self.lockstep.members(self.slots, slot)
+            if len(batch) > 1:
+                self._advance_batch(batch)
+            else:
+                self.lockstep.single(slot, self._advance)
             self.turns += 1
             acted = True
         self.stats.busy_slots = sum(s.busy for s in self.slots)
@@ -296,6 +287,21 @@ class Scheduler:
             self._fail(job, exc)
         if job.is_terminal:
             self._release(slot, job)
+
+    def _advance_batch(self, slots: list[Slot]) -> None:
+        """One burst of every decoding job in lock-step, then each job's own decode_round."""
+        failed = self.lockstep.run(slots)
+        self.rotation.ran_batch(slots)
+        for slot in slots:
+            job = slot.job
+            if job in failed:
+                self._fail(job, failed[job])
+                if job.is_terminal:
+                    self._release(slot, job)
+                continue
+            job.burst_ran = True  # decode_round finds its burst done
+            self._advance(slot)
+            job.burst_ran = False
 
     def _fail(self, job: Job, exc: Exception) -> None:
         if not job.is_terminal:  # else it ended, then its sink raised: nothing left to tell

@@ -26,6 +26,7 @@ class Slot:
     kv_frontier: int = 0
     prefix_source: str = "cold"
     prefix_tokens: int = 0
+    decode_peers: tuple[int, ...] = ()  # slots that shared this slot's last decode step
 
     @property
     def busy(self) -> bool:
@@ -72,4 +73,5 @@ class Slot:
             "last_used": self.last_used,
             "prefix_source": self.prefix_source,
             "prefix_tokens": self.prefix_tokens,
+            "decode_batch": list(self.decode_peers),
         }

@@ -15,10 +15,34 @@ def attention(xp, ctx, lw, layer_state, h, step):
     `ctx` carries config, ropes, scratch and the quantisation switches; `step` carries this
     chunk's positions, start and the cos/sin of each rope kind.
     """
+    rope_kind = "main" if layer_state.kind == SLIDING else "compress"
+    cos, sin = step.cos_sin[rope_kind]
+    qlat, q, kv = _project(xp, ctx, lw, h, ctx.ropes[rope_kind], cos, sin)
+    out = _attend(xp, ctx, lw, layer_state, h, qlat, q, kv, step)
+    return _grouped_output(xp, ctx.cfg, lw, ctx.ropes[rope_kind].apply(out, cos, sin, inverse=True))
+
+
+def attention_rows(xp, ctx, lw, layer_states: list, h, steps: list, cos_sin: dict):
+    """One token for each of B sessions: h [B, D] -> [B, D].
+
+    The projections multiply the [B, D] block (each weight read once for all rows); the
+    window, the compressors and the indexer run on each session's own state and `Step`.
+    `cos_sin` holds each rope kind at the B rows' positions.
+    """
+    rope_kind = "main" if layer_states[0].kind == SLIDING else "compress"
+    cos, sin = cos_sin[rope_kind]
+    qlat, q, kv = _project(xp, ctx, lw, h, ctx.ropes[rope_kind], cos, sin)
+    out = xp.empty_like(q)
+    for b, (layer_state, step) in enumerate(zip(layer_states, steps)):
+        rows = slice(b, b + 1)
+        out[rows] = _attend(xp, ctx, lw, layer_state, h[rows], qlat[rows], q[rows], kv[rows], step)
+    return _grouped_output(xp, ctx.cfg, lw, ctx.ropes[rope_kind].apply(out, cos, sin, inverse=True))
+
+
+def _project(xp, ctx, lw, h, rope, cos, sin):
+    """(q latent [S, q_lora], roped queries [S, H, d], roped kv row [S, d]) of h [S, D]."""
     cfg = ctx.cfg
     S, H, d, eps = h.shape[0], cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
-    rope_kind = "main" if layer_state.kind == SLIDING else "compress"
-    rope, (cos, sin) = ctx.ropes[rope_kind], step.cos_sin[rope_kind]
     qlat = linear(xp, h, lw["self_attn.q_a_proj.weight"])
     qlat = rms_norm(xp, qlat, lw["self_attn.q_a_norm.weight"], eps)
     q = linear(xp, qlat, lw["self_attn.q_b_proj.weight"]).reshape(S, H, d)
@@ -27,6 +51,12 @@ def attention(xp, ctx, lw, layer_state, h, step):
     kv = rope.apply(rms_norm(xp, kv, lw["self_attn.kv_norm.weight"], eps), cos, sin)
     if ctx.kv_fp8 is not None:
         kv = ctx.kv_fp8(kv)
+    return qlat, q, kv
+
+
+def _attend(xp, ctx, lw, layer_state, h, qlat, q, kv, step):
+    """Per-head outputs [S, H, d] (still roped) of one session's chunk against its own state."""
+    S, d = q.shape[0], ctx.cfg.head_dim
     keys = _raw_keys(ctx, layer_state, kv)
     parts = [_window_part(keys, step.window_bias, layer_state.raw.shape[0])]
     if layer_state.compressor is not None:
@@ -37,8 +67,7 @@ def attention(xp, ctx, lw, layer_state, h, step):
         i1 = min(S, i0 + QUERY_BLOCK)
         blocks = [b for b in (part(i0, i1) for part in parts) if b[1].shape[-1]]  # keys there
         out[i0:i1] = _softmax_with_sink(xp, q[i0:i1], blocks, lw["self_attn.sinks"], d ** -0.5)
-    out = rope.apply(out, cos, sin, inverse=True)
-    return _grouped_output(xp, cfg, lw, out)
+    return out
 
 
 QUERY_BLOCK = 256

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import partial
 
 from ds4.kernels import widen
 from ds4.model import quant
-from ds4.model.attention import attention, window_bias
+from ds4.model.attention import attention, attention_rows, window_bias
 from ds4.model.config import ModelConfig
 from ds4.model.gpu_decode import kernel_decoder_for
 from ds4.model.hyper_connection import hc_collapse, hc_expand, hc_weights, hyper_head, rms_norm
@@ -47,6 +48,7 @@ class Model:
             matrix = xp.asarray(quant.hadamard(cfg.index_head_dim))
             self.indexer_qat = partial(quant.indexer_fp4_simulation, xp, hadamard_matrix=matrix)
         self.kernel_decoder = kernel_decoder_for(self)  # GPU: one-token steps as CUDA graphs
+        self.batch_rows = batch_rows_default(self.kernel_decoder is not None)
 
     def forward(self, state: SessionState, token_ids: list[int]):
         """Run tokens at positions state.n.. through every layer; logits [V] of the last one."""
@@ -60,6 +62,49 @@ class Model:
             X = self._layer(i, layer_state, X, step)
         state.n += len(token_ids)
         return self._head(X[-1:])[0]
+
+    def decode_many(self, states: list[SessionState], token_ids: list[int]) -> list:
+        """Logits [V] per session of one token each: one batched pass when `batch_rows`, else
+        each session's own step (GPU: its CUDA graph replay) one after another."""
+        if self.batch_rows:
+            logits = self.decode_rows(states, token_ids)
+            return [logits[b] for b in range(len(states))]
+        return [self.forward(s, [t]) for s, t in zip(states, token_ids)]
+
+    def decode_rows(self, states: list[SessionState], token_ids: list[int]):
+        """One token for each of B sessions in one pass: logits [B, V].
+
+        Shared matrices multiply the [B, D] block, each routed expert runs once on the rows
+        that picked it, and attention, compressors and indexer run on each session's state.
+        """
+        xp, cfg = self.xp, self.cfg
+        steps = [self._step(s.n, [t]) for s, t in zip(states, token_ids)]
+        positions = xp.asarray([s.n for s in states], dtype=xp.int64)
+        cos_sin = {kind: rope.cos_sin(positions) for kind, rope in self.ropes.items()}
+        ids = xp.asarray(token_ids, dtype=xp.int64)
+        x = widen(self.weights["model.embed_tokens.weight"][ids], xp)
+        streams = (x.shape[0], cfg.hc_mult, x.shape[1])
+        X = xp.ascontiguousarray(xp.broadcast_to(x[:, None, :], streams))
+        for i in range(len(states[0].layers)):
+            X = self._layer_rows(i, [s.layers[i] for s in states], X, ids, steps, cos_sin)
+        for s in states:
+            s.n += 1
+        return self._head(X)
+
+    def _layer_rows(self, i: int, layer_states: list, X, ids, steps: list, cos_sin: dict):
+        """`_layer` for B sessions' single tokens: X [B, hc, D]."""
+        xp, cfg = self.xp, self.cfg
+        lw = self.weights.layer(i)
+        eps = cfg.rms_norm_eps
+        pre, post, comb = self._hc(lw, "attn_hc", X)
+        h = rms_norm(xp, hc_collapse(xp, pre, X), lw["input_layernorm.weight"], eps)
+        a = attention_rows(xp, self, lw, layer_states, h, steps, cos_sin)
+        X = hc_expand(xp, X, a, post, comb)
+        pre, post, comb = self._hc(lw, "ffn_hc", X)
+        h = rms_norm(xp, hc_collapse(xp, pre, X), lw["post_attention_layernorm.weight"], eps)
+        hashed = cfg.mlp_layer_types[i] == "hash_moe"
+        f = moe(xp, cfg, lw, h, ids, hashed, self.backend.to_numpy)
+        return hc_expand(xp, X, f, post, comb)
 
     def _step(self, start: int, token_ids: list[int]) -> Step:
         xp = self.xp
@@ -95,3 +140,13 @@ class Model:
                        X, cfg.hc_eps, cfg.rms_norm_eps)
         y = rms_norm(xp, y, w["model.norm.weight"], cfg.rms_norm_eps)
         return linear(xp, y, w["lm_head.weight"])
+
+
+def batch_rows_default(graph_steps: bool) -> bool:
+    """Whether several sessions' tokens run as one batched pass: DS4_DECODE_BATCH=rows or
+    =replay decides; by default yes, except where single steps replay CUDA graphs (the batched
+    pass is the eager model code there, which the launches bound; see docs/PERF.md)."""
+    choice = os.environ.get("DS4_DECODE_BATCH", "")
+    if choice in ("rows", "replay"):
+        return choice == "rows"
+    return not graph_steps

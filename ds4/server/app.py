@@ -129,7 +129,8 @@ async def metrics(request: Request, runtime: Runtime) -> Response:
 
 
 async def slots(request: Request, runtime: Runtime) -> Response:
-    """Per slot: busy, tokens held, last used (Unix seconds; null before its first job)."""
+    """Per slot: busy, tokens held, last used (Unix seconds; null before its first job) and
+    decode_batch, the slots that shared its last decode step."""
     runtime.require_serving()
     to_wall = time.time() - time.monotonic()  # the scheduler runs on the monotonic clock
     info = [{**s, "last_used": round(s["last_used"] + to_wall, 3) if s["last_used"] else None}

@@ -19,11 +19,12 @@ from ds4.jobs.stats import SchedulerStats
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # a whole request: a long stream runs for minutes
 _REQUEST_BUCKETS = _LATENCY_BUCKETS + (120.0, 300.0, 600.0, 1800.0)
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)  # sessions in one engine decode step
 
 
 class Metrics:
-    """Queue depth, busy slots, token counters, TTFT and inter-token histograms, and every HTTP
-    request by route and status class with its end-to-end time."""
+    """Queue depth, busy slots, token counters, TTFT, inter-token and decode batch-size
+    histograms, and every HTTP request by route and status class with its end-to-end time."""
 
     def __init__(self, queue_depth: Callable[[], float], busy_slots: Callable[[], float],
                  stats: Callable[[], SchedulerStats | None] = lambda: None):
@@ -41,6 +42,9 @@ class Metrics:
         self.inter_token = Histogram("ds4_inter_token_seconds",
                                      "Time between two generated tokens of one job",
                                      buckets=_LATENCY_BUCKETS, registry=reg)
+        self.decode_batch = Histogram("ds4_decode_batch_size",
+                                      "Sessions decoded together in one engine step",
+                                      buckets=_BATCH_BUCKETS, registry=reg)
 
         self.http_requests = Counter("ds4_http_requests", "HTTP requests answered",
                                      ["route", "status"], registry=reg)

@@ -182,6 +182,7 @@ class Runtime:
             return False
         self.scheduler.stats.ttft_observers.append(self.metrics.ttft.observe)
         self.scheduler.stats.inter_token_observers.append(self.metrics.inter_token.observe)
+        self.scheduler.lockstep.observers.append(self.metrics.decode_batch.observe)
         self.scheduler.start()
         self.state = SERVING
         return True
