@@ -12,6 +12,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ds4.backend import get_backend
+# Re-exported so layers above the engine never import ds4.backend or ds4.model themselves.
+from ds4.backend import cuda_available as cuda_available
+from ds4.builtin_model import default_model_dir as default_model_dir
+from ds4.builtin_model import make_tiny as make_tiny
 from ds4.model.config import ModelConfig
 from ds4.model.forward import Model
 from ds4.model.state import SessionState, state_bytes

@@ -15,15 +15,26 @@ whole vocabulary; both compute the same function (NumPy runs the device path as 
 
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import dataclass
 
-from ds4.jobs.events import SamplingOptions
+import numpy as np
 
 TOP_K_CAP = 1024  # larger top_k values are clamped to this
 # Below the smallest normal float32 a GPU kernel may flush T to zero (0/0 = NaN for the best
 # token); the T -> 0 limit is greedy anyway.
 MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
 _PARTIAL = 1024  # top_p first looks at this many best tokens before sorting everything
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How tokens are drawn; temperature <= 0 means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.05
+    seed: int | None = None
 
 
 def make_rng(seed: int | None) -> np.random.Generator:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from ds4.backend import cuda_available
-from ds4.model.tiny import default_model_dir
+from ds4.engine import default_model_dir
 from ds4.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

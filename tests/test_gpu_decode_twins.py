@@ -61,7 +61,7 @@ def twin_step(decoder, state, token: int) -> np.ndarray:
 
 def model_dir(case: str) -> Path:
     if case == "tiny":
-        from ds4.model.tiny import default_model_dir
+        from ds4.engine import default_model_dir
 
         return Path(default_model_dir())
     return FIXTURES / case

@@ -24,7 +24,7 @@ TOL = 2e-4
 
 def model_dir(case: str) -> Path:
     if case == "tiny":
-        from ds4.model.tiny import default_model_dir
+        from ds4.engine import default_model_dir
 
         return Path(default_model_dir())
     return FIXTURES / case

@@ -44,7 +44,7 @@ def test_session_samples_its_device_logits():
     """A CuPy engine session samples the logits it holds on the device, token for token as the
     host sampler on its numpy copy; a seeded run repeats."""
     from ds4.engine import Engine
-    from ds4.model.tiny import default_model_dir
+    from ds4.engine import default_model_dir
 
     eng = Engine.open(default_model_dir(), backend="cupy")
     opts = SamplingOptions(temperature=0.9, top_k=50, top_p=0.95, min_p=0.02)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4.model.tiny import default_model_dir, make_tiny
+from ds4.engine import default_model_dir, make_tiny
 from ds4.tokenizer import Tokenizer
 
 
@@ -73,7 +73,7 @@ def test_same_seed_same_bytes_other_seed_differs(tmp_path: Path, tiny: Path) -> 
 
 def test_default_model_dir_is_made_once_even_by_racing_processes(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("DS4_CACHE_DIR", str(tmp_path))
-    code = "from ds4.model.tiny import default_model_dir; print(default_model_dir())"
+    code = "from ds4.engine import default_model_dir; print(default_model_dir())"
     env = {**os.environ, "DS4_CACHE_DIR": str(tmp_path)}
     racers = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
               for _ in range(3)]

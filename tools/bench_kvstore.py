@@ -20,7 +20,7 @@ import numpy as np
 
 from ds4.engine import Engine
 from ds4.jobs.kvstore import KVStore, model_fingerprint
-from ds4.model.tiny import default_model_dir
+from ds4.engine import default_model_dir
 
 
 def timed(fn) -> tuple[float, object]:

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     source = a.source
     if source == "tiny":
-        from ds4.model.tiny import default_model_dir
+        from ds4.engine import default_model_dir
 
         source = default_model_dir()
     out = write_official(source, a.out, a.block, a.scale_dtype, a.shard_mb << 20)

@@ -61,7 +61,7 @@ def generate_flags(gen: argparse.ArgumentParser) -> None:
 
 def make_tiny_command(args: argparse.Namespace, out: TextIO) -> int:
     """`ds4 make-tiny DIR`."""
-    from ds4.model.tiny import make_tiny
+    from ds4.engine import make_tiny
 
     print(make_tiny(args.dir, seed=args.seed), file=out)
     return 0
@@ -78,7 +78,7 @@ def statechart_command(args: argparse.Namespace, out: TextIO) -> int:
 def generate_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """`ds4 generate`: prefill the prompt, stream sampled tokens, report speeds on stderr."""
     from ds4.engine import ContextOverflow, Engine
-    from ds4.model.tiny import default_model_dir
+    from ds4.engine import default_model_dir
     from ds4.sampling import make_rng, sample
     from ds4.server.runtime import check_vocabulary
 

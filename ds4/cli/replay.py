@@ -203,7 +203,7 @@ def load(a: argparse.Namespace) -> tuple[Trace, list[dict]]:
         raise Refused(f"{a.trace} has no job {', '.join(map(str, sorted(unknown)))}")
     if a.url is None:
         if a.model is None:
-            from ds4.model.tiny import default_model_dir
+            from ds4.engine import default_model_dir
 
             a.model = str(default_model_dir())
         check_model(trace, a.trace, a.model)

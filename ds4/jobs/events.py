@@ -10,17 +10,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Union
 
 from ds4.chat.events import ParsedOutput, ParserEvent
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """How tokens are drawn; temperature <= 0 means greedy."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.05
-    seed: int | None = None
+# Defined by the sampler it configures; re-exported since every JobRequest carries one.
+from ds4.sampling import SamplingOptions as SamplingOptions
 
 
 @dataclass

@@ -20,7 +20,6 @@ import numpy as np
 from ds4.kernels import to_bf16
 from ds4.model.config import CSA, HCA, SLIDING
 from ds4.model.weights import HF_TO_OFFICIAL_LAYER
-from ds4.tokenizer import packaged_tokenizer_path
 
 TINY_VERSION = "1"  # bump when the recipe below changes: cached copies are then regenerated
 LAYER_TYPES = [SLIDING, SLIDING, CSA, HCA, CSA, HCA]
@@ -210,17 +209,20 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
             f.write(raw)
 
 
-def make_tiny(directory: str | Path, seed: int = 0) -> Path:
-    """Write the tiny model (config.json, model.safetensors, tokenizer.json) into `directory`."""
+def make_tiny(directory: str | Path, seed: int = 0, tokenizer_json: Path | None = None) -> Path:
+    """Write the tiny model (config.json, model.safetensors, tokenizer.json) into `directory`.
+    The tokenizer is the engine's to choose (`ds4.engine.make_tiny` passes the real one);
+    without it the directory has none and readers fall back to the packaged one."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
     write_safetensors(directory / "model.safetensors", tiny_tensors(seed))
-    shutil.copyfile(packaged_tokenizer_path(), directory / "tokenizer.json")
+    if tokenizer_json is not None:
+        shutil.copyfile(tokenizer_json, directory / "tokenizer.json")
     return directory
 
 
-def default_model_dir() -> Path:
+def default_model_dir(tokenizer_json: Path) -> Path:
     """The cached built-in tiny model ($DS4_CACHE_DIR or ~/.cache/ds4, /tiny-<version>), made once."""
     root = Path(os.environ.get("DS4_CACHE_DIR") or Path.home() / ".cache" / "ds4")
     target = root / f"tiny-{TINY_VERSION}"
@@ -230,7 +232,7 @@ def default_model_dir() -> Path:
     # build beside the target, then one atomic rename: a concurrent process sees all or nothing
     scratch = Path(tempfile.mkdtemp(prefix=f".tiny-{TINY_VERSION}-", dir=root))
     try:
-        make_tiny(scratch)
+        make_tiny(scratch, tokenizer_json=tokenizer_json)
         os.rename(scratch, target)
     except OSError:
         if not (target / "model.safetensors").is_file():

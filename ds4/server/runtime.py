@@ -217,7 +217,7 @@ class Runtime:
         """The model directory: --model, else the built-in tiny model."""
         if self.config.model_dir:
             return self.config.model_dir
-        from ds4.model.tiny import default_model_dir
+        from ds4.engine import default_model_dir
 
         return str(default_model_dir())
 
