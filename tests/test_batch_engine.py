@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4.engine import MAX_BATCH, ContextOverflow, Engine
-from ds4.model.tiny import default_model_dir
+from ds4.engine import MAX_BATCH, ContextOverflow, Engine, default_model_dir
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ROOT = Path(__file__).resolve().parents[1]

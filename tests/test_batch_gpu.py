@@ -32,7 +32,7 @@ LENGTHS = [(15, 30), (7, 70, 22), (15, 30, 47, 63)]
 
 def model_dir(case: str, tmp_path_factory) -> Path:
     if case == "tiny":
-        from ds4.model.tiny import default_model_dir
+        from ds4.engine import default_model_dir
 
         return Path(default_model_dir())
     if case == "tiny-packed":

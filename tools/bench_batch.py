@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json")
     args, _ = ap.parse_known_args(argv)
     if args.model is None:
-        from ds4.model.tiny import default_model_dir
+        from ds4.engine import default_model_dir
 
         args.model = str(default_model_dir())
     engine = Engine.open(args.model, backend=args.backend, prefill_chunk=256)
