@@ -61,7 +61,15 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds4-server", description=__doc__,
                                 formatter_class=ShowDefaults)
     add_version(p)
-    p.add_argument("--model", help="model directory (none: the built-in tiny model)")
+    p.add_argument("--model", help="model directory, or with --load-format dummy the name of a "
+                   "shipped config (deepseek-v4-flash); none: the built-in tiny model")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights in the checkpoint's formats from config.json alone")
+    p.add_argument("--seed", type=int, default=0, help="seed of --load-format dummy weights")
+    p.add_argument("--gpu-memory-gib", type=positive_float, metavar="N",
+                   help="device memory for the weights; routed experts beyond it live in "
+                        "mapped host memory (default: free memory less --parallel x --ctx "
+                        "session state and the scratch)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port (0: any free one)")
     p.add_argument("--parallel", type=positive_int, default=1,
@@ -103,6 +111,7 @@ def config_from(argv: list[str] | None) -> ServerConfig:
                         ctx=a.ctx, prefill_chunk=a.prefill_chunk, backend=a.backend,
                         cors=a.cors, api_key=a.api_key, trace=a.trace,
                         ssd_streaming=a.ssd_streaming, tokens=a.tokens,
+                        load_format=a.load_format, seed=a.seed, gpu_memory_gib=a.gpu_memory_gib,
                         client_timeout_s=a.client_timeout, quiet=a.quiet)
 
 
