@@ -91,3 +91,24 @@ def test_a_real_packed_checkpoint_places_its_experts_too(tmp_path: Path) -> None
     assert placed.memory_report()["host_expert_bytes"] > 0
     np.testing.assert_array_equal(logits_of(placed, prompt=[0, 100, 5000, 70000]),
                                   logits_of(whole, prompt=[0, 100, 5000, 70000]))
+
+
+def test_the_placed_kernels_twin_computes_the_routed_experts(small_model: Path) -> None:
+    """moe_placed_numpy over a PlacedStack (experts in both memories) is the routed-expert sum
+    of the model's own MoE math."""
+    from ds4.kernels.placed import moe_placed_numpy
+    from ds4.model.moe import _routed_one
+
+    placed = Engine.open(small_model, backend="numpy", load_format="dummy", seed=2,
+                         gpu_memory_gib=half_budget_gib(small_packed()))
+    cfg, bank = placed.config, placed.model.weights.experts[4]
+    gate_up, down = bank.placed_stacks
+    assert gate_up.resident[[0, 1]].all() and not gate_up.resident[[6, 7]].any()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(cfg.hidden_size).astype(np.float32)
+    idx, wts = np.array([1, 6]), np.array([0.7, 0.4], np.float32)
+    y = np.empty(cfg.hidden_size, np.float32)
+    act = np.empty((2, cfg.moe_intermediate_size), np.float32)
+    moe_placed_numpy(gate_up, down, cfg.moe_intermediate_size, idx, wts, x, act, y,
+                     cfg.swiglu_limit)
+    np.testing.assert_allclose(y, _routed_one(np, cfg, bank, x, idx, wts), rtol=1e-5, atol=1e-6)

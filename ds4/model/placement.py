@@ -103,9 +103,8 @@ class HostMemory:
             return
         runtime = xp.cuda.runtime
         self._host = runtime.hostAlloc(max(self.nbytes, 1), 0x01 | 0x02)  # portable | mapped
-        device_ptr = getattr(runtime, "hostGetDevicePointer", None)
-        ptr = device_ptr(self._host, 0) if device_ptr else self._host  # equal under UVA
-        memory = xp.cuda.UnownedMemory(ptr, max(self.nbytes, 1), self)
+        memory = xp.cuda.UnownedMemory(_device_pointer(runtime, self._host),
+                                       max(self.nbytes, 1), self, xp.cuda.Device().id)
         self.array = xp.ndarray((self.nbytes,), xp.uint8, xp.cuda.MemoryPointer(memory, 0))
 
     def view(self, offset: int, shape: tuple, dtype=np.uint8):
@@ -117,6 +116,15 @@ class HostMemory:
         host = getattr(self, "_host", None)
         if host is not None:
             self.xp.cuda.runtime.freeHost(host)
+
+
+def _device_pointer(runtime, host_ptr: int) -> int:
+    """The device address of mapped host memory (the host address itself under unified
+    addressing, which every 64-bit CUDA device has)."""
+    try:
+        return int(runtime.pointerGetAttributes(host_ptr).devicePointer) or host_ptr
+    except Exception:  # an older CuPy without the attribute: UVA makes them equal
+        return host_ptr
 
 
 class PlacedStack:
