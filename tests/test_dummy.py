@@ -190,3 +190,20 @@ def test_a_shrunken_flash_serves_a_chat_completion(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_the_full_flash_bench_runs_on_a_shrunken_config(tmp_path: Path) -> None:
+    """tools/bench_flash_full.py (the H200 figures' harness) runs end to end on NumPy."""
+    model = write_config(tmp_path / "flash", shrunken_flash())
+    out = tmp_path / "figures.json"
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_flash_full.py"),
+                           "--backend", "numpy", "--config", str(model / "config.json"),
+                           "--contexts", "16", "--ttft-tokens", "24", "--prefill-chunk", "16",
+                           "--decode-tokens", "2", "--replace", "--json", str(out),
+                           "--gpu-memory-gib", f"{half_budget_gib(shrunken_flash()):.9f}"],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "host experts per layer: 8,8,8,8" in done.stdout
+    figures = json.loads(out.read_text())
+    assert figures["decode"][0]["finite"] and figures["decode"][0]["tok_s"] > 0
+    assert figures["ttft"]["tokens"] == 24 and figures["floor"]["host_bytes_per_token"] > 0

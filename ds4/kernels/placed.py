@@ -27,6 +27,7 @@ def _module():
     return load_module("placed", options=compile_options() + (f"-DDS4_PACKED_CU={digest}",))
 
 
+@functools.cache
 def _kernel(name: str):
     return _module().get_function(name)
 
