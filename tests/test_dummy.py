@@ -73,7 +73,8 @@ def test_the_shipped_flash_config_has_the_official_dimensions() -> None:
     assert "deepseek-v4-flash" in shipped_configs()
     cfg = ModelConfig.from_dir(model_path("deepseek-v4-flash"))
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (43, 4096, 129280)
-    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (256, 6, 2048)
+    assert cfg.n_routed_experts == 256 and cfg.num_experts_per_tok == 6
+    assert cfg.moe_intermediate_size == 2048
     assert (cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim) == (64, 512, 64)
     assert cfg.layer_types[:2] == (SLIDING, SLIDING)
     assert cfg.layer_types.count(CSA) == 21 and cfg.layer_types.count(HCA) == 20
@@ -117,10 +118,11 @@ def test_dummy_tensors_have_the_loaders_names_shapes_and_formats(tmp_path: Path)
             assert fake.codes.dtype == fake.scale.dtype == np.uint8, name
             assert fake.scale.shape == held.scale.shape, name
         else:
-            assert fake.dtype.kind == held.dtype.kind and fake.dtype.itemsize == held.dtype.itemsize, name
+            assert fake.dtype.str[1:] == held.dtype.str[1:], name
     for bank_real, bank_fake in zip(real.experts, dummy.experts):
         for r, f in zip(bank_real.stacked, bank_fake.stacked):
-            assert (f.fmt, f.shape, f.codes.shape, f.scale.shape) == (r.fmt, r.shape, r.codes.shape, r.scale.shape)
+            assert (f.fmt, f.shape) == (r.fmt, r.shape)
+            assert (f.codes.shape, f.scale.shape) == (r.codes.shape, r.scale.shape)
             assert f.fmt == pk.FP4 and f.codes.dtype == f.scale.dtype == np.uint8
 
 

@@ -93,7 +93,8 @@ def byte_floor(engine: Engine, hbm_gbs: float, pcie_gbs: float) -> dict:
     per_expert = expert_bytes(cfg)
     resident_experts = sum(bank.nbytes for bank in weights.experts)
     embed = weights["model.embed_tokens.weight"]
-    dense = weights.nbytes - resident_experts - int(embed.nbytes) + int(embed.nbytes) // cfg.vocab_size
+    row = int(embed.nbytes) // cfg.vocab_size  # a step reads one embedding row
+    dense = weights.nbytes - resident_experts - int(embed.nbytes) + row
     if weights["lm_head.weight"] is embed:
         dense += int(embed.nbytes)
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok

@@ -200,7 +200,8 @@ def dummy_weights(cfg: ModelConfig, xp, seed: int = 0, budget: int | None = None
     if fp8:
         weight_block(cfg)  # a bad weight_block_size is an error before anything is drawn
     shapes = expected_shapes(cfg)
-    tensors = {name: dense_tensor(xp, cfg, name, shape, seed, fp8) for name, shape in shapes.items()}
+    tensors = {name: dense_tensor(xp, cfg, name, shape, seed, fp8)
+               for name, shape in shapes.items()}
     tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
     dense = sum(int(t.nbytes) for name, t in tensors.items() if name in shapes)
     L, E = cfg.num_hidden_layers, cfg.n_routed_experts
