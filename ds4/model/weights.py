@@ -165,7 +165,8 @@ class ExpertBank:
     @property
     def placed_stacks(self) -> tuple:
         """(gate_up, down) PlacedStacks when this bank's experts are split over two memories."""
-        return (self._gate_up, self._down) if getattr(self._gate_up, "placed", False) else ()
+        gate_up = getattr(self, "_gate_up", None)  # streamed banks hold no stacks
+        return (gate_up, self._down) if getattr(gate_up, "placed", False) else ()
 
     def pick_counts(self) -> np.ndarray:
         """Routing picks per expert counted by decode steps (zeros when not placed)."""
