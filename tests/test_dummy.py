@@ -209,3 +209,13 @@ def test_the_full_flash_bench_runs_on_a_shrunken_config(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert figures["decode"][0]["finite"] and figures["decode"][0]["tok_s"] > 0
     assert figures["ttft"]["tokens"] == 24 and figures["floor"]["host_bytes_per_token"] > 0
+
+
+def test_the_server_refuses_a_shipped_name_without_dummy_and_dummy_with_streaming() -> None:
+    server = [sys.executable, "-m", "ds4.cli.server", "--port", "0", "--backend", "numpy",
+              "--model", "deepseek-v4-flash"]
+    done = subprocess.run(server, capture_output=True, text=True, env=ENV, timeout=60)
+    assert done.returncode == 1 and "--load-format dummy" in done.stderr
+    done = subprocess.run(server + ["--load-format", "dummy", "--ssd-streaming"],
+                          capture_output=True, text=True, env=ENV, timeout=60)
+    assert done.returncode == 2 and "--ssd-streaming" in done.stderr

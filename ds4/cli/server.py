@@ -104,6 +104,8 @@ def config_from(argv: list[str] | None) -> ServerConfig:
     if a.parallel > 1 and a.ssd_streaming:
         p.error("--parallel > 1 cannot be combined with --ssd-streaming: interleaved sessions "
                 "would thrash the streamed expert cache; use --parallel 1")
+    if a.ssd_streaming and a.load_format == "dummy":
+        p.error("--ssd-streaming reads experts from checkpoint files; --load-format dummy has none")
     if a.ssd_streaming and (a.backend == "cupy" or (a.backend == "auto" and cuda_available())):
         p.error("--ssd-streaming is not supported on the CuPy backend yet; "
                 "use --backend numpy or drop --ssd-streaming")
