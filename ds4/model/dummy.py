@@ -63,8 +63,11 @@ class Random:
         self.xp, key = xp, zlib.crc32(name.encode())
         if xp is np:
             self.gen = np.random.default_rng([seed & 0xFFFFFFFF, key])
-        else:
-            self.gen = xp.random.RandomState(((seed & 0xFFFFFFFF) << 32) | key)
+        else:  # Philox: cheap to seed, and thousands of streams are seeded per model
+            curand = getattr(xp.cuda, "curand", None)
+            method = getattr(curand, "CURAND_RNG_PSEUDO_PHILOX4_32_10", None)
+            extra = {} if method is None else {"method": method}
+            self.gen = xp.random.RandomState(((seed & 0xFFFFFFFF) << 32) | key, **extra)
 
     def normal(self, shape: tuple):
         """Standard normal float32 values."""
@@ -216,6 +219,8 @@ def dummy_weights(cfg: ModelConfig, xp, seed: int = 0, budget: int | None = None
     else:
         banks = _packed_banks(xp, cfg, fmt, seed, resident)
     weights = Weights(tensors, banks, {}, fp8)
+    if xp is not np:  # the draws' temporaries: back to the device for sessions and scratch
+        xp.get_default_memory_pool().free_all_blocks()
     if not resident.all():
         weights.placement = ExpertPlacement(banks, budget)
     return weights
@@ -255,13 +260,16 @@ def _packed_banks(xp, cfg: ModelConfig, fmt: str, seed: int, resident: np.ndarra
 
 
 def _whole_stack(xp, cfg, fmt: str, i: int, kind: str, seed: int) -> pk.PackedMatrix:
-    """A layer's resident stack, drawn chunk by chunk into one device array."""
-    E = cfg.n_routed_experts
-    parts = [expert_chunk(xp, cfg, fmt, i, kind, e, min(EXPERT_CHUNK, E - e), seed)
-             for e in range(0, E, EXPERT_CHUNK)]
-    first = parts[0]
-    return pk.PackedMatrix(fmt, xp.concatenate([p.codes for p in parts]),
-                           xp.concatenate([p.scale for p in parts]), first.shape[-1], first.block)
+    """A layer's resident stack, drawn chunk by chunk into one device array (no second copy
+    of the layer while it is drawn)."""
+    E, (code_shape, scale_shape) = cfg.n_routed_experts, expert_shapes(cfg, fmt)[kind]
+    codes = xp.empty((E, *code_shape), xp.uint8)
+    scale = xp.empty((E, *scale_shape), xp.uint8)
+    for first in range(0, E, EXPERT_CHUNK):
+        part = expert_chunk(xp, cfg, fmt, i, kind, first, min(EXPERT_CHUNK, E - first), seed)
+        codes[first : first + len(part.codes)] = part.codes
+        scale[first : first + len(part.codes)] = part.scale
+    return pk.PackedMatrix(fmt, codes, scale, part.shape[-1], part.block)
 
 
 def _fill_placed(xp, cfg, fmt: str, i: int, kind: str, seed: int, stack: PlacedStack) -> None:
