@@ -146,6 +146,21 @@ def test_a_config_missing_a_field_is_an_error_naming_it(tmp_path: Path, field: s
         Engine.open(model, backend="numpy", load_format="dummy")
 
 
+def test_a_bad_expert_dtype_is_named(tmp_path: Path) -> None:
+    config = dict(small_packed(), expert_dtype="int3")
+    with pytest.raises(ValueError, match="expert_dtype"):
+        Engine.open(write_config(tmp_path / "m", config), backend="numpy", load_format="dummy")
+
+
+def test_fp8_experts_when_the_config_says_so(tmp_path: Path) -> None:
+    config = dict(small_packed(), expert_dtype="fp8")
+    engine = Engine.open(write_config(tmp_path / "m", config), backend="numpy",
+                         load_format="dummy")
+    gate_up, down = engine.model.weights.experts[0].stacked
+    assert gate_up.fmt == down.fmt == pk.FP8 and gate_up.codes.shape == (8, 64, 64)
+    assert np.isfinite(logits_of(engine)).all()
+
+
 def test_a_bad_block_size_is_named(tmp_path: Path) -> None:
     config = small_packed()
     config["quantization_config"] = dict(config["quantization_config"], weight_block_size=[32])
@@ -219,3 +234,14 @@ def test_the_server_refuses_a_shipped_name_without_dummy_and_dummy_with_streamin
     done = subprocess.run(server + ["--load-format", "dummy", "--ssd-streaming"],
                           capture_output=True, text=True, env=ENV, timeout=60)
     assert done.returncode == 2 and "--ssd-streaming" in done.stderr
+
+
+def test_a_bf16_config_gets_bf16_words(tmp_path: Path) -> None:
+    """No quantization_config: every matrix and expert as BF16 words, as such a checkpoint."""
+    engine = Engine.open(write_config(tmp_path / "m", dict(TINY, vocab_size=512)),
+                         backend="numpy", load_format="dummy")
+    weights = engine.model.weights
+    assert not weights.packed
+    assert weights["model.layers.2.self_attn.q_a_proj.weight"].dtype == np.uint16
+    assert weights.experts[0].stacked[0].dtype == np.uint16
+    assert np.isfinite(logits_of(engine)).all()

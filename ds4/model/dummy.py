@@ -161,8 +161,14 @@ def dense_tensor(xp, cfg: ModelConfig, name: str, shape: tuple, seed: int, fp8: 
 def expert_format(cfg: ModelConfig) -> str | None:
     """How routed experts are stored: fp4 (expert_dtype fp4), fp8 (a quantization_config
     without it) or None (BF16)."""
-    if cfg.raw.get("expert_dtype") == "fp4":
+    declared = cfg.raw.get("expert_dtype")
+    if declared not in (None, "fp4", "fp8", "bf16"):
+        raise WeightsError(f"config field 'expert_dtype' must be fp4, fp8 or bf16, got "
+                           f"{declared!r}")
+    if declared == "fp4":
         return pk.FP4
+    if declared == "bf16":
+        return None
     return pk.FP8 if cfg.quantization_config is not None else None
 
 
