@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_dummy import PROMPT, half_budget_gib, small_packed, write_config
 
 from ds4.backend import cuda_available
 from ds4.engine import Engine
-from test_dummy import PROMPT, half_budget_gib, small_packed, write_config
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]

@@ -15,8 +15,14 @@ import numpy as np
 
 from ds4.backend import KERNEL_DIR, load_module
 from ds4.kernels import compile_options, f32, i32, ptr
-from ds4.kernels.packed import CHUNK_CODES, SHARED_PER_SM, WARPS_PER_BLOCK, _shift, _sm_count
-from ds4.kernels.packed import x_bytes
+from ds4.kernels.packed import (
+    CHUNK_CODES,
+    SHARED_PER_SM,
+    WARPS_PER_BLOCK,
+    _shift,
+    _sm_count,
+    x_bytes,
+)
 
 
 @functools.cache

@@ -23,8 +23,19 @@ import numpy as np
 from ds4.model import packed as pk
 from ds4.model import quant
 from ds4.model.config import ModelConfig
-from ds4.model.placement import ExpertPlacement, HostMemory, PlacedStack, choose_resident
-from ds4.model.weights import ExpertBank, Weights, WeightsError, expected_shapes, weight_block
+from ds4.model.placement import (
+    ExpertPlacement,
+    HostMemory,
+    PlacedStack,
+    choose_resident,
+)
+from ds4.model.weights import (
+    ExpertBank,
+    Weights,
+    WeightsError,
+    expected_shapes,
+    weight_block,
+)
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 LOAD_FORMATS = ("auto", "dummy")
@@ -103,7 +114,7 @@ JITTER_RMS = math.sqrt((0.25 + 1 + 4) / 3)  # scale exponents jitter by -1, 0 or
 
 def scale_exponent(fan_in: int, code_rms: float, gain: float = 1.0) -> int:
     """E8M0 exponent that gives codes of this rms a std of about gain / sqrt(fan_in)."""
-    return int(round(math.log2(gain / math.sqrt(fan_in) / code_rms / JITTER_RMS)))
+    return round(math.log2(gain / math.sqrt(fan_in) / code_rms / JITTER_RMS))
 
 
 def _scales(rnd: Random, shape: tuple, exponent: int):

@@ -123,7 +123,7 @@ def _device_pointer(runtime, host_ptr: int) -> int:
     addressing, which every 64-bit CUDA device has)."""
     try:
         return int(runtime.pointerGetAttributes(host_ptr).devicePointer) or host_ptr
-    except Exception:  # an older CuPy without the attribute: UVA makes them equal
+    except (AttributeError, RuntimeError):  # an older CuPy: unified addressing makes them equal
         return host_ptr
 
 
@@ -150,7 +150,7 @@ class PlacedStack:
 
     @classmethod
     def allocate(cls, xp, fmt: str, shape: tuple, scale_shape: tuple, cols: int, block,
-                 resident, host_memory: HostMemory | None, host_offset: int = 0) -> "PlacedStack":
+                 resident, host_memory: HostMemory | None, host_offset: int = 0) -> PlacedStack:
         """Empty stacks for experts codes [E, *shape] and scales [E, *scale_shape]: resident ones
         in device memory, the rest in host_memory from host_offset on."""
         resident = np.asarray(resident, dtype=bool)
