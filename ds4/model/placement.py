@@ -118,6 +118,10 @@ class HostMemory:
             self.xp.cuda.runtime.freeHost(host)
 
 
+def _aligned(n: int) -> int:
+    return -(-n // 256) * 256
+
+
 def _device_pointer(runtime, host_ptr: int) -> int:
     """The device address of mapped host memory (the host address itself under unified
     addressing, which every 64-bit CUDA device has)."""
@@ -156,7 +160,7 @@ class PlacedStack:
         resident = np.asarray(resident, dtype=bool)
         n_dev, n_host = int(resident.sum()), int((~resident).sum())
         device = (xp.empty((n_dev, *shape), xp.uint8), xp.empty((n_dev, *scale_shape), xp.uint8))
-        code_bytes = n_host * int(np.prod(shape))
+        code_bytes = _aligned(n_host * int(np.prod(shape)))
         if n_host:
             host = (host_memory.view(host_offset, (n_host, *shape)),
                     host_memory.view(host_offset + code_bytes, (n_host, *scale_shape)))
@@ -166,8 +170,9 @@ class PlacedStack:
 
     @staticmethod
     def host_bytes_of(shape: tuple, scale_shape: tuple, n_host: int) -> int:
-        """Host bytes allocate() takes for n_host experts of these shapes."""
-        return n_host * (int(np.prod(shape)) + int(np.prod(scale_shape)))
+        """Host bytes allocate() takes for n_host experts of these shapes (each region starts
+        on a 256-byte boundary: the kernels read codes in 16-byte loads)."""
+        return _aligned(n_host * int(np.prod(shape))) + _aligned(n_host * int(np.prod(scale_shape)))
 
     @property
     def ndim(self) -> int:
@@ -183,12 +188,6 @@ class PlacedStack:
     def host_nbytes(self) -> int:
         """Bytes in mapped host memory."""
         return int(self.host[0].nbytes + self.host[1].nbytes)
-
-    @property
-    def expert_nbytes(self) -> int:
-        """Bytes of one expert (codes and scales)."""
-        return int((self.device[0][0:1].nbytes + self.device[1][0:1].nbytes) if len(self.device[0])
-                   else self.host[0][0:1].nbytes + self.host[1][0:1].nbytes)
 
     @property
     def kernel_ready(self) -> bool:

@@ -385,13 +385,14 @@ def _resident_mask(cfg: ModelConfig, sources: list, budget: int | None, tensors:
 
 def _host_memory(xp, sources: list, mask: np.ndarray):
     """One mapped host allocation for every expert the mask leaves out (None: none)."""
-    from ds4.model.placement import HostMemory
+    from ds4.model.placement import HostMemory, PlacedStack
 
-    n_host = int((~mask).sum())
-    if not n_host:
-        return None
-    per_expert = sum(concat_rows(s).nbytes for s in (sources[0][0][0], sources[0][1][0]))
-    return HostMemory(xp, n_host * per_expert)
+    total = 0
+    for sources_of, keep in zip(sources, mask):
+        for part in (concat_rows(sources_of[0][0]), concat_rows(sources_of[1][0])):
+            total += PlacedStack.host_bytes_of(part.codes.shape, part.scale.shape,
+                                               int((~keep).sum()))
+    return HostMemory(xp, total) if total else None
 
 
 def _placed_bank(xp, gate_up: list, down: list, keep: np.ndarray, host, offset: int):
