@@ -387,6 +387,8 @@ def _host_memory(xp, sources: list, mask: np.ndarray):
     """One mapped host allocation for every expert the mask leaves out (None: none)."""
     from ds4.model.placement import HostMemory, PlacedStack
 
+    if mask.all():  # nothing placed (and BF16 sources are no packed matrices)
+        return None
     total = 0
     for sources_of, keep in zip(sources, mask):
         for part in (concat_rows(sources_of[0][0]), concat_rows(sources_of[1][0])):
