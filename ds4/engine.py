@@ -17,8 +17,10 @@ from ds4.backend import cuda_available as cuda_available
 from ds4.builtin_model import default_model_dir as default_model_dir
 from ds4.builtin_model import make_tiny as make_tiny
 from ds4.model.config import ModelConfig
+from ds4.model.dummy import CONFIG_DIR, LOAD_FORMATS, dummy_weights, model_path
 from ds4.model.forward import Model
 from ds4.model.state import SessionState, state_bytes
+from ds4.model.placement import weight_budget
 from ds4.model.weights import load_weights
 from ds4.sampling import sample
 
@@ -43,14 +45,30 @@ class Engine:
 
     @classmethod
     def open(cls, model_dir: str | Path, backend: str = "auto", prefill_chunk: int = 512,
-             resident_experts: bool = True, quantize: bool | None = None) -> "Engine":
-        """Load a model directory; quantize=None simulates FP8/FP4 only for quantised checkpoints."""
+             resident_experts: bool = True, quantize: bool | None = None,
+             load_format: str = "auto", seed: int = 0, gpu_memory_gib: float | None = None,
+             parallel: int = 1, ctx: int = 4096) -> "Engine":
+        """Load a model directory (or a shipped config's name with load_format="dummy": random
+        weights from config.json alone, drawn by `seed`); quantize=None simulates FP8/FP4 only
+        for quantised checkpoints. gpu_memory_gib caps the weights' device memory (default on
+        the GPU: free memory less `parallel` sessions of `ctx` tokens and the scratch); experts
+        beyond it live in mapped host memory."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        model_dir = Path(model_dir)
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+        model_dir = model_path(model_dir)
         cfg = ModelConfig.from_dir(model_dir)
         be = get_backend(backend)
-        weights = load_weights(model_dir, cfg, be.xp, resident_experts=resident_experts)
+        budget = weight_budget(be, cfg, gpu_memory_gib, parallel, ctx, prefill_chunk)
+        if load_format == "dummy":
+            weights = dummy_weights(cfg, be.xp, seed, budget)
+        elif model_dir.parent == CONFIG_DIR:
+            raise ValueError(f"{model_dir.name} is a shipped config without weights; serve it "
+                             "with --load-format dummy, or pass a checkpoint directory")
+        else:
+            weights = load_weights(model_dir, cfg, be.xp, resident_experts=resident_experts,
+                                   budget=budget)
         if quantize is None:
             quantize = weights.low_precision or cfg.quantization_config is not None
         return cls(model_dir, cfg, Model(cfg, weights, be, quantize), prefill_chunk)
@@ -73,12 +91,23 @@ class Engine:
     def memory_report(self) -> dict:
         """Bytes of weights, of session state (per context token and fixed) and of scratch."""
         per_token, fixed = state_bytes(self.config)
-        return {
-            "weight_bytes": self.model.weights.nbytes,
+        weights = self.model.weights
+        report = {
+            "weight_bytes": weights.nbytes,
             "state_bytes_per_token": per_token,
             "state_fixed_bytes": fixed,
             "scratch_bytes": self.model.scratch.nbytes,
         }
+        if weights.placement is not None:
+            report["host_expert_bytes"] = weights.host_nbytes
+            report["expert_placement"] = weights.placement.split().describe()
+        return report
+
+    def replace_experts(self) -> int:
+        """Re-place routed experts by their routing counts (hot ones on the GPU); the number
+        of experts moved. Call between steps (the scheduler's thread)."""
+        placement = self.model.weights.placement
+        return placement.replace() if placement is not None else 0
 
     def decode_batch(self, sessions: Sequence["Session"],
                      tokens: Sequence[int]) -> list[np.ndarray]:

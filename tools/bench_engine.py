@@ -342,6 +342,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quantize", action="store_true",
                     help="with --format official: the FP8/FP4 simulation on (the default of a "
                          "packed checkpoint; off to compare with bf16)")
+    ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                    help="with --format official: dummy draws the packed layers' weights with "
+                         "ds4's --load-format dummy loader (its formats and scales)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     import cupy as cp
@@ -358,7 +361,8 @@ def main(argv=None) -> int:
         from bench_official import official_bench, report_official
 
         res["official"] = official_bench(cp, kinds, chunks, args.ctx, args.small, res["ceilings"],
-                                         quantize=args.quantize)
+                                         quantize=args.quantize,
+                                         load_format=args.load_format)
         report_official(res["official"], args.quantize)
         if args.official_only:
             return _write_json(args.json, res)

@@ -57,15 +57,19 @@ def packed_weights(cp, cfg) -> Weights:
     return Weights(named, [bank], {}, True)
 
 
-def layer_model(cp, kind: str, small: bool, quantize: bool):
-    """The engine's Model on CuPy holding one packed layer of this kind."""
+def layer_model(cp, kind: str, small: bool, quantize: bool, load_format: str = "auto"):
+    """The engine's Model on CuPy holding one packed layer of this kind (load_format dummy:
+    weights drawn by ds4's own dummy loader, ds4.model.dummy)."""
     from ds4.backend import get_backend
+    from ds4.model.dummy import dummy_weights
     from ds4.model.forward import Model
 
     config = flash_config([kind], small=small)
     config["quantization_config"] = {"fmt": "e4m3", "weight_block_size": list(BLOCK)}
+    config["expert_dtype"] = "fp4"
     cfg = ModelConfig.from_dict(config)
-    return Model(cfg, packed_weights(cp, cfg), get_backend("cupy"), quantize)
+    weights = dummy_weights(cfg, cp) if load_format == "dummy" else packed_weights(cp, cfg)
+    return Model(cfg, weights, get_backend("cupy"), quantize)
 
 
 def filled_state(cp, cfg, ctx: int):
@@ -145,11 +149,11 @@ def packed_prefill_floor(model, kind: str, chunk: int, ceilings: dict) -> float:
 
 
 def official_bench(cp, kinds: list[str], chunks: list[int], ctx: int, small: bool,
-                   ceilings: dict, quantize: bool = False) -> dict:
+                   ceilings: dict, quantize: bool = False, load_format: str = "auto") -> dict:
     """Per layer kind: packed decode vs its bytes floor, prefill per chunk vs its floor."""
     out = {}
     for kind in dict.fromkeys(kinds):
-        model = layer_model(cp, kind, small, quantize)
+        model = layer_model(cp, kind, small, quantize, load_format)
         row = {"decode": decode_layer(cp, model, ctx), "weight_bytes": model.weights.nbytes}
         row["decode"]["floor_s"] = row["decode"]["bytes"] / ceilings["copy_bytes_per_s"]
         row["prefill"] = {c: {"s": prefill_layer(cp, model, c),

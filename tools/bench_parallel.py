@@ -60,10 +60,11 @@ def server(parallel: int, args: argparse.Namespace):
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
-    """--model and --load-format for ds4-server, each only when given (the server may not know
-    --load-format yet: it is never sent unasked)."""
+    """ds4-server's model flags: --model, --load-format (unless auto) and --gpu-memory-gib, each
+    only when given."""
     flags = ["--model", args.model] if args.model else []
-    return flags + (["--load-format", args.load_format] if args.load_format else [])
+    flags += ["--load-format", args.load_format] if args.load_format != "auto" else []
+    return flags + (["--gpu-memory-gib", str(args.gpu_memory_gib)] if args.gpu_memory_gib else [])
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log) -> None:
@@ -162,10 +163,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for flag, kind, default, text in FLAGS:
         p.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
-    p.add_argument("--model", help="ds4-server --model (default: the built-in tiny model)")
-    p.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="numpy",
-                   help="ds4-server --backend (default numpy)")
-    p.add_argument("--load-format", help="ds4-server --load-format (passed only when given)")
+    p.add_argument("--model", help="ds4-server --model (default: the tiny model); a model this "
+                   "size runs the two servers one after the other, not side by side")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
+    p.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="numpy")
+    p.add_argument("--gpu-memory-gib", type=float, default=None)
     return p
 
 
@@ -173,17 +175,28 @@ def medians(args: argparse.Namespace) -> dict[int, dict]:
     """Start both servers, alternate the repeats between them, return each one's medians."""
     tokenizer = Tokenizer.for_model(args.model or default_model_dir())  # builds the tiny one
     runs: dict[int, list[dict]] = {1: [], 2: []}
+    if args.model:  # two full-size servers cannot share one GPU: one after the other
+        for parallel in (1, 2):
+            with server(parallel, args) as url:
+                for i in range(args.repeat):
+                    text_b = prompt_b(tokenizer, args.prompt_b_tokens, seed=i)
+                    runs[parallel].append(one_run(url, args, text_b))
+        return _medians(runs)
     with server(1, args) as url1, server(2, args) as url2:
         for i in range(args.repeat):
             text_b = prompt_b(tokenizer, args.prompt_b_tokens, seed=i)
             for parallel, url in ((1, url1), (2, url2)):
                 runs[parallel].append(one_run(url, args, text_b))
+    return _medians(runs)
+
+
+def _medians(runs: dict[int, list[dict]]) -> dict[int, dict]:
     return {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
 
 
 def settings(args: argparse.Namespace, load: float) -> str:
     """The line that says what was run, on what, under which load."""
-    model = args.model or "tiny model"
+    model = f"{args.model} ({args.load_format})" if args.model else "tiny model"
     return (f"{model}, {args.backend}, {os.cpu_count()} CPUs; A: {args.tokens_a} tokens greedy; "
             f"B: {args.prompt_b_tokens}-token prompt sent at A's token {args.b_after}, "
             f"{args.tokens_b} tokens; --prefill-chunk {args.prefill_chunk}, "

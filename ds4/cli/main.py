@@ -45,7 +45,14 @@ def generate_flags(gen: argparse.ArgumentParser) -> None:
     """The flags of `ds4 generate`."""
     gen.add_argument("-p", "--prompt", required=True, help="user message")
     gen.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate")
-    gen.add_argument("--model", type=Path, help="model directory (none: the built-in tiny model)")
+    gen.add_argument("--model", help="model directory, or with --load-format dummy the name "
+                     "of a shipped config (deepseek-v4-flash); none: the built-in tiny model")
+    gen.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                     help="dummy: random weights in the checkpoint's formats from config.json "
+                          "alone (drawn by --seed, 0 when unset)")
+    gen.add_argument("--gpu-memory-gib", type=float, default=None, metavar="N",
+                     help="device memory for the weights; routed experts beyond it live in "
+                          "mapped host memory")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
@@ -83,7 +90,8 @@ def generate_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from ds4.server.runtime import check_vocabulary
 
     model = args.model or default_model_dir()
-    engine = Engine.open(model, backend=args.backend)
+    engine = Engine.open(model, backend=args.backend, load_format=args.load_format,
+                         seed=args.seed or 0, gpu_memory_gib=args.gpu_memory_gib, ctx=args.ctx)
     check_vocabulary(engine)  # as the server does: no id may fall outside the embedding
     options = SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed)

@@ -61,7 +61,15 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds4-server", description=__doc__,
                                 formatter_class=ShowDefaults)
     add_version(p)
-    p.add_argument("--model", help="model directory (none: the built-in tiny model)")
+    p.add_argument("--model", help="model directory, or with --load-format dummy the name of a "
+                   "shipped config (deepseek-v4-flash); none: the built-in tiny model")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights in the checkpoint's formats from config.json alone")
+    p.add_argument("--seed", type=int, default=0, help="seed of --load-format dummy weights")
+    p.add_argument("--gpu-memory-gib", type=positive_float, metavar="N",
+                   help="device memory for the weights; routed experts beyond it live in "
+                        "mapped host memory (default: free memory less --parallel x --ctx "
+                        "session state and the scratch)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port (0: any free one)")
     p.add_argument("--parallel", type=positive_int, default=1,
@@ -104,6 +112,8 @@ def config_from(argv: list[str] | None) -> ServerConfig:
     if a.parallel > 1 and a.ssd_streaming:
         p.error("--parallel > 1 cannot be combined with --ssd-streaming: interleaved sessions "
                 "would thrash the streamed expert cache; use --parallel 1")
+    if a.ssd_streaming and a.load_format == "dummy":
+        p.error("--ssd-streaming reads experts from checkpoint files; --load-format dummy has none")
     if a.ssd_streaming and (a.backend == "cupy" or (a.backend == "auto" and cuda_available())):
         p.error("--ssd-streaming is not supported on the CuPy backend yet; "
                 "use --backend numpy or drop --ssd-streaming")
@@ -114,7 +124,8 @@ def config_from(argv: list[str] | None) -> ServerConfig:
                         client_timeout_s=a.client_timeout, quiet=a.quiet,
                         kv_disk_dir=a.kv_disk_dir, kv_disk_space_mb=a.kv_disk_space_mb,
                         kv_disk_interval=a.kv_disk_interval,
-                        kv_disk_min_tokens=a.kv_disk_min_tokens)
+                        kv_disk_min_tokens=a.kv_disk_min_tokens,
+                        load_format=a.load_format, seed=a.seed, gpu_memory_gib=a.gpu_memory_gib)
 
 
 def figure(name: str, value: object) -> str:

@@ -285,6 +285,9 @@ class KernelDecoder:
         moe.moe_route(b["router"], t.get("mlp.gate.e_score_correction_bias"),
                       t.get("mlp.gate.tid2eid"), self.token, cfg.num_experts_per_tok,
                       cfg.routed_scaling_factor, b["idx"], b["wts"])
+        if getattr(t["experts.gate_up"], "placed", False):  # experts in device + host memory
+            self._placed_moe(t)
+            return
         if isinstance(t["experts.gate_up"], PackedMatrix):
             self._packed_moe(t)
             return
@@ -322,6 +325,19 @@ class KernelDecoder:
         else:
             packed.moe_gate_up_fp4(*halves[0], *halves[1], b["idx"], b["wts"], b["h"], act, limit)
             packed.moe_down_fp4(down.codes, down.scale, b["idx"], act, b["y"])
+        if "mlp.shared_experts.gate_proj.weight" in t:
+            self._shared_expert(t)
+
+    def _placed_moe(self, t: dict) -> None:
+        """The MoE of a layer whose experts are split over device and mapped host memory
+        (ds4/model/placement.py): the same row math through per-expert address tables, and
+        the picks counted for re-placement."""
+        from ds4.kernels import placed
+
+        cfg, b, k = self.cfg, self.buf, self.cfg.num_experts_per_tok
+        placed.moe_placed(t["experts.gate_up"], t["experts.down"], cfg.moe_intermediate_size,
+                          b["idx"], b["wts"], b["h"], b["act"][:k], b["y"], cfg.swiglu_limit,
+                          t["experts.counts"])
         if "mlp.shared_experts.gate_proj.weight" in t:
             self._shared_expert(t)
 

@@ -24,7 +24,7 @@ SHARED_EXPERT = ("gate_proj", "up_proj", "down_proj")
 def kernel_weight(xp, w):
     """bf16 words (uint16) when every value of fp32 w is exactly bf16, else w itself (bf16
     words and packed FP8 / FP4 matrices pass through: the kernels read them in place)."""
-    if isinstance(w, PackedMatrix):
+    if isinstance(w, PackedMatrix) or getattr(w, "placed", False):
         return w
     if w.dtype == xp.uint16:
         return xp.ascontiguousarray(w)
@@ -64,6 +64,8 @@ def layer_tensors(xp, cfg, weights, i: int) -> dict:
             key = f"mlp.shared_experts.{name}.weight"
             t[key] = kernel_weight(xp, lw[key])
     t["experts.gate_up"], t["experts.down"] = _stacked_experts(xp, lw.experts)
+    if getattr(lw.experts, "placed_stacks", ()):  # decode counts the picks of placed experts
+        t["experts.counts"] = lw.experts.counts
     return t
 
 
@@ -119,6 +121,8 @@ def _packed_unsupported(model) -> str | None:
         gate_up, down = bank.stacked
         if gate_up.fmt != FP4 and gate_up.shape[1] // 2 % gate_up.block[0]:
             return "FP8 experts whose gate / up halves split a scale tile"
+        if getattr(bank, "placed_stacks", ()) and model.cfg.num_experts_per_tok > 32:
+            return "placed experts take at most 32 picks a token"
         packed += [gate_up, down]
     if any(not m.kernel_ready for m in packed):
         return "a packed matrix the kernels cannot read (scale tile or width)"

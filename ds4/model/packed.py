@@ -126,8 +126,9 @@ def _fp4_into(xp, codes, scale, out) -> None:
 
 
 def is_packed(w) -> bool:
-    """True for a PackedMatrix (weights that linear() must widen per use)."""
-    return isinstance(w, PackedMatrix)
+    """True for a PackedMatrix or a PlacedStack of them (weights that linear() must widen per
+    use)."""
+    return isinstance(w, PackedMatrix) or getattr(w, "placed", False)
 
 
 def on_device(xp, m: PackedMatrix) -> PackedMatrix:

@@ -152,11 +152,33 @@ class ExpertBank:
 
     @classmethod
     def from_stacks(cls, xp, gate_up, down) -> "ExpertBank":
-        """A resident bank over stacks already held (packed or bf16 words), e.g. a benchmark's."""
-        bank = cls(xp, [], [], resident=False, packed=isinstance(gate_up, PackedMatrix))
+        """A resident bank over stacks already held (packed, bf16 words, or PlacedStacks split
+        over device and mapped host memory), e.g. a benchmark's or the dummy loader's."""
+        placed = getattr(gate_up, "placed", False)
+        bank = cls(xp, [], [], resident=False, packed=placed or isinstance(gate_up, PackedMatrix))
         bank.resident, bank.count = True, gate_up.shape[0]
         bank._gate_up, bank._down = gate_up, down
+        if placed:  # routing picks, for re-placement (decode counts them)
+            bank.counts = xp.zeros(bank.count, dtype=xp.int64 if xp is np else xp.int32)
         return bank
+
+    @property
+    def placed_stacks(self) -> tuple:
+        """(gate_up, down) PlacedStacks when this bank's experts are split over two memories."""
+        gate_up = getattr(self, "_gate_up", None)  # streamed banks hold no stacks
+        return (gate_up, self._down) if getattr(gate_up, "placed", False) else ()
+
+    def pick_counts(self) -> np.ndarray:
+        """Routing picks per expert counted by decode steps (zeros when not placed)."""
+        counts = getattr(self, "counts", None)
+        if counts is None:
+            return np.zeros(self.count, dtype=np.int64)
+        return np.asarray(counts.get() if hasattr(counts, "get") else counts, dtype=np.int64)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of this bank's experts in mapped host memory."""
+        return sum(s.host_nbytes for s in self.placed_stacks)
 
     def bind(self, scratch) -> None:
         """Widen packed experts into this scratch (the engine's, shared by its sessions)."""
@@ -177,6 +199,8 @@ class ExpertBank:
 
     def gather(self, ids) -> tuple:
         """(gate_up [k, 2I, D], down [k, D, I]) fp32 for expert ids [k] (streaming reads them on host)."""
+        if self.placed_stacks and self.xp is np:
+            np.add.at(self.counts, np.asarray(ids).reshape(-1), 1)
         if self.resident and self.packed:
             return (self._gate_up[ids].dense(self.xp, "experts.gate_up"),
                     self._down[ids].dense(self.xp, "experts.down"))
@@ -241,6 +265,7 @@ class Weights:
         self.experts = experts
         self.mtp = mtp  # official `mtp.*` tensors, mapped but unused (no MTP inference here)
         self.low_precision = low_precision
+        self.placement = None  # an ExpertPlacement when some experts live in host memory
 
     def __getitem__(self, name: str):
         return self.tensors[name]
@@ -254,6 +279,11 @@ class Weights:
         """Bytes of resident weights (tied tensors counted once)."""
         seen = {id(t): int(t.nbytes) for t in self.tensors.values()}
         return sum(seen.values()) + sum(bank.nbytes for bank in self.experts)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of routed experts placed in mapped host memory."""
+        return sum(getattr(bank, "host_nbytes", 0) for bank in self.experts)
 
     @property
     def packed(self) -> bool:
@@ -286,9 +316,12 @@ class LayerWeights:
         return self._prefix + name in self._tensors
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: bool = True) -> Weights:
+def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: bool = True,
+                 budget: int | None = None) -> Weights:
     """Map and check a checkpoint; every tensor stays in its stored format where it is packed
-    (FP8 / FP4 codes + scales), routed experts stay mapped when not resident."""
+    (FP8 / FP4 codes + scales), routed experts stay mapped when not resident. `budget` (bytes
+    of device memory for all weights; None: no limit) sends the coldest packed experts to
+    mapped host memory."""
     stored = _unhybrid(read_checkpoint(model_dir))
     mtp = {k: v for k, v in stored.items() if k.startswith("mtp.")}
     official = not any(k.startswith(("model.", "lm_head.")) for k in stored)
@@ -313,13 +346,76 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
         progress.update(named[name].nbytes)
     if "lm_head.weight" not in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    experts = []
-    for gate_up, down in expert_sources:
+    mask = _resident_mask(cfg, expert_sources, budget, tensors, resident_experts)
+    host = _host_memory(xp, expert_sources, mask)
+    experts, offset = [], 0
+    for (gate_up, down), keep in zip(expert_sources, mask):
         bank_packed = isinstance(gate_up[0][0], PackedMatrix)
-        experts.append(ExpertBank(xp, gate_up, down, resident_experts, bank_packed))
+        if keep.all():
+            experts.append(ExpertBank(xp, gate_up, down, resident_experts, bank_packed))
+        else:
+            bank, offset = _placed_bank(xp, gate_up, down, keep, host, offset)
+            experts.append(bank)
         progress.update(sum(_source_bytes(s) for s in gate_up + down) if resident_experts else 0)
     progress.close()
-    return Weights(tensors, experts, mtp, packed)
+    weights = Weights(tensors, experts, mtp, packed)
+    if not mask.all():
+        from ds4.model.placement import ExpertPlacement
+
+        weights.placement = ExpertPlacement(experts, budget)
+    return weights
+
+
+def _resident_mask(cfg: ModelConfig, sources: list, budget: int | None, tensors: dict,
+                   resident_experts: bool) -> np.ndarray:
+    """Which experts stay in device memory: all without a budget, else the choice of
+    ds4.model.placement under the budget left after the dense tensors."""
+    from ds4.model.placement import choose_resident
+
+    L, E = cfg.num_hidden_layers, cfg.n_routed_experts
+    if budget is None or not resident_experts:
+        return np.ones((L, E), dtype=bool)
+    if not all(isinstance(gate_up[0][0], PackedMatrix) for gate_up, _ in sources):
+        raise WeightsError("only packed (FP8 / FP4) experts can be placed in host memory; the "
+                           "budget must hold every weight of this checkpoint")
+    dense = sum({id(t): int(t.nbytes) for t in tensors.values()}.values())
+    per_expert = sum(concat_rows(s).nbytes for s in (sources[0][0][0], sources[0][1][0]))
+    return choose_resident(budget - dense, per_expert, np.zeros((L, E)))
+
+
+def _host_memory(xp, sources: list, mask: np.ndarray):
+    """One mapped host allocation for every expert the mask leaves out (None: none)."""
+    from ds4.model.placement import HostMemory, PlacedStack
+
+    if mask.all():  # nothing placed (and BF16 sources are no packed matrices)
+        return None
+    total = 0
+    for sources_of, keep in zip(sources, mask):
+        for part in (concat_rows(sources_of[0][0]), concat_rows(sources_of[1][0])):
+            total += PlacedStack.host_bytes_of(part.codes.shape, part.scale.shape,
+                                               int((~keep).sum()))
+    return HostMemory(xp, total) if total else None
+
+
+def _placed_bank(xp, gate_up: list, down: list, keep: np.ndarray, host, offset: int):
+    """A layer's packed experts over device slots (keep) and host slots; (bank, next offset)."""
+    from ds4.model.placement import PlacedStack
+
+    stacks = []
+    for sources in (gate_up, down):
+        first = concat_rows(sources[0])
+        scale_shape = first.scale.shape
+        stack = PlacedStack.allocate(xp, first.fmt, first.codes.shape, scale_shape,
+                                     first.shape[-1], first.block, keep, host, offset)
+        offset += PlacedStack.host_bytes_of(first.codes.shape, scale_shape, int((~keep).sum()))
+        for e, src in enumerate(sources):
+            m = concat_rows(src)
+            scale = pk.e8m0_bytes(np.asarray(m.scale))
+            if scale.dtype != np.uint8:
+                raise WeightsError("expert scales that are not powers of two cannot be placed")
+            stack.fill(e, xp.asarray(np.asarray(m.codes)), xp.asarray(scale))
+        stacks.append(stack)
+    return ExpertBank.from_stacks(xp, *stacks), offset
 
 
 def weight_block(cfg: ModelConfig) -> tuple[int, int]:

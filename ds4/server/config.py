@@ -27,6 +27,9 @@ class ServerConfig:
     api_key: str | None = None
     trace: str | None = None
     ssd_streaming: bool = False
+    load_format: str = "auto"  # "dummy": random weights from config.json alone
+    seed: int = 0  # of dummy weights
+    gpu_memory_gib: float | None = None  # device memory for the weights (None: what is free)
     tokens: int = DEFAULT_MAX_TOKENS
     kv_disk_dir: str | None = None  # disk KV checkpoints (off without a directory)
     kv_disk_space_mb: int = 4096

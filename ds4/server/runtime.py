@@ -74,9 +74,14 @@ def open_engine(model_dir: str, cfg: ServerConfig):
     """The checked engine of a model directory."""
     from ds4.engine import Engine
 
+    from ds4.model.dummy import model_path
+
+    model_dir = str(model_path(model_dir))  # a shipped config's name resolves to its directory
     check_model_dir(model_dir)
     engine = Engine.open(model_dir, backend=cfg.backend, prefill_chunk=cfg.prefill_chunk,
-                         resident_experts=not cfg.ssd_streaming)
+                         resident_experts=not cfg.ssd_streaming, load_format=cfg.load_format,
+                         seed=cfg.seed, gpu_memory_gib=cfg.gpu_memory_gib,
+                         parallel=cfg.parallel, ctx=cfg.ctx)
     check_vocabulary(engine)
     return engine
 

@@ -1,0 +1,299 @@
+"""Where each routed expert lives: GPU memory, or pinned device-mapped host memory.
+
+A packed V4-Flash holds ~137 GiB of routed experts, more than one H200 keeps beside the rest
+of the model. `choose_resident` (a pure function) picks the experts that stay in device memory
+under a byte budget, hottest first by their routing counts; the others live in pinned host
+memory mapped into the device's address space, where the same expert kernels read them in
+place over PCIe. A `PlacedStack` holds one layer's stack of one matrix kind split over the two
+memories, with a per-expert address table the kernels follow; `ExpertPlacement.replace()`
+swaps experts between the memories when the counts drift (the tables are rewritten in place,
+so captured decode graphs stay valid). On NumPy both memories are host RAM, so the same code
+and its bookkeeping run in CI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ds4.model.packed import PackedMatrix
+
+GIB = 1 << 30
+
+
+def choose_resident(budget: int, expert_bytes, counts) -> np.ndarray:
+    """Resident mask [L, E]: the most-picked experts whose bytes fit `budget`.
+
+    expert_bytes is one expert's bytes (an int, or one per layer); counts [L, E] are routing
+    picks. Ties go to the lower expert id, then the lower layer, so with equal counts every
+    layer keeps about the same number of experts.
+    """
+    counts = np.asarray(counts)
+    L, E = counts.shape
+    sizes = np.broadcast_to(np.asarray(expert_bytes, dtype=np.int64), (L,))
+    layer, expert = np.meshgrid(np.arange(L), np.arange(E), indexing="ij")
+    order = np.lexsort((layer.ravel(), expert.ravel(), -counts.ravel()))
+    cost = np.cumsum(sizes[layer.ravel()[order]])
+    mask = np.zeros(L * E, dtype=bool)
+    mask[order[cost <= budget]] = True
+    return mask.reshape(L, E)
+
+
+def choose_within_layers(quota, counts) -> np.ndarray:
+    """Resident mask [L, E] keeping each layer's number of resident experts (`quota[l]`), the
+    most-picked ones (lower id on ties): the re-placement rule, which moves no memory between
+    layers."""
+    counts = np.asarray(counts)
+    mask = np.zeros(counts.shape, dtype=bool)
+    for l, row in enumerate(counts):
+        order = np.lexsort((np.arange(row.size), -row))
+        mask[l, order[: int(quota[l])]] = True
+    return mask
+
+
+def device_budget(free_bytes: int, reserve_bytes: int, limit_gib: float | None) -> int:
+    """Bytes the weights may take on the device: --gpu-memory-gib when given, else the free
+    memory less what the sessions and the scratch will need."""
+    if limit_gib is not None:
+        return int(limit_gib * GIB)
+    return max(0, int(free_bytes) - int(reserve_bytes))
+
+
+def scratch_estimate(cfg, prefill_chunk: int) -> int:
+    """Bytes the engine's scratch may grow to for prefill chunks of this size: residual
+    streams, queries, attention scores, expert activations, logits, plus 1 GiB of slack
+    (CUDA graphs, cuBLAS workspaces, widened expert slabs)."""
+    C, D, H, d = prefill_chunk, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    k, inter = cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    per_token = (6 * cfg.hc_mult * D + 4 * H * d + 2 * H * (cfg.sliding_window + C)
+                 + 2 * k * (2 * inter + D)) * 4
+    return C * per_token + 2 * cfg.vocab_size * 4 + GIB
+
+
+def weight_budget(backend, cfg, gpu_memory_gib: float | None, parallel: int, ctx: int,
+                  prefill_chunk: int) -> int | None:
+    """Device bytes the weights may take: --gpu-memory-gib, else (GPU) the free memory less
+    `parallel` sessions of `ctx` tokens and the scratch; None (no limit) on NumPy."""
+    if gpu_memory_gib is not None:
+        if gpu_memory_gib <= 0:
+            raise ValueError(f"gpu_memory_gib must be > 0, got {gpu_memory_gib}")
+        return device_budget(0, 0, gpu_memory_gib)
+    if not backend.is_gpu:
+        return None
+    from ds4.model.state import state_bytes
+
+    per_token, fixed = state_bytes(cfg)
+    sessions = parallel * (fixed + per_token * ctx)
+    free = backend.xp.cuda.runtime.memGetInfo()[0]
+    return device_budget(free, int(sessions) + scratch_estimate(cfg, prefill_chunk), None)
+
+
+class HostMemory:
+    """Pinned host memory mapped into the device's address space (CuPy), or plain RAM (NumPy).
+
+    The device-side view is an ordinary CuPy array whose pointer is the mapped one, so
+    kernels, copies and CUDA graphs treat it like device memory.
+    """
+
+    def __init__(self, xp, nbytes: int):
+        self.xp, self.nbytes = xp, int(nbytes)
+        if xp is np:
+            self.array = np.empty(self.nbytes, dtype=np.uint8)
+            return
+        runtime = xp.cuda.runtime
+        self._host = runtime.hostAlloc(max(self.nbytes, 1), 0x01 | 0x02)  # portable | mapped
+        memory = xp.cuda.UnownedMemory(_device_pointer(runtime, self._host),
+                                       max(self.nbytes, 1), self, xp.cuda.Device().id)
+        self.array = xp.ndarray((self.nbytes,), xp.uint8, xp.cuda.MemoryPointer(memory, 0))
+
+    def view(self, offset: int, shape: tuple, dtype=np.uint8):
+        """An array over bytes [offset, offset + its size) of this memory."""
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return self.array[offset : offset + n].view(dtype).reshape(shape)
+
+    def __del__(self):
+        host = getattr(self, "_host", None)
+        if host is not None:
+            self.xp.cuda.runtime.freeHost(host)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 256) * 256
+
+
+def _device_pointer(runtime, host_ptr: int) -> int:
+    """The device address of mapped host memory (the host address itself under unified
+    addressing, which every 64-bit CUDA device has)."""
+    try:
+        return int(runtime.pointerGetAttributes(host_ptr).devicePointer) or host_ptr
+    except (AttributeError, RuntimeError):  # an older CuPy: unified addressing makes them equal
+        return host_ptr
+
+
+class PlacedStack:
+    """E packed matrices of one shape (a layer's gate_up or down experts), each expert in
+    device slots or mapped host slots; `self[e]` is expert e's PackedMatrix wherever it is."""
+
+    placed = True
+
+    def __init__(self, xp, fmt: str, cols: int, block, device: tuple, host: tuple, resident):
+        self.xp, self.fmt, self.block = xp, fmt, tuple(block)
+        self.device, self.host = device, host  # (codes [n, ...], scale [n, ...]) each
+        self.resident = np.array(resident, dtype=bool)
+        self.slot = np.zeros(self.resident.size, dtype=np.int64)
+        self.slot[self.resident] = np.arange(int(self.resident.sum()))
+        self.slot[~self.resident] = np.arange(int((~self.resident).sum()))
+        self.shape = (self.resident.size, *device[0].shape[1:-1], cols)
+        self.scratch = None
+        self.code_ptrs = self.scale_ptrs = None
+        if xp is not np:
+            self.code_ptrs = xp.zeros(self.resident.size, dtype=xp.int64)
+            self.scale_ptrs = xp.zeros(self.resident.size, dtype=xp.int64)
+            self._write_tables(range(self.resident.size))
+
+    @classmethod
+    def allocate(cls, xp, fmt: str, shape: tuple, scale_shape: tuple, cols: int, block,
+                 resident, host_memory: HostMemory | None, host_offset: int = 0) -> PlacedStack:
+        """Empty stacks for experts codes [E, *shape] and scales [E, *scale_shape]: resident ones
+        in device memory, the rest in host_memory from host_offset on."""
+        resident = np.asarray(resident, dtype=bool)
+        n_dev, n_host = int(resident.sum()), int((~resident).sum())
+        device = (xp.empty((n_dev, *shape), xp.uint8), xp.empty((n_dev, *scale_shape), xp.uint8))
+        code_bytes = _aligned(n_host * int(np.prod(shape)))
+        if n_host:
+            host = (host_memory.view(host_offset, (n_host, *shape)),
+                    host_memory.view(host_offset + code_bytes, (n_host, *scale_shape)))
+        else:
+            host = (xp.empty((0, *shape), xp.uint8), xp.empty((0, *scale_shape), xp.uint8))
+        return cls(xp, fmt, cols, block, device, host, resident)
+
+    @staticmethod
+    def host_bytes_of(shape: tuple, scale_shape: tuple, n_host: int) -> int:
+        """Host bytes allocate() takes for n_host experts of these shapes (each region starts
+        on a 256-byte boundary: the kernels read codes in 16-byte loads)."""
+        return _aligned(n_host * int(np.prod(shape))) + _aligned(n_host * int(np.prod(scale_shape)))
+
+    @property
+    def ndim(self) -> int:
+        """Number of logical axes (3: experts, rows, cols)."""
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in device memory (on NumPy: the 'resident' share of RAM)."""
+        return int(self.device[0].nbytes + self.device[1].nbytes)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes in mapped host memory."""
+        return int(self.host[0].nbytes + self.host[1].nbytes)
+
+    @property
+    def kernel_ready(self) -> bool:
+        """True when the packed kernels can read its experts (as for a PackedMatrix)."""
+        return self[0].kernel_ready
+
+    def memory_of(self, e: int) -> tuple:
+        """(codes, scale) arrays of expert e where it lives."""
+        codes, scale = self.device if self.resident[e] else self.host
+        s = int(self.slot[e])
+        return codes[s], scale[s]
+
+    def fill(self, e: int, codes, scale) -> None:
+        """Write expert e's codes and scales into its memory."""
+        dst_codes, dst_scale = self.memory_of(e)
+        dst_codes[...] = codes
+        dst_scale[...] = scale
+
+    def __getitem__(self, index) -> PackedMatrix:
+        """Expert `index` (an int) as a view, or experts `index` (ids) stacked as a copy."""
+        if isinstance(index, (int, np.integer)):
+            out = PackedMatrix(self.fmt, *self.memory_of(int(index)), self.shape[-1], self.block)
+        else:
+            ids = np.asarray(index.get() if hasattr(index, "get") else index).reshape(-1)
+            parts = [self.memory_of(int(e)) for e in ids.tolist()]
+            xp = self.xp
+            out = PackedMatrix(self.fmt, xp.stack([c for c, _ in parts]),
+                               xp.stack([s for _, s in parts]), self.shape[-1], self.block)
+        out.scratch = self.scratch
+        return out
+
+    def swap(self, going: int, coming: int) -> None:
+        """Expert `going` (resident) leaves for `coming`'s host slot; `coming` takes its
+        device slot. Bytes move through one temporary copy; the address table follows."""
+        xp = self.xp
+        d_codes, d_scale = self.memory_of(going)
+        h_codes, h_scale = self.memory_of(coming)
+        tmp = (d_codes.copy(), d_scale.copy())
+        d_codes[...], d_scale[...] = h_codes, h_scale
+        h_codes[...], h_scale[...] = tmp
+        self.slot[going], self.slot[coming] = self.slot[coming], self.slot[going]
+        self.resident[going], self.resident[coming] = False, True
+        if xp is not np:
+            self._write_tables([going, coming])
+
+    def _write_tables(self, experts) -> None:
+        """Device addresses of the given experts' codes and scales (the kernels' tables)."""
+        experts = list(experts)
+        codes = [self.memory_of(e)[0].data.ptr for e in experts]
+        scales = [self.memory_of(e)[1].data.ptr for e in experts]
+        ids = self.xp.asarray(np.array(experts, dtype=np.int64))
+        self.code_ptrs[ids] = self.xp.asarray(np.array(codes, dtype=np.int64))
+        self.scale_ptrs[ids] = self.xp.asarray(np.array(scales, dtype=np.int64))
+
+
+@dataclass
+class Split:
+    """What a placement put where."""
+
+    device_bytes: int
+    host_bytes: int
+    host_experts: list[int]  # per layer
+
+    def describe(self) -> str:
+        """One line for start-up: GiB per memory and host experts per layer."""
+        per_layer = ",".join(str(n) for n in self.host_experts)
+        return (f"routed experts: {_size(self.device_bytes)} on the GPU, "
+                f"{_size(self.host_bytes)} in mapped host memory; host experts per "
+                f"layer: {per_layer}")
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.2f} MiB"
+
+
+class ExpertPlacement:
+    """The placed expert banks of a model, their routing counts, and re-placement."""
+
+    def __init__(self, banks: list, budget: int):
+        self.banks, self.budget = banks, budget
+
+    def counts(self) -> np.ndarray:
+        """Routing picks [L, E] counted since load (decode steps)."""
+        return np.stack([np.asarray(b.pick_counts()) for b in self.banks])
+
+    def resident(self) -> np.ndarray:
+        """Resident mask [L, E] now."""
+        return np.stack([b.placed_stacks[0].resident for b in self.banks])
+
+    def split(self) -> Split:
+        """Bytes per memory and host experts per layer."""
+        dev = sum(s.nbytes for b in self.banks for s in b.placed_stacks)
+        host = sum(s.host_nbytes for b in self.banks for s in b.placed_stacks)
+        return Split(dev, host, [int((~m).sum()) for m in self.resident()])
+
+    def replace(self) -> int:
+        """Move the hottest experts of each layer onto the device (each layer keeps its number
+        of device slots); returns how many experts changed memory. Call between steps."""
+        now = self.resident()
+        want = choose_within_layers(now.sum(axis=1), self.counts())
+        moved = 0
+        for bank, have, need in zip(self.banks, now, want):
+            going = np.nonzero(have & ~need)[0].tolist()
+            coming = np.nonzero(need & ~have)[0].tolist()
+            for g, c in zip(going, coming):
+                for stack in bank.placed_stacks:
+                    stack.swap(g, c)
+            moved += 2 * len(going)
+        return moved

@@ -1,0 +1,114 @@
+"""Expert placement under a device budget: the choice, its split, and re-placement by routing
+counts (on NumPy both memories are RAM, so the same bookkeeping runs here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_dummy import half_budget_gib, logits_of, small_packed, write_config
+
+from ds4.engine import Engine
+from ds4.model.official_format import write_official
+from ds4.model.placement import choose_resident, choose_within_layers
+from ds4.model.tiny import default_model_dir
+
+
+def test_the_chosen_set_fits_the_budget_and_prefers_hot_experts() -> None:
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 1000, (4, 32))
+    sizes = np.array([100, 100, 200, 100])
+    mask = choose_resident(3000, sizes, counts)
+    assert (mask.sum(axis=1) * sizes).sum() <= 3000
+    assert (mask.sum(axis=1) * sizes).sum() > 3000 - 200  # nothing left that would still fit
+    assert counts[mask].min() >= counts[~mask].max()  # ranked by counts across layers
+
+
+def test_hot_experts_win_over_cold_ones() -> None:
+    counts = np.zeros((2, 8))
+    counts[1, 7] = counts[0, 5] = 10
+    mask = choose_resident(2, 1, counts)
+    assert mask.sum() == 2 and mask[1, 7] and mask[0, 5]
+
+
+def test_equal_counts_spread_the_host_experts_evenly() -> None:
+    mask = choose_resident(10 * 8 - 12, 1, np.zeros((8, 10)))
+    assert sorted((~mask).sum(axis=1).tolist()) == [1, 1, 1, 1, 2, 2, 2, 2]
+
+
+def test_a_budget_too_small_for_anything_keeps_nothing_resident() -> None:
+    assert not choose_resident(-5, 10, np.ones((2, 3))).any()
+
+
+def test_replacement_keeps_each_layers_quota_and_takes_the_hottest() -> None:
+    counts = np.array([[0, 5, 1, 9], [3, 3, 0, 7]])
+    mask = choose_within_layers([2, 1], counts)
+    assert mask.tolist() == [[False, True, False, True], [False, False, False, True]]
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory) -> Path:
+    return write_config(tmp_path_factory.mktemp("placed") / "m", small_packed())
+
+
+def test_a_placed_model_gives_the_all_resident_logits(small_model: Path) -> None:
+    budget = half_budget_gib(small_packed())
+    resident = Engine.open(small_model, backend="numpy", load_format="dummy", seed=2)
+    placed = Engine.open(small_model, backend="numpy", load_format="dummy", seed=2,
+                         gpu_memory_gib=budget)
+    report = placed.memory_report()
+    assert report["weight_bytes"] <= budget * 2**30
+    experts = sum(bank.nbytes for bank in resident.model.weights.experts)
+    assert report["host_expert_bytes"] == experts // 2
+    assert "host experts per layer: 4,4,4,4,4,4" in report["expert_placement"]
+    np.testing.assert_array_equal(logits_of(placed), logits_of(resident))
+
+
+def test_replace_moves_the_hot_experts_on_and_keeps_the_logits(small_model: Path) -> None:
+    placed = Engine.open(small_model, backend="numpy", load_format="dummy", seed=2,
+                         gpu_memory_gib=half_budget_gib(small_packed()))
+    before = logits_of(placed, steps=list(range(20, 60)))
+    placement = placed.model.weights.placement
+    counts = placement.counts()
+    assert counts.sum() == 40 * 6 * 2  # every decode step's picks, per layer
+    moved = placed.replace_experts()
+    assert moved > 0
+    resident = placement.resident()
+    for layer, mask in zip(counts, resident):
+        assert mask.sum() == 4
+        assert layer[mask].min() >= layer[~mask].max()  # the hottest are on the device now
+    np.testing.assert_array_equal(logits_of(placed, steps=list(range(20, 60))), before)
+    assert placed.replace_experts() == 0  # counts have not changed which experts are hottest
+
+
+def test_a_real_packed_checkpoint_places_its_experts_too(tmp_path: Path) -> None:
+    packed = write_official(default_model_dir(), tmp_path / "official", block=(32, 32))
+    whole = Engine.open(packed, backend="numpy")
+    experts = sum(bank.nbytes for bank in whole.model.weights.experts)
+    budget = (whole.memory_report()["weight_bytes"] - experts / 2) / 2**30
+    placed = Engine.open(packed, backend="numpy", gpu_memory_gib=budget)
+    assert placed.memory_report()["host_expert_bytes"] > 0
+    np.testing.assert_array_equal(logits_of(placed, prompt=[0, 100, 5000, 70000]),
+                                  logits_of(whole, prompt=[0, 100, 5000, 70000]))
+
+
+def test_the_placed_kernels_twin_computes_the_routed_experts(small_model: Path) -> None:
+    """moe_placed_numpy over a PlacedStack (experts in both memories) is the routed-expert sum
+    of the model's own MoE math."""
+    from ds4.kernels.placed import moe_placed_numpy
+    from ds4.model.moe import _routed_one
+
+    placed = Engine.open(small_model, backend="numpy", load_format="dummy", seed=2,
+                         gpu_memory_gib=half_budget_gib(small_packed()))
+    cfg, bank = placed.config, placed.model.weights.experts[4]
+    gate_up, down = bank.placed_stacks
+    assert gate_up.resident[[0, 1]].all() and not gate_up.resident[[6, 7]].any()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(cfg.hidden_size).astype(np.float32)
+    idx, wts = np.array([1, 6]), np.array([0.7, 0.4], np.float32)
+    y = np.empty(cfg.hidden_size, np.float32)
+    act = np.empty((2, cfg.moe_intermediate_size), np.float32)
+    moe_placed_numpy(gate_up, down, cfg.moe_intermediate_size, idx, wts, x, act, y,
+                     cfg.swiglu_limit)
+    np.testing.assert_allclose(y, _routed_one(np, cfg, bank, x, idx, wts), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,97 @@
+"""On the GPU: experts placed in pinned, device-mapped host memory give the all-resident
+logits through the decode CUDA graph, before and after a re-placement."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_dummy import PROMPT, half_budget_gib, small_packed, write_config
+
+from ds4.backend import cuda_available
+from ds4.engine import Engine
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
+STEPS = [11, 12, 13, 14, 15, 16, 17, 18]  # step 1 eager, step 2 captured, then replays
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return write_config(tmp_path_factory.mktemp("gpu_placed") / "m", small_packed())
+
+
+def decode_logits(session, steps) -> np.ndarray:
+    return np.stack([np.asarray(session.decode(t)) for t in steps])
+
+
+def engines(model: Path) -> tuple[Engine, Engine]:
+    resident = Engine.open(model, backend="cupy", load_format="dummy", seed=5)
+    placed = Engine.open(model, backend="cupy", load_format="dummy", seed=5,
+                         gpu_memory_gib=half_budget_gib(small_packed()))
+    return resident, placed
+
+
+def test_half_the_experts_in_host_memory_give_the_resident_logits(model: Path) -> None:
+    resident, placed = engines(model)
+    assert placed.model.weights.placement is not None
+    assert "host experts per layer: 4,4,4,4,4,4" in placed.memory_report()["expert_placement"]
+    assert placed.model.kernel_decoder is not None  # the decode CUDA graph runs them
+    a, b = resident.new_session(256), placed.new_session(256)
+    np.testing.assert_allclose(b.sync(PROMPT), a.sync(PROMPT), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(decode_logits(b, STEPS), decode_logits(a, STEPS),
+                               rtol=1e-4, atol=1e-4)
+    assert placed.model.weights.placement.counts().sum() == len(STEPS) * 2 * 6
+
+
+def test_replacement_between_graph_replays_keeps_the_logits(model: Path) -> None:
+    resident, placed = engines(model)
+    a, b = resident.new_session(256), placed.new_session(256)
+    a.sync(PROMPT), b.sync(PROMPT)
+    decode_logits(a, STEPS), decode_logits(b, STEPS)
+    assert placed.replace_experts() > 0
+    more = [21, 22, 23, 24]  # the same session's captured graph, tables rewritten in place
+    np.testing.assert_allclose(decode_logits(b, more), decode_logits(a, more),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_the_placed_kernel_matches_its_numpy_twin(model: Path) -> None:
+    import cupy as cp
+
+    from ds4.kernels import placed as kernels
+    from ds4.model.config import ModelConfig
+    from ds4.model.dummy import dummy_weights
+
+    cfg = ModelConfig.from_dir(model)
+    w = dummy_weights(cfg, cp, seed=1, budget=half_budget_gib(small_packed()) * 2**30)
+    bank = w.experts[3]
+    gate_up, down = bank.placed_stacks
+    I, D, k = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts_per_tok
+    rng = np.random.default_rng(0)
+    idx = np.array([0, 7], dtype=np.int32)[:k]
+    wts = rng.random(k).astype(np.float32)
+    x = rng.standard_normal(D).astype(np.float32)
+    y, act = cp.zeros(D, cp.float32), cp.zeros((k, I), cp.float32)
+    kernels.moe_placed(gate_up, down, I, cp.asarray(idx), cp.asarray(wts), cp.asarray(x), act,
+                       y, cfg.swiglu_limit)
+    host = [s for s in (gate_up, down)]
+    want = np.zeros(D, np.float32)
+    twin_act = np.zeros((k, I), np.float32)
+    kernels.moe_placed_numpy(_on_host(host[0]), _on_host(host[1]), I, idx, wts, x, twin_act,
+                             want, cfg.swiglu_limit)
+    np.testing.assert_allclose(cp.asnumpy(y), want, rtol=1e-4, atol=1e-5)
+
+
+class _on_host:
+    """A PlacedStack read back to NumPy expert by expert (for the twin)."""
+
+    def __init__(self, stack):
+        self.stack = stack
+
+    def __getitem__(self, e):
+        from ds4.model.packed import PackedMatrix
+
+        codes, scale = self.stack.memory_of(int(e))
+        return PackedMatrix(self.stack.fmt, codes.get(), scale.get(), self.stack.shape[-1],
+                            self.stack.block)

@@ -1,0 +1,177 @@
+"""The whole dummy V4-Flash through the Engine: decode, prefill and TTFT against the byte floor.
+
+Loads `--load-format dummy` weights of the shipped deepseek-v4-flash config (or `--config PATH`,
+e.g. a shrunken copy for a CPU smoke run) under a device budget (`--gpu-memory-gib`; default:
+what is free less the sessions and scratch), prints the expert split, then measures one stream:
+
+- decode tok/s after a prompt of each `--contexts` length (greedy, `--decode-tokens` steps);
+- prefill tok/s at `--prefill-chunk`, and the TTFT of a `--ttft-tokens` prompt (sync to the
+  first sampled token);
+- the bytes-read floor of the placement used: per token, every dense matrix once (the
+  embedding only its row), plus k experts per layer, the resident share at `--hbm-gbs` and the
+  share expected in host memory (uniform routing) at `--pcie-gbs`.
+
+    python3 tools/bench_flash_full.py --backend cupy --json flash_full.json
+    python3 tools/bench_flash_full.py --backend numpy --config small/config.json \\
+        --contexts 64,128 --ttft-tokens 256 --prefill-chunk 64 --decode-tokens 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ds4.engine import Engine
+from ds4.model.dummy import expert_bytes
+
+
+def open_engine(args) -> Engine:
+    """The dummy model under the budget, sized for the longest context measured."""
+    model = "deepseek-v4-flash"
+    if args.config:  # a config.json or the directory holding it
+        model = args.config if Path(args.config).is_dir() else Path(args.config).parent
+    longest = max(max(args.contexts), args.ttft_tokens) + args.decode_tokens + 1
+    return Engine.open(model, backend=args.backend, prefill_chunk=args.prefill_chunk,
+                       load_format="dummy", seed=args.seed, gpu_memory_gib=args.gpu_memory_gib,
+                       parallel=1, ctx=longest)
+
+
+def prompt(engine: Engine, n: int, seed: int) -> list[int]:
+    """n random token ids (BOS first)."""
+    rng = np.random.default_rng(seed)
+    return [0] + rng.integers(2, engine.config.vocab_size, n - 1).tolist()
+
+
+def sync_time(cp, fn) -> float:
+    """Seconds fn() takes, the device drained before and after."""
+    if cp is not None:
+        cp.cuda.Device().synchronize()
+    start = time.perf_counter()
+    fn()
+    if cp is not None:
+        cp.cuda.Device().synchronize()
+    return time.perf_counter() - start
+
+
+def decode_at(engine: Engine, ctx: int, steps: int, ctx_size: int) -> dict:
+    """Greedy decode tok/s of one stream after a ctx-token prompt (first step not timed: it
+    compiles and captures)."""
+    session = engine.new_session(ctx_size)
+    logits = session.sync(prompt(engine, ctx, ctx))
+    token = int(np.argmax(logits))
+    logits = session.decode(token)
+    seconds = 0.0
+    for _ in range(steps):
+        token = int(np.argmax(logits))  # the logits came back to the host: step done
+        start = time.perf_counter()
+        logits = session.decode(token)
+        seconds += time.perf_counter() - start
+    return {"context": ctx, "tokens": steps, "tok_s": steps / seconds,
+            "ms_per_token": 1e3 * seconds / steps, "finite": bool(np.isfinite(logits).all())}
+
+
+def ttft(engine: Engine, cp, n: int, ctx_size: int) -> dict:
+    """Seconds from a fresh n-token prompt to its first sampled token; prefill tok/s."""
+    session = engine.new_session(ctx_size)
+    ids = prompt(engine, n, 7)
+    seconds = sync_time(cp, lambda: int(np.argmax(session.sync(ids))))
+    return {"tokens": n, "ttft_s": seconds, "prefill_tok_s": n / seconds,
+            "chunk": engine.prefill_chunk}
+
+
+def byte_floor(engine: Engine, hbm_gbs: float, pcie_gbs: float) -> dict:
+    """Bytes a decode step must read, split by memory, and the time that takes at least."""
+    cfg, weights = engine.config, engine.model.weights
+    per_expert = expert_bytes(cfg)
+    resident_experts = sum(bank.nbytes for bank in weights.experts)
+    embed = weights["model.embed_tokens.weight"]
+    row = int(embed.nbytes) // cfg.vocab_size  # a step reads one embedding row
+    dense = weights.nbytes - resident_experts - int(embed.nbytes) + row
+    if weights["lm_head.weight"] is embed:
+        dense += int(embed.nbytes)
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    host = [0] * cfg.num_hidden_layers
+    if weights.placement is not None:
+        host = weights.placement.split().host_experts
+    host_reads = sum(k * h / E for h in host) * per_expert
+    device_reads = dense + sum(k * (E - h) / E for h in host) * per_expert
+    seconds = device_reads / (hbm_gbs * 1e9) + host_reads / (pcie_gbs * 1e9)
+    return {"device_bytes_per_token": device_reads, "host_bytes_per_token": host_reads,
+            "floor_ms_per_token": 1e3 * seconds, "floor_tok_s": 1 / seconds}
+
+
+def run(args) -> dict:
+    """Every figure of one run."""
+    start = time.perf_counter()
+    engine = open_engine(args)
+    cp = engine.backend.xp if engine.backend.is_gpu else None
+    res = {"load_s": time.perf_counter() - start, "memory": engine.memory_report()}
+    split = res["memory"].get("expert_placement", "routed experts: all resident")
+    print(f"loaded in {res['load_s']:.1f} s; {split}", flush=True)
+    ctx_size = max(max(args.contexts), args.ttft_tokens) + args.decode_tokens + 2
+    res["decode"] = [decode_at(engine, c, args.decode_tokens, ctx_size) for c in args.contexts]
+    if args.replace:
+        res["replaced_experts"] = engine.replace_experts()
+        res["decode_after_replace"] = [decode_at(engine, c, args.decode_tokens, ctx_size)
+                                       for c in args.contexts]
+    res["ttft"] = ttft(engine, cp, args.ttft_tokens, ctx_size)
+    res["floor"] = byte_floor(engine, args.hbm_gbs, args.pcie_gbs)
+    return res
+
+
+def report(res: dict) -> None:
+    """The figures as lines."""
+    floor = res["floor"]
+    print(f"bytes-read floor: {floor['floor_ms_per_token']:.2f} ms/token "
+          f"({floor['floor_tok_s']:.0f} tok/s; {floor['device_bytes_per_token'] / 1e9:.2f} GB "
+          f"device + {floor['host_bytes_per_token'] / 1e9:.3f} GB host per token)")
+    for d in res["decode"] + res.get("decode_after_replace", []):
+        print(f"decode at context {d['context']}: {d['tok_s']:.1f} tok/s "
+              f"({d['ms_per_token']:.2f} ms/token, finite logits: {d['finite']})")
+    t = res["ttft"]
+    print(f"prefill at chunk {t['chunk']}: {t['prefill_tok_s']:.0f} tok/s; "
+          f"TTFT of {t['tokens']} tokens: {t['ttft_s']:.2f} s")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The tool's flags."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ints = lambda text: [int(v) for v in text.split(",")]
+    ap.add_argument("--config", help="a config.json (or its directory); default: the shipped "
+                    "deepseek-v4-flash")
+    ap.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="auto")
+    ap.add_argument("--gpu-memory-gib", type=float, default=None)
+    ap.add_argument("--contexts", type=ints, default=[4096, 32768])
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--prefill-chunk", type=int, default=2048)
+    ap.add_argument("--ttft-tokens", type=int, default=16384)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replace", action="store_true",
+                    help="re-place experts by the counted picks, then decode again")
+    ap.add_argument("--hbm-gbs", type=float, default=4200.0, help="device copy rate, GB/s")
+    ap.add_argument("--pcie-gbs", type=float, default=51.0,
+                    help="rate a kernel reads mapped host memory, GB/s")
+    ap.add_argument("--json", help="also write the figures here")
+    return ap
+
+
+def main(argv=None) -> int:
+    """Run, print, optionally write JSON."""
+    args = parser().parse_args(argv)
+    res = run(args)
+    report(res)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
