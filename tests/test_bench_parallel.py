@@ -35,10 +35,11 @@ def test_bench_prints_settings_and_a_row_per_measure(capsys):
 
 def test_model_backend_and_load_format_pass_through_to_the_server():
     bench = load_tool()
-    args = bench.parser().parse_args(["--model", "/models/flash", "--backend", "cupy",
-                                      "--load-format", "packed"])
-    assert bench.model_flags(args) == ["--model", "/models/flash", "--load-format", "packed"]
+    args = bench.parser().parse_args(["--model", "deepseek-v4-flash", "--backend", "cupy",
+                                      "--load-format", "dummy", "--gpu-memory-gib", "120"])
+    assert bench.model_flags(args) == ["--model", "deepseek-v4-flash", "--load-format", "dummy",
+                                       "--gpu-memory-gib", "120.0"]
     assert args.backend == "cupy"
     plain = bench.parser().parse_args([])
     assert bench.model_flags(plain) == [] and plain.backend == "numpy"  # nothing unasked
-    assert bench.settings(args, 0.0).startswith("/models/flash, cupy, ")
+    assert bench.settings(args, 0.0).startswith("deepseek-v4-flash (dummy), cupy, ")

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from ds4.engine import Engine
+from ds4.engine import Engine, default_model_dir
 from ds4.model import packed as pk
 from ds4.model.config import CSA, HCA, SLIDING, ModelConfig
 from ds4.model.dummy import (
@@ -25,7 +25,6 @@ from ds4.model.dummy import (
 )
 from ds4.model.official_format import write_official
 from ds4.model.tiny import CONFIG as TINY
-from ds4.model.tiny import default_model_dir
 from ds4.model.weights import load_weights
 
 ROOT = Path(__file__).resolve().parents[1]

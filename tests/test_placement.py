@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from test_dummy import half_budget_gib, logits_of, small_packed, write_config
 
-from ds4.engine import Engine
+from ds4.engine import Engine, default_model_dir
 from ds4.model.official_format import write_official
 from ds4.model.placement import choose_resident, choose_within_layers
-from ds4.model.tiny import default_model_dir
 
 
 def test_the_chosen_set_fits_the_budget_and_prefers_hot_experts() -> None:

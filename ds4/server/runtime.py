@@ -72,9 +72,7 @@ def trace_file_id(path: str | Path) -> str | None:
 
 def open_engine(model_dir: str, cfg: ServerConfig):
     """The checked engine of a model directory."""
-    from ds4.engine import Engine
-
-    from ds4.model.dummy import model_path
+    from ds4.engine import Engine, model_path
 
     model_dir = str(model_path(model_dir))  # a shipped config's name resolves to its directory
     check_model_dir(model_dir)
