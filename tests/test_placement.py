@@ -12,6 +12,7 @@ from test_dummy import half_budget_gib, logits_of, small_packed, write_config
 from ds4.engine import Engine, default_model_dir
 from ds4.model.official_format import write_official
 from ds4.model.placement import choose_resident, choose_within_layers
+from ds4.model.weights import WeightsError
 
 
 def test_the_chosen_set_fits_the_budget_and_prefers_hot_experts() -> None:
@@ -111,3 +112,16 @@ def test_the_placed_kernels_twin_computes_the_routed_experts(small_model: Path) 
     moe_placed_numpy(gate_up, down, cfg.moe_intermediate_size, idx, wts, x, act, y,
                      cfg.swiglu_limit)
     np.testing.assert_allclose(y, _routed_one(np, cfg, bank, x, idx, wts), rtol=1e-5, atol=1e-6)
+
+
+def test_a_bf16_checkpoint_under_a_budget_loads_whole_or_says_why() -> None:
+    """Only packed experts can live in host memory: a bf16 model that fits the budget is held
+    whole (same logits), one that does not is a load error naming both sizes."""
+    model = default_model_dir()
+    ids = [0, 5, 17, 42]
+    whole = Engine.open(model, backend="numpy")
+    budgeted = Engine.open(model, backend="numpy", gpu_memory_gib=1.0)
+    assert budgeted.memory_report()["weight_bytes"] == whole.memory_report()["weight_bytes"]
+    np.testing.assert_array_equal(logits_of(budgeted, ids), logits_of(whole, ids))
+    with pytest.raises(WeightsError, match=r"need \d+\.\d GiB .* budget is 0\.0 GiB; only packed"):
+        Engine.open(model, backend="numpy", gpu_memory_gib=0.001)

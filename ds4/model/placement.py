@@ -85,7 +85,9 @@ def weight_budget(backend, cfg, gpu_memory_gib: float | None, parallel: int, ctx
 
     per_token, fixed = state_bytes(cfg)
     sessions = parallel * (fixed + per_token * ctx)
-    free = backend.xp.cuda.runtime.memGetInfo()[0]
+    # blocks CuPy's pool holds but no array uses are free for the weights too
+    free = backend.xp.cuda.runtime.memGetInfo()[0] + \
+        backend.xp.get_default_memory_pool().free_bytes()
     return device_budget(free, int(sessions) + scratch_estimate(cfg, prefill_chunk), None)
 
 

@@ -375,10 +375,14 @@ def _resident_mask(cfg: ModelConfig, sources: list, budget: int | None, tensors:
     L, E = cfg.num_hidden_layers, cfg.n_routed_experts
     if budget is None or not resident_experts:
         return np.ones((L, E), dtype=bool)
-    if not all(isinstance(gate_up[0][0], PackedMatrix) for gate_up, _ in sources):
-        raise WeightsError("only packed (FP8 / FP4) experts can be placed in host memory; the "
-                           "budget must hold every weight of this checkpoint")
     dense = sum({id(t): int(t.nbytes) for t in tensors.values()}.values())
+    if not all(isinstance(gate_up[0][0], PackedMatrix) for gate_up, _ in sources):
+        held = dense + sum(_source_bytes(s) for pair in sources for part in pair for s in part)
+        if held > budget:  # a bf16 checkpoint that fits is simply held whole
+            raise WeightsError(f"the weights need {held / 2**30:.1f} GiB of device memory and "
+                               f"the budget is {budget / 2**30:.1f} GiB; only packed (FP8 / FP4) "
+                               "experts can be placed in host memory")
+        return np.ones((L, E), dtype=bool)
     per_expert = sum(concat_rows(s).nbytes for s in (sources[0][0][0], sources[0][1][0]))
     return choose_resident(budget - dense, per_expert, np.zeros((L, E)))
 
