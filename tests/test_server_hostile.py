@@ -13,14 +13,10 @@ import time
 
 import httpx
 import pytest
-import uvicorn
-from test_server_support import GREEDY, free_port, sse
+from test_server_support import GREEDY, live_server, sse
 
 from ds4.cli.server import config_from
 from ds4.server import models
-from ds4.server.app import build_app
-from ds4.server.config import ServerConfig
-from ds4.server.connection import client_protocol
 
 TIMEOUT_S = 1.0  # the client timeout of the server under test
 CTX = 4096
@@ -28,29 +24,10 @@ HI = [{"role": "user", "content": "Say hi"}]
 LONE = "hi \ud800"  # json.dumps writes it as the escape "\ud800"
 
 
-@contextlib.contextmanager
 def hostile_server(load: bool = True, **overrides):
-    """A live server as ds4-server builds it; log_config=None so every log record reaches
-    pytest's caplog (uvicorn's own config stops its loggers propagating)."""
-    config = ServerConfig(port=free_port(), client_timeout_s=TIMEOUT_S, parallel=2, ctx=CTX,
-                          **overrides)
-    app = build_app(config, load=load)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port,
-                                           log_config=None, log_level="warning",
-                                           http=client_protocol(config.client_timeout_s,
-                                                                app.state.runtime.metrics)))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{config.port}"
-    deadline = time.monotonic() + 120
-    while not server.started or (load and httpx.get(url + "/health").status_code != 200):
-        assert time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.05)
-    try:
-        yield url, app.state.runtime
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    """A live server as ds4-server builds it, with a short client timeout."""
+    return live_server(load, **{"client_timeout_s": TIMEOUT_S, "parallel": 2, "ctx": CTX,
+                                **overrides})
 
 
 @pytest.fixture(scope="module")

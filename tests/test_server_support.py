@@ -14,6 +14,7 @@ import uvicorn
 
 from ds4.server.app import build_app
 from ds4.server.config import ServerConfig
+from ds4.server.connection import client_protocol
 
 GREEDY = "deepseek-chat"  # alias: thinking off, so temperature 0 is honoured
 
@@ -27,11 +28,14 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def live_server(load: bool = True, **overrides):
-    """A uvicorn server on a free port in a thread; yields (base url, runtime)."""
-    config = ServerConfig(port=free_port(), **overrides)
+    """A uvicorn server on a free port in a thread, with ds4-server's connection protocol
+    (slow clients get a 408); yields (base url, runtime). log_config=None lets every log
+    record reach pytest's caplog (uvicorn's own config stops its loggers propagating)."""
+    config = ServerConfig(**{"port": free_port(), **overrides})
     app = build_app(config, load=load)
+    protocol = client_protocol(config.client_timeout_s, app.state.runtime.metrics)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port,
-                                           log_level="warning"))
+                                           log_config=None, log_level="warning", http=protocol))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{config.port}"

@@ -7,6 +7,8 @@ session), their ratio, the checkpoint's size and its bytes per token. The restor
 next-token logits are checked against the prefilled one's.
 
     PYTHONPATH=. python3 tools/bench_kvstore.py --tokens 8192 32768
+    PYTHONPATH=. python3 tools/bench_kvstore.py --model deepseek-v4-flash --load-format dummy \
+        --backend cupy --prefill-chunk 2048   # the full-size model on a GPU
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ import time
 
 import numpy as np
 
-from ds4.engine import Engine
+from ds4.engine import Engine, default_model_dir
 from ds4.jobs.kvstore import KVStore, model_fingerprint
-from ds4.engine import default_model_dir
 
 
 def timed(fn) -> tuple[float, object]:
@@ -67,10 +68,13 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--model", help="model directory (default: the built-in tiny model)")
     ap.add_argument("--backend", default="numpy")
+    ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                    help="dummy: random weights from the config alone (e.g. --model "
+                         "deepseek-v4-flash, the full-size architecture)")
     a = ap.parse_args()
-    engine = Engine.open(a.model or default_model_dir(), backend=a.backend,
-                         prefill_chunk=a.prefill_chunk)
     ctx = max(a.tokens) + 16
+    engine = Engine.open(a.model or default_model_dir(), backend=a.backend,
+                         prefill_chunk=a.prefill_chunk, load_format=a.load_format, ctx=ctx)
     rows = []
     with tempfile.TemporaryDirectory(prefix="ds4-kvbench-") as directory:
         store = KVStore(directory, budget_bytes=1 << 40, interval=2048, min_tokens=1)

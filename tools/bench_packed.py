@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+from bench_engine import timed as engine_timed
 
 from ds4.kernels import gemv as G
 from ds4.kernels import packed as P
@@ -35,18 +36,8 @@ EXPERTS, TOP_K, INTER = 256, 6, 2048
 
 
 def timed(cp, fn, repeat: int = 15, warmup: int = 2) -> float:
-    """Median seconds of fn() between device events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
-    return float(np.median(times))
+    """Median seconds of fn() between device events (bench_engine's timer)."""
+    return engine_timed(cp, fn, repeat, warmup)
 
 
 def per_launch(cp, launches: list) -> float:
