@@ -5,22 +5,22 @@ from __future__ import annotations
 import io
 import json
 import zipfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
-from ds4.backend import get_backend
 # Re-exported so layers above the engine never import ds4.backend or ds4.model themselves.
 from ds4.backend import cuda_available as cuda_available
+from ds4.backend import get_backend
 from ds4.builtin_model import default_model_dir as default_model_dir
 from ds4.builtin_model import make_tiny as make_tiny
 from ds4.model.config import ModelConfig
 from ds4.model.dummy import CONFIG_DIR, LOAD_FORMATS, dummy_weights, model_path
 from ds4.model.forward import Model
-from ds4.model.state import SessionState, state_bytes
 from ds4.model.placement import weight_budget
+from ds4.model.state import SessionState, state_bytes
 from ds4.model.weights import load_weights
 from ds4.sampling import sample
 
@@ -47,7 +47,7 @@ class Engine:
     def open(cls, model_dir: str | Path, backend: str = "auto", prefill_chunk: int = 512,
              resident_experts: bool = True, quantize: bool | None = None,
              load_format: str = "auto", seed: int = 0, gpu_memory_gib: float | None = None,
-             parallel: int = 1, ctx: int = 4096) -> "Engine":
+             parallel: int = 1, ctx: int = 4096) -> Engine:
         """Load a model directory (or a shipped config's name with load_format="dummy": random
         weights from config.json alone, drawn by `seed`); quantize=None simulates FP8/FP4 only
         for quantised checkpoints. gpu_memory_gib caps the weights' device memory (default on
@@ -82,7 +82,7 @@ class Engine:
             self._tokenizer = Tokenizer.for_model(self.model_dir)
         return self._tokenizer
 
-    def new_session(self, ctx_size: int = 4096) -> "Session":
+    def new_session(self, ctx_size: int = 4096) -> Session:
         """A fresh, empty session with state preallocated for ctx_size tokens."""
         if ctx_size < 1:
             raise ValueError(f"ctx_size must be >= 1, got {ctx_size}")
@@ -109,7 +109,7 @@ class Engine:
         placement = self.model.weights.placement
         return placement.replace() if placement is not None else 0
 
-    def decode_batch(self, sessions: Sequence["Session"],
+    def decode_batch(self, sessions: Sequence[Session],
                      tokens: Sequence[int]) -> list[np.ndarray]:
         """Append one token to each session in one engine step; logits (float32 [vocab]) per
         session, equal to each one's own `Session.decode` (see docs/PERF.md for the rounding).
@@ -129,7 +129,7 @@ class Engine:
             out += self._decode_rows(sessions[b:b + MAX_BATCH], tokens[b:b + MAX_BATCH])
         return out
 
-    def _decode_rows(self, sessions: list["Session"], tokens: list[int]) -> list[np.ndarray]:
+    def _decode_rows(self, sessions: list[Session], tokens: list[int]) -> list[np.ndarray]:
         if len(sessions) == 1:
             return [sessions[0].decode(tokens[0])]
         try:
@@ -242,7 +242,7 @@ class Session:
         np.savez(buf, **arrays)
         return buf.getvalue()
 
-    def restore(self, blob: bytes) -> "Session":
+    def restore(self, blob: bytes) -> Session:
         """Load a snapshot of a compatible engine's session; returns self (ValueError if not one)."""
         arrays, meta = _read_snapshot(blob)
         if meta.get("version") != SNAPSHOT_VERSION:

@@ -39,7 +39,7 @@ class Tokenizer:
         self._added = {i: t.content for i, t in added.items()}
 
     @classmethod
-    def for_model(cls, model_dir: str | Path | None = None) -> "Tokenizer":
+    def for_model(cls, model_dir: str | Path | None = None) -> Tokenizer:
         """Tokenizer of a model directory (or the packaged one)."""
         return _cached(str(tokenizer_path(model_dir)))
 

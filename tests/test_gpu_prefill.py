@@ -56,7 +56,6 @@ def test_linear_on_words_matches_fp32(monkeypatch, mode, tol, rows, n, k):
 
 def test_grouped_experts_on_the_gpu_equal_the_numpy_loop():
     import cupy
-
     from test_linear import _Bank
 
     from ds4.model import moe

@@ -26,8 +26,8 @@ import time
 
 import httpx
 
-from ds4.jobs.scheduler import SchedulerConfig
 from ds4.engine import default_model_dir
+from ds4.jobs.scheduler import SchedulerConfig
 from ds4.tokenizer import Tokenizer
 
 MODEL = "deepseek-chat"  # alias with thinking off, so temperature 0 is greedy

@@ -6,10 +6,12 @@ thread-safe callable). Nothing here knows HTTP or JSON wire shapes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Union
 
 from ds4.chat.events import ParsedOutput, ParserEvent
+
 # Defined by the sampler it configures; re-exported since every JobRequest carries one.
 from ds4.sampling import SamplingOptions as SamplingOptions
 

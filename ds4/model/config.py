@@ -92,7 +92,7 @@ class ModelConfig:
         return 0 if kind == SLIDING else int(self.compress_rates[kind])
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """Read <model_dir>/config.json."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
@@ -100,7 +100,7 @@ class ModelConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ModelConfig":
+    def from_dict(cls, data: dict) -> ModelConfig:
         """Build from a config.json dict; an invalid or unsupported field raises ValueError."""
         return _parse(dict(data))
 

@@ -151,7 +151,7 @@ class ExpertBank:
             self._gate_up_src, self._down_src = gate_up, down
 
     @classmethod
-    def from_stacks(cls, xp, gate_up, down) -> "ExpertBank":
+    def from_stacks(cls, xp, gate_up, down) -> ExpertBank:
         """A resident bank over stacks already held (packed, bf16 words, or PlacedStacks split
         over device and mapped host memory), e.g. a benchmark's or the dummy loader's."""
         placed = getattr(gate_up, "placed", False)
@@ -270,7 +270,7 @@ class Weights:
     def __getitem__(self, name: str):
         return self.tensors[name]
 
-    def layer(self, i: int) -> "LayerWeights":
+    def layer(self, i: int) -> LayerWeights:
         """Accessor for one decoder layer's tensors by their names inside the layer."""
         return LayerWeights(self, i)
 
