@@ -150,7 +150,8 @@ class Engine:
     def fingerprint(self) -> dict:
         """What a snapshot must agree on to be restored into this engine."""
         c = self.config
-        return {"layer_types": list(c.layer_types), "hidden_size": c.hidden_size, "head_dim": c.head_dim,
+        return {"layer_types": list(c.layer_types), "hidden_size": c.hidden_size,
+                "head_dim": c.head_dim,
                 "vocab_size": c.vocab_size, "sliding_window": c.sliding_window,
                 "compress_rates": c.compress_rates, "index_head_dim": c.index_head_dim,
                 "quantize": self.model.quantize}
@@ -227,12 +228,14 @@ class Session:
     def snapshot(self) -> bytes:
         """Exact resumable state as bytes (tokens, logits, every live state row)."""
         arrays = self.state.export(self.engine.backend.to_numpy)
-        meta = {"version": SNAPSHOT_VERSION, "fingerprint": self.engine.fingerprint(), "n": self.state.n,
+        meta = {"version": SNAPSHOT_VERSION, "fingerprint": self.engine.fingerprint(),
+                "n": self.state.n,
                 "tokens": self.tokens}
         if self._frontier is not None:  # so a restored session can still regenerate for free
             f = self._frontier
             meta["frontier"] = {"tokens": len(f.tokens), "n": f.n}
-            arrays.update({f"frontier/{k}": self.engine.backend.to_numpy(v) for k, v in f.arrays.items()})
+            arrays.update({f"frontier/{k}": self.engine.backend.to_numpy(v) for k,
+                           v in f.arrays.items()})
             if f.logits is not None:
                 arrays["__frontier_logits__"] = f.logits
         arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
@@ -268,7 +271,8 @@ class Session:
             copies = self._frontier.arrays
             for name in copies:
                 copies[name][...] = self.engine.backend.asarray(arrays[f"frontier/{name}"])
-            self._frontier = Frontier(self.tokens[: f["tokens"]], _read_only(arrays.get("__frontier_logits__")),
+            self._frontier = Frontier(self.tokens[: f["tokens"]],
+                                      _read_only(arrays.get("__frontier_logits__")),
                                       f["n"], copies)
 
     # ---- internals
@@ -344,7 +348,8 @@ def _read_snapshot(blob: bytes) -> tuple[dict, dict]:
         with np.load(io.BytesIO(blob)) as data:
             arrays = {k: data[k] for k in data.files}
         meta = json.loads(arrays.pop("__meta__").tobytes())
-        if not isinstance(meta, dict) or not {"version", "fingerprint", "n", "tokens"} <= meta.keys():
+        if not isinstance(meta, dict) or not {"version", "fingerprint", "n",
+                                              "tokens"} <= meta.keys():
             raise ValueError("its metadata lacks version, fingerprint, n or tokens")
     except (OSError, EOFError, ValueError, KeyError, AttributeError, zipfile.BadZipFile) as err:
         raise ValueError(f"not a session snapshot ({err})") from None

@@ -29,7 +29,8 @@ SMALL = dict(
 )
 
 
-def random_tensor(name: str, shape: tuple, rng: np.random.Generator, cfg: ModelConfig) -> np.ndarray:
+def random_tensor(name: str, shape: tuple, rng: np.random.Generator,
+                  cfg: ModelConfig) -> np.ndarray:
     """Values scaled like the reference fixtures: unit-ish activations, non-flat softmaxes."""
     if name.endswith("tid2eid"):
         return np.stack([rng.permutation(cfg.n_routed_experts)[: shape[1]] for _ in range(shape[0])])
@@ -94,8 +95,10 @@ def test_config_errors_name_the_field():
 
 
 def test_schedule_comes_from_official_keys():
-    data = {k: v for k, v in SMALL.items() if k not in ("layer_types", "mlp_layer_types", "compress_rates")}
-    cfg = ModelConfig.from_dict({**data, "compress_ratios": [0, 4, 8, 4, 8, 0], "num_hash_layers": 1,
+    data = {k: v for k,
+            v in SMALL.items() if k not in ("layer_types", "mlp_layer_types", "compress_rates")}
+    cfg = ModelConfig.from_dict({**data, "compress_ratios": [0, 4, 8, 4, 8, 0],
+                                 "num_hash_layers": 1,
                                  "rope_parameters": None,
                                  "rope_scaling": {"type": "yarn", "factor": 16.0, "beta_fast": 32,
                                                   "beta_slow": 1, "original_max_position_embeddings": 65536}})
@@ -138,7 +141,8 @@ def test_sharded_index_loads_like_one_file(model_dir, tmp_path):
 
     tensors = load_file(str(model_dir / "model.safetensors"))
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
     sharded = tmp_path / "sharded"
     sharded.mkdir()
     for shard, keys in shards.items():
@@ -146,7 +150,8 @@ def test_sharded_index_loads_like_one_file(model_dir, tmp_path):
     index = {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
     data = json.loads((model_dir / "config.json").read_text())
-    (sharded / "config.json").write_text(json.dumps({**data, "quantization_config": {"fmt": "e4m3"}}))
+    (sharded / "config.json").write_text(json.dumps({**data,
+                                                     "quantization_config": {"fmt": "e4m3"}}))
     cfg = ModelConfig.from_dir(sharded)
     one, split = load_weights(model_dir, cfg, np), load_weights(sharded, cfg, np)
     assert set(one.tensors) == set(split.tensors)
@@ -181,7 +186,8 @@ def test_bf16_experts_are_held_once_as_bf16_words(model_dir, tmp_path):
     assert [w.dtype for w in plain.experts[1].stacked] == [np.float32, np.float32]
     assert 2 * bank.nbytes == plain.experts[1].nbytes
     gate_up, down = bank.gather(np.array([2, 0]))
-    np.testing.assert_array_equal(gate_up, rounded["model.layers.1.mlp.experts.gate_up_proj"][[2, 0]])
+    np.testing.assert_array_equal(gate_up,
+                                  rounded["model.layers.1.mlp.experts.gate_up_proj"][[2, 0]])
     np.testing.assert_array_equal(down, rounded["model.layers.1.mlp.experts.down_proj"][[2, 0]])
     t = layer_tensors(np, cfg, exact, 1)
     assert t["experts.gate_up"] is bank.stacked[0] and t["experts.down"] is bank.stacked[1]

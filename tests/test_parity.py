@@ -59,7 +59,8 @@ def test_prefill_then_decode_matches_hf(case: str, layout: str) -> None:
     for i, token in enumerate(ids[p:]):
         logits = session.decode(token)
         assert_logits_close(logits, ref["decode_logits"][i], f"{case}/{layout} decode step {i}")
-        assert_logits_close(logits, ref["full_logits"][p + i], f"{case}/{layout} decode vs full {i}")
+        assert_logits_close(logits, ref["full_logits"][p + i],
+                            f"{case}/{layout} decode vs full {i}")
     assert session.tokens == ids
 
 
@@ -87,7 +88,8 @@ def test_small_prefill_chunks_match_hf(prefill_chunk: int) -> None:
     assert_logits_close(logits, ref["full_logits"][p - 1], f"{case} chunk {prefill_chunk}")
     for i, token in enumerate(ids[p : p + 4]):
         logits = session.decode(token)
-        assert_logits_close(logits, ref["decode_logits"][i], f"{case} chunk {prefill_chunk} decode {i}")
+        assert_logits_close(logits, ref["decode_logits"][i],
+                            f"{case} chunk {prefill_chunk} decode {i}")
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -39,9 +39,11 @@ def check_row(logits, top_ids: np.ndarray, top_logits: np.ndarray, what: str) ->
 
 
 def test_tiny_model_prefill_and_decode_match_hf(tmp_path: Path, ref: dict) -> None:
-    engine = Engine.open(make_tiny(tmp_path / "tiny"), backend="numpy", prefill_chunk=128, quantize=False)
+    engine = Engine.open(make_tiny(tmp_path / "tiny"), backend="numpy", prefill_chunk=128,
+                         quantize=False)
     ids, n = ref["ids"].tolist(), int(ref["prompt_len"])
     session = engine.new_session(ctx_size=512)
     check_row(session.sync(ids[:n]), ref["top_ids"][0], ref["top_logits"][0], "prefill")
     for step, token in enumerate(ids[n:], start=1):
-        check_row(session.decode(token), ref["top_ids"][step], ref["top_logits"][step], f"decode {step}")
+        check_row(session.decode(token), ref["top_ids"][step], ref["top_logits"][step],
+                  f"decode {step}")

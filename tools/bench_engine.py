@@ -91,7 +91,8 @@ def decode_bench(cp, stack: FlashStack, ctx: int) -> dict:
     out = {"layers": [], "ctx": ctx}
     for i, ls in enumerate(state.layers):
         t = dec.layers[i]
-        row = {"kind": ls.kind, "s": graph_time(cp, stream, lambda i=i, ls=ls: dec.run_layer(i, ls)),
+        row = {"kind": ls.kind,
+               "s": graph_time(cp, stream, lambda i=i, ls=ls: dec.run_layer(i, ls)),
                "bytes": bytes_read_per_token(stack.cfg, t, ls, state.n)}
         row["stages"] = stage_times(cp, stream, dec, i, t, ls)
         out["layers"].append(row)
@@ -147,9 +148,11 @@ def gemv_profile(cp, stream, dec) -> dict:
             rates = {}
             for splits in (1, 2, 4, 8, 16):
                 if w.shape[1] % (256 * splits) == 0:
-                    s = graph_time(cp, stream, lambda w=w, x=x, y=y, k=splits: gemv(w, x, y, splits=k))
+                    s = graph_time(cp, stream, lambda w=w, x=x, y=y,
+                                   k=splits: gemv(w, x, y, splits=k))
                     rates[splits] = w.nbytes / s
-            s = graph_time(cp, stream, lambda w=w, x=x, y=y: gemv(w, x, y, splits=1, rows_per_warp=2))
+            s = graph_time(cp, stream, lambda w=w, x=x,
+                           y=y: gemv(w, x, y, splits=1, rows_per_warp=2))
             rates["2rows"] = w.nbytes / s
             splits = pick_splits(*w.shape)
             chosen = "2rows" if pick_rows_per_warp(*w.shape, splits) == 2 else splits
@@ -171,7 +174,8 @@ def prefill_bench(cp, stack: FlashStack, chunks: list[int]) -> dict:
         out[kind] = {}
         for mode in GEMM_MODES:
             os.environ["DS4_GEMM"] = mode
-            out[kind][mode] = {chunk: timed(cp, prefill_run(stack, model, chunk), repeat=3, warmup=1)
+            out[kind][mode] = {chunk: timed(cp, prefill_run(stack, model, chunk), repeat=3,
+                                            warmup=1)
                                for chunk in chunks}
         os.environ["DS4_GEMM"] = GEMM_MODES[0]
         out[kind]["stages"] = prefill_stages(cp, prefill_run(stack, model, chunks[-1]))
@@ -222,7 +226,8 @@ def prefill_stages(cp, run) -> dict:
     finally:
         for name, fn in originals.items():
             setattr(forward, name, fn)
-    out = {name: sum(cp.cuda.get_elapsed_time(a, b) for a, b in pairs) / 1e3 for name, pairs in spans.items()}
+    out = {name: sum(cp.cuda.get_elapsed_time(a, b) for a, b in pairs) / 1e3 for name,
+           pairs in spans.items()}
     out["total"] = cp.cuda.get_elapsed_time(start, end) / 1e3
     return out
 

@@ -143,7 +143,8 @@ def rerandomise(model: DeepseekV4ForCausalLM, seed: int) -> None:
         if "inv_freq" in name:
             continue
         if name.endswith("tid2eid"):
-            picks = [torch.randperm(config.n_routed_experts, generator=gen)[: config.num_experts_per_tok]
+            picks = [torch.randperm(config.n_routed_experts,
+                                    generator=gen)[: config.num_experts_per_tok]
                      for _ in range(p.shape[0])]
             p.copy_(torch.stack(picks))
             continue
@@ -259,7 +260,8 @@ def reference_logits(model, ids: torch.Tensor, chunks: list[int]) -> dict[str, n
 
 def as_bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Float tensors cast to bf16 (lossless here), integer tables kept."""
-    return {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+    return {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k,
+            v in state.items()}
 
 
 def save_bf16(path: Path) -> None:
@@ -384,7 +386,8 @@ def selection_margins(model, ids: torch.Tensor) -> dict[str, float]:
 def main() -> None:
     """Write every case's fixture directory and print its self-check summary."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "tests/fixtures")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).resolve().parents[1] / "tests/fixtures")
     args = parser.parse_args()
     torch.set_num_threads(2)
     for name, case in CASES.items():

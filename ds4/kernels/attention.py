@@ -22,7 +22,8 @@ def attention_store_kv(kv_in, w, freqs, pos, raw, rope_dim: int, eps: float = 1e
 def attention_store_kv_numpy(kv_in, w, freqs, pos, raw, rope_dim: int, eps: float = 1e-6):
     """NumPy twin of attention_store_kv."""
     t = int(np.asarray(pos)[0])
-    row = rms_norm_numpy(np.asarray(kv_in)[None, :], w, np.empty((1, raw.shape[1]), np.float32), eps)
+    row = rms_norm_numpy(np.asarray(kv_in)[None, :], w, np.empty((1, raw.shape[1]), np.float32),
+                         eps)
     cos, sin = rope_angles_numpy([t], freqs)
     raw[t % raw.shape[0]] = rotate_numpy(row, cos, sin, rope_dim)[0]
     return raw

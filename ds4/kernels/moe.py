@@ -109,5 +109,6 @@ def swiglu_rows(y, scale, act, limit: float):
 def swiglu_rows_numpy(y, scale, act, limit: float):
     """NumPy twin of swiglu_rows."""
     inter = act.shape[1]
-    act[...] = _swiglu(y[:, :inter], y[:, inter:], limit) * (1.0 if scale is None else scale[:, None])
+    act[...] = _swiglu(y[:, :inter], y[:, inter:],
+                       limit) * (1.0 if scale is None else scale[:, None])
     return act

@@ -94,7 +94,8 @@ class KernelDecoder:
         launch, packed FP8 ones of one width and tile as one gemv_many_fp8 launch, any other
         one by one."""
         b, p, ip = self.buf, "self_attn.compressor.", "self_attn.compressor.indexer."
-        pairs = [(t["self_attn.q_a_proj.weight"], b["qlat"][0]), (t["self_attn.kv_proj.weight"], b["kv"])]
+        pairs = [(t["self_attn.q_a_proj.weight"], b["qlat"][0]),
+                 (t["self_attn.kv_proj.weight"], b["kv"])]
         for prefix, kv, g in ((p, "ckv", "cg"), (ip, "ickv", "icg")):
             if prefix + "kv_proj.weight" in t:
                 cw = t[prefix + "kv_proj.weight"].shape[0]
