@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Union
 
 from ds4.chat.events import ParsedOutput, ParserEvent
 
@@ -96,5 +95,5 @@ class Failed:
     kind: str = "server_error"  # "context_overflow" | "invalid_request" | "server_error"
 
 
-JobEvent = Union[Queued, Started, Progress, TokenEvents, Finished, Failed]
+JobEvent = Queued | Started | Progress | TokenEvents | Finished | Failed
 JobSink = Callable[[JobEvent], None]
