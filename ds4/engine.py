@@ -234,8 +234,8 @@ class Session:
         if self._frontier is not None:  # so a restored session can still regenerate for free
             f = self._frontier
             meta["frontier"] = {"tokens": len(f.tokens), "n": f.n}
-            arrays.update({f"frontier/{k}": self.engine.backend.to_numpy(v) for k,
-                           v in f.arrays.items()})
+            arrays.update({f"frontier/{k}": self.engine.backend.to_numpy(v)
+                           for k, v in f.arrays.items()})
             if f.logits is not None:
                 arrays["__frontier_logits__"] = f.logits
         arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
@@ -336,7 +336,8 @@ class Session:
     def _save_frontier(self) -> None:
         """Remember this point (the end of a synced prompt) so a retry can roll back to it."""
         current = self.state.frontier_arrays()
-        copies = self._frontier.arrays if self._frontier is not None else {k: v.copy() for k, v in current.items()}
+        copies = (self._frontier.arrays if self._frontier is not None
+                  else {k: v.copy() for k, v in current.items()})
         for name, arr in current.items():
             copies[name][...] = arr
         self._frontier = Frontier(list(self.tokens), self.logits, self.state.n, copies)

@@ -95,13 +95,14 @@ def test_config_errors_name_the_field():
 
 
 def test_schedule_comes_from_official_keys():
-    data = {k: v for k,
-            v in SMALL.items() if k not in ("layer_types", "mlp_layer_types", "compress_rates")}
+    data = {k: v for k, v in SMALL.items()
+            if k not in ("layer_types", "mlp_layer_types", "compress_rates")}
     cfg = ModelConfig.from_dict({**data, "compress_ratios": [0, 4, 8, 4, 8, 0],
                                  "num_hash_layers": 1,
                                  "rope_parameters": None,
                                  "rope_scaling": {"type": "yarn", "factor": 16.0, "beta_fast": 32,
-                                                  "beta_slow": 1, "original_max_position_embeddings": 65536}})
+                                                  "beta_slow": 1,
+                                                  "original_max_position_embeddings": 65536}})
     assert cfg.layer_types == (SLIDING, CSA, HCA, CSA, HCA)  # trailing MTP ratio dropped
     assert cfg.compress_rates[HCA] == 8 and cfg.compress_ratio(2) == 8
     assert cfg.mlp_layer_types == ("hash_moe",) + ("moe",) * 4

@@ -101,15 +101,15 @@ def test_rms_norm_and_stream_expansion_match_the_array_formulas():
     from ds4.model.hyper_connection import hc_expand, rms_norm
 
     rng = np.random.default_rng(5)
-    x, w = rng.standard_normal((7, 64,
-                                512)).astype(np.float32), rng.standard_normal(512).astype(np.float32)
+    x = rng.standard_normal((7, 64, 512)).astype(np.float32)
+    w = rng.standard_normal(512).astype(np.float32)
     for weight in (w, None):
         got = rms_norm(cupy, cupy.asarray(x), None if weight is None else cupy.asarray(weight),
                        1e-6)
         np.testing.assert_allclose(cupy.asnumpy(got), rms_norm(np, x, weight, 1e-6), rtol=2e-5,
                                    atol=1e-6)
-    X, y = rng.standard_normal((300, 4,
-                                256)).astype(np.float32), rng.standard_normal((300, 256)).astype(np.float32)
+    X = rng.standard_normal((300, 4, 256)).astype(np.float32)
+    y = rng.standard_normal((300, 256)).astype(np.float32)
     post, comb = rng.random((300, 4)).astype(np.float32), rng.random((300, 4, 4)).astype(np.float32)
     got = hc_expand(cupy, *(cupy.asarray(a) for a in (X, y, post, comb)))
     np.testing.assert_allclose(cupy.asnumpy(got), hc_expand(np, X, y, post, comb), rtol=2e-5,

@@ -226,8 +226,8 @@ def prefill_stages(cp, run) -> dict:
     finally:
         for name, fn in originals.items():
             setattr(forward, name, fn)
-    out = {name: sum(cp.cuda.get_elapsed_time(a, b) for a, b in pairs) / 1e3 for name,
-           pairs in spans.items()}
+    out = {name: sum(cp.cuda.get_elapsed_time(a, b) for a, b in pairs) / 1e3
+           for name, pairs in spans.items()}
     out["total"] = cp.cuda.get_elapsed_time(start, end) / 1e3
     return out
 

@@ -260,8 +260,8 @@ def reference_logits(model, ids: torch.Tensor, chunks: list[int]) -> dict[str, n
 
 def as_bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Float tensors cast to bf16 (lossless here), integer tables kept."""
-    return {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k,
-            v in state.items()}
+    return {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+            for k, v in state.items()}
 
 
 def save_bf16(path: Path) -> None:

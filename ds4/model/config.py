@@ -162,8 +162,8 @@ def _attention_fields(data: dict) -> dict:
         raise ValueError(f"config field 'o_groups' ({groups}) must divide num_attention_heads ({heads})")
     return dict(num_attention_heads=heads, head_dim=head_dim,
                 qk_rope_head_dim=_rope_dim(data, head_dim),
-                q_lora_rank=_int(data,
-                                 "q_lora_rank"), o_groups=groups, o_lora_rank=_int(data, "o_lora_rank"),
+                q_lora_rank=_int(data, "q_lora_rank"), o_groups=groups,
+                o_lora_rank=_int(data, "o_lora_rank"),
                 sliding_window=_int(data, "sliding_window"))
 
 
@@ -192,8 +192,8 @@ def _compression_fields(data: dict) -> dict:
     has_csa = CSA in layer_types
     return dict(
         layer_types=layer_types, compress_rates=rates,
-        index_n_heads=_int(data,
-                           "index_n_heads") if has_csa else int(data.get("index_n_heads") or 1),
+        index_n_heads=(_int(data, "index_n_heads") if has_csa
+                       else int(data.get("index_n_heads") or 1)),
         index_head_dim=_index_head_dim(data, layer_types, _rope_dim(data, _int(data, "head_dim"))),
         index_topk=_int(data, "index_topk") if has_csa else int(data.get("index_topk") or 1),
     )
@@ -231,8 +231,8 @@ def _compress_rates(data: dict) -> dict:
         if data.get(legacy) is not None:
             rates[kind] = data[legacy]
     for kind, rate in rates.items():
-        if kind not in (CSA, HCA) or isinstance(rate,
-                                                bool) or not isinstance(rate, int) or rate < 1:
+        if (kind not in (CSA, HCA) or isinstance(rate, bool) or not isinstance(rate, int)
+                or rate < 1):
             raise ValueError(f"config field 'compress_rates' has an invalid entry {kind!r}: {rate!r}")
     return rates
 

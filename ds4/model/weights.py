@@ -50,8 +50,8 @@ OFFICIAL_TOP = {
 }
 # HF names inside a layer -> official names (after "layers.{i}."): the tables above, inverted.
 HF_TO_OFFICIAL_LAYER = {hf: off for off, hf in OFFICIAL_LAYER_NAMES.items()}
-HF_TO_OFFICIAL_LAYER.update({hf + ".weight": off + ".weight" for off,
-                             hf in OFFICIAL_LAYER_MODULES.items()})
+HF_TO_OFFICIAL_LAYER.update({hf + ".weight": off + ".weight"
+                             for off, hf in OFFICIAL_LAYER_MODULES.items()})
 EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
 LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -79,8 +79,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     mix = (2 + hc) * hc
     shapes = {
         "model.embed_tokens.weight": (V, D), "model.norm.weight": (D,),
-        "model.hc_head.hc_fn": (hc,
-                                hc * D), "model.hc_head.hc_base": (hc,), "model.hc_head.hc_scale": (1,),
+        "model.hc_head.hc_fn": (hc, hc * D), "model.hc_head.hc_base": (hc,),
+        "model.hc_head.hc_scale": (1,),
     }
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (V, D)
@@ -96,8 +96,8 @@ def _layer_shapes(cfg: ModelConfig, i: int, mix: int) -> dict[str, tuple[int, ..
         "attn_hc.fn": (mix, cfg.hc_mult * D), "attn_hc.base": (mix,), "attn_hc.scale": (3,),
         "ffn_hc.fn": (mix, cfg.hc_mult * D), "ffn_hc.base": (mix,), "ffn_hc.scale": (3,),
         "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
-        "self_attn.q_a_proj.weight": (cfg.q_lora_rank,
-                                      D), "self_attn.q_a_norm.weight": (cfg.q_lora_rank,),
+        "self_attn.q_a_proj.weight": (cfg.q_lora_rank, D),
+        "self_attn.q_a_norm.weight": (cfg.q_lora_rank,),
         "self_attn.q_b_proj.weight": (H * d, cfg.q_lora_rank),
         "self_attn.kv_proj.weight": (d, D), "self_attn.kv_norm.weight": (d,),
         "self_attn.o_a_proj.weight": (cfg.o_groups * cfg.o_lora_rank, H * d // cfg.o_groups),
@@ -115,13 +115,14 @@ def _layer_shapes(cfg: ModelConfig, i: int, mix: int) -> dict[str, tuple[int, ..
     kind, m = cfg.layer_types[i], cfg.compress_ratio(i)
     if kind in (CSA, HCA):
         c = 2 if kind == CSA else 1
-        s.update({f"self_attn.compressor.{k}": v for k,
-                  v in _compressor_shapes(D, c * d, m, d).items()})
+        s.update({f"self_attn.compressor.{k}": v
+                  for k, v in _compressor_shapes(D, c * d, m, d).items()})
     if kind == CSA:
         k_dim = cfg.index_head_dim
         s.update({f"self_attn.compressor.indexer.{k}": v
                   for k, v in _compressor_shapes(D, 2 * k_dim, m, k_dim).items()})
-        s["self_attn.compressor.indexer.q_b_proj.weight"] = (cfg.index_n_heads * k_dim, cfg.q_lora_rank)
+        s["self_attn.compressor.indexer.q_b_proj.weight"] = (cfg.index_n_heads * k_dim,
+                                                             cfg.q_lora_rank)
         s["self_attn.compressor.indexer.scorer.weights_proj.weight"] = (cfg.index_n_heads, D)
     return s
 
@@ -329,8 +330,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
     stored = _unhybrid(read_checkpoint(model_dir))
     mtp = {k: v for k, v in stored.items() if k.startswith("mtp.")}
     official = not any(k.startswith(("model.", "lm_head.")) for k in stored)
-    named = _official_named(stored) if official else {k: v for k,
-                                                      v in stored.items() if k not in mtp}
+    named = (_official_named(stored) if official
+             else {k: v for k, v in stored.items() if k not in mtp})
     expected = expected_shapes(cfg)
     if cfg.tie_word_embeddings and "lm_head.weight" in named:
         expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
@@ -344,7 +345,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
     expert_sources = [_expert_sources(stored if official else named, cfg, i, official, block)
                       for i in range(cfg.num_hidden_layers)]
     expert_bytes = sum(_source_bytes(s) for pair in expert_sources for part in pair for s in part)
-    progress = _progress(sum(named[n].nbytes for n in expected) + (expert_bytes if resident_experts else 0))
+    progress = _progress(sum(named[n].nbytes for n in expected)
+                         + (expert_bytes if resident_experts else 0))
     tensors = {}
     for name in expected:
         tensors[name] = _device_tensor(xp, name, named[name], dense[name])
