@@ -1,4 +1,5 @@
-"""Engine (config, weights, scratch, tokenizer) and Session (one context: sync, decode, snapshot)."""
+"""Engine (config, weights, scratch, tokenizer) and Session (one context: sync, decode,
+snapshot)."""
 
 from __future__ import annotations
 
@@ -200,7 +201,8 @@ class Session:
         if not ids:
             raise ValueError("sync needs at least one token")
         if len(ids) > self.ctx_size:
-            raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context size {self.ctx_size}")
+            raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context size "
+                                  f"{self.ctx_size}")
         self._check_vocabulary(ids)  # before the rewind: a bad prompt must not cost the held one
         self._rewind_to(self.reusable_prefix(ids))
         chunk, start = self.engine.prefill_chunk, len(self.tokens)
@@ -246,14 +248,16 @@ class Session:
         return buf.getvalue()
 
     def restore(self, blob: bytes) -> Session:
-        """Load a snapshot of a compatible engine's session; returns self (ValueError if not one)."""
+        """Load a snapshot of a compatible engine's session; returns self (ValueError if not
+        one)."""
         arrays, meta = _read_snapshot(blob)
         if meta.get("version") != SNAPSHOT_VERSION:
             raise ValueError(f"snapshot version {meta.get('version')} is not supported")
         if meta["fingerprint"] != json.loads(json.dumps(self.engine.fingerprint())):
             raise ValueError("snapshot was taken with a different model configuration")
         if meta["n"] > self.ctx_size:
-            raise ContextOverflow(f"snapshot holds {meta['n']} tokens, more than the context size {self.ctx_size}")
+            raise ContextOverflow(f"snapshot holds {meta['n']} tokens, more than the context size "
+                                  f"{self.ctx_size}")
         try:
             self._load(arrays, meta)
         except KeyError as missing:

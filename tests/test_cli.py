@@ -63,7 +63,8 @@ def test_seeded_sampling_repeats_and_differs_from_greedy(tiny: Path, capsys) -> 
     assert first != greedy
 
 
-def test_generate_without_model_uses_the_cached_tiny_model(tmp_path: Path, monkeypatch, capsys) -> None:
+def test_generate_without_model_uses_the_cached_tiny_model(tmp_path: Path, monkeypatch,
+                                                           capsys) -> None:
     monkeypatch.setenv("DS4_CACHE_DIR", str(tmp_path))
     out, err = generate(capsys, "-p", "Hi", "-n", "2")
     assert out.strip() and "decode: 2 tokens" in err

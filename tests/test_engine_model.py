@@ -16,13 +16,16 @@ from ds4.model.config import CSA, HCA, SLIDING, ModelConfig
 from ds4.model.weights import WeightsError, expected_shapes, load_weights
 
 SMALL = dict(
-    vocab_size=300, hidden_size=32, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=1,
+    vocab_size=300, hidden_size=32, num_hidden_layers=5, num_attention_heads=4,
+    num_key_value_heads=1,
     head_dim=32, qk_rope_head_dim=8, q_lora_rank=16, o_groups=2, o_lora_rank=8, n_routed_experts=4,
-    num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16, scoring_func="sqrtsoftplus",
+    num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+    scoring_func="sqrtsoftplus",
     norm_topk_prob=True, routed_scaling_factor=1.5, swiglu_limit=10.0,
     layer_types=[SLIDING, CSA, HCA, CSA, HCA], mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 3,
     compress_rates={CSA: 4, HCA: 8}, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, sliding_window=8,
-    index_n_heads=4, index_head_dim=16, index_topk=3, rope_theta=10000.0, compress_rope_theta=160000.0,
+    index_n_heads=4, index_head_dim=16, index_topk=3, rope_theta=10000.0,
+    compress_rope_theta=160000.0,
     rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
                      "beta_fast": 32, "beta_slow": 1},
     rms_norm_eps=1e-6, max_position_embeddings=1 << 20, tie_word_embeddings=False,
@@ -33,7 +36,8 @@ def random_tensor(name: str, shape: tuple, rng: np.random.Generator,
                   cfg: ModelConfig) -> np.ndarray:
     """Values scaled like the reference fixtures: unit-ish activations, non-flat softmaxes."""
     if name.endswith("tid2eid"):
-        return np.stack([rng.permutation(cfg.n_routed_experts)[: shape[1]] for _ in range(shape[0])])
+        return np.stack([rng.permutation(cfg.n_routed_experts)[: shape[1]]
+                         for _ in range(shape[0])])
     normal = rng.standard_normal(shape).astype(np.float32)
     if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
         return 1.0 + 0.2 * normal
@@ -49,7 +53,8 @@ def random_tensor(name: str, shape: tuple, rng: np.random.Generator,
 
 
 def write_model(directory: Path, seed: int = 0, **overrides) -> Path:
-    """Write config.json + model.safetensors (HF names, fp32) of a random model; returns directory."""
+    """Write config.json + model.safetensors (HF names, fp32) of a random model; returns
+    directory."""
     data = {**SMALL, **overrides}
     cfg = ModelConfig.from_dict(data)
     rng = np.random.default_rng(seed)

@@ -135,7 +135,8 @@ def test_memory_report(engine):
     # CSA layers append head_dim/4 + index_head_dim/4 floats per token, HCA head_dim/16
     assert report["state_bytes_per_token"] == 4 * (2 * (32 / 4 + 16 / 4) + 2 * (32 / 16))
     assert report["weight_bytes"] > 0 and report["scratch_bytes"] > 0
-    assert report["state_fixed_bytes"] >= cfg.num_hidden_layers * cfg.sliding_window * cfg.head_dim * 4
+    assert (report["state_fixed_bytes"]
+            >= cfg.num_hidden_layers * cfg.sliding_window * cfg.head_dim * 4)
 
 
 def test_indexer_query_blocks_do_not_change_results(engine, monkeypatch):

@@ -23,7 +23,8 @@ TOLERANCE = 2e-4  # max |logit difference| on the best tokens
 def ref() -> dict[str, np.ndarray]:
     with np.load(FIXTURE) as data:
         ref = {k: data[k] for k in data.files}
-    assert str(ref["tiny_version"]) == TINY_VERSION, "tiny recipe changed: rerun tools/make_tiny_reference.py"
+    assert str(ref["tiny_version"]) == TINY_VERSION, (
+        "tiny recipe changed: rerun tools/make_tiny_reference.py")
     return ref
 
 
@@ -34,7 +35,8 @@ def check_row(logits, top_ids: np.ndarray, top_logits: np.ndarray, what: str) ->
     diff = float(np.abs(logits[top_ids] - top_logits).max())
     assert diff <= TOLERANCE, f"{what}: max |dlogit| on the best tokens {diff:.3g}"
     others = np.delete(logits, top_ids)
-    assert others.max() <= top_logits[-1] + TOLERANCE, f"{what}: a token outside the reference top-32 ranks in it"
+    assert others.max() <= top_logits[-1] + TOLERANCE, (
+        f"{what}: a token outside the reference top-32 ranks in it")
     assert int(logits.argmax()) == int(top_ids[0]), f"{what}: argmax differs"
 
 

@@ -127,7 +127,8 @@ def stage_times(cp, stream, dec, i: int, t: dict, ls) -> dict:
     comp = None if ls.compressor is None else ls.compressor.rows
     sel = b["sel"] if ls.indexer is not None else None
     out["attention kernel"] = graph_time(cp, stream, lambda: at.attention_decode(
-        b["q"], ls.raw, dec.pos, comp, sel, b["sel_count"], 0 if comp is None else ls.compressor.ratio,
+        b["q"], ls.raw, dec.pos, comp, sel, b["sel_count"],
+        0 if comp is None else ls.compressor.ratio,
         t["self_attn.sinks"], b["o"], dec._max_keys(ls), b["attn_part"]))
     return out
 
@@ -286,7 +287,8 @@ def report(res: dict) -> None:
         cells = " ".join(f"{k}{'*' if k == g['chosen'] else ''}:{v / 1e12:.2f}"
                          for k, v in g["bytes_per_s"].items())
         print(f"  {name:60} {cells}")
-    print("\nprefill through the engine's model code on CuPy (bf16 weights, per layer, own process):")
+    print("\nprefill through the engine's model code on CuPy (bf16 weights, per layer, "
+          "own process):")
     if "error" in res["prefill"]:
         print(res["prefill"]["error"])
     for kind, per in res["prefill"].items():
@@ -296,11 +298,13 @@ def report(res: dict) -> None:
             for chunk, s in per[mode].items():
                 flops = matrix_flops(res["cfg"], kind, chunk)
                 floor = prefill_floor(res["cfg"], kind, chunk, c)
-                print(f"{kind[:10]:10} {mode:6} chunk {chunk:5}: {s * 1e3:8.2f} ms, {chunk / s:9.0f} tok/s, "
-                      f"{flops / s / 1e12:6.1f} TFLOP/s, floor {floor * 1e3:.2f} ms ({s / floor:.1f}x)")
+                print(f"{kind[:10]:10} {mode:6} chunk {chunk:5}: {s * 1e3:8.2f} ms, "
+                      f"{chunk / s:9.0f} tok/s, {flops / s / 1e12:6.1f} TFLOP/s, "
+                      f"floor {floor * 1e3:.2f} ms ({s / floor:.1f}x)")
         st = per["stages"]
         rest = st["total"] - st["attention"] - st["moe"]
-        print(f"{'':10} where the time goes ({GEMM_MODES[0]}, largest chunk): attention {st['attention'] * 1e3:.2f} ms, "
+        print(f"{'':10} where the time goes ({GEMM_MODES[0]}, largest chunk): "
+              f"attention {st['attention'] * 1e3:.2f} ms, "
               f"moe {st['moe'] * 1e3:.2f} ms, mHC/norms/head {rest * 1e3:.2f} ms")
     hf = res.get("hf")
     if isinstance(hf, dict):

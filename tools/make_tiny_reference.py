@@ -61,7 +61,8 @@ def main() -> None:
         subprocess.run([args.python, "-m", "ds4.cli.main", "make-tiny", tmp], check=True, cwd=ROOT)
         version = subprocess.run([args.python, "-c",
                                   "from ds4.model.tiny import TINY_VERSION; print(TINY_VERSION)"],
-                                 check=True, cwd=ROOT, capture_output=True, text=True).stdout.strip()
+                                 check=True, cwd=ROOT, capture_output=True, text=True)
+        version = version.stdout.strip()
         model = DeepseekV4ForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     model.config._attn_implementation = "eager"
     model.config._experts_implementation = "eager"

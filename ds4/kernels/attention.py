@@ -48,7 +48,8 @@ def attention_decode(q, raw, pos, comp, sel, sel_count, ratio: int, sinks, out, 
     hpb = next(g for g in (8, 4, 2, 1) if heads % g == 0)  # heads sharing one staged key tile
     args = (ptr(q), ptr(raw), ptr(pos), i32(cap), ptr(comp), ptr(sel), ptr(sel_count),
             i32(ratio), ptr(part), i32(width), f32(width ** -0.5), i32(max_keys), i32(hpb))
-    shared = 4 * (KEYS_PER_BLOCK * (width + 1) + hpb * width + hpb * KEYS_PER_BLOCK + KEYS_PER_BLOCK)
+    shared = 4 * (KEYS_PER_BLOCK * (width + 1) + hpb * width + hpb * KEYS_PER_BLOCK
+                  + KEYS_PER_BLOCK)
     launch("attention", "attention_partial", (heads // hpb, splits), (256,), args, shared=shared)
     launch("attention", "attention_combine", (heads,), (256,),
            (ptr(part), ptr(sinks), ptr(out), i32(width), i32(splits)), shared=8 * splits)

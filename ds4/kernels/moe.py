@@ -98,7 +98,8 @@ def moe_down_numpy(down, idx, act, out, accumulate: bool = False, shared_down=No
 
 
 def swiglu_rows(y, scale, act, limit: float):
-    """act [rows, I] = swiglu(y[:, :I], y[:, I:]) * scale[:, None] for y [rows, 2I]; scale None = 1."""
+    """act [rows, I] = swiglu(y[:, :I], y[:, I:]) * scale[:, None] for y [rows, 2I];
+    scale None = 1."""
     rows, inter = act.shape
     n = rows * inter
     launch("moe", "swiglu_rows", ((n + 255) // 256,), (256,),

@@ -159,7 +159,8 @@ def _attention_fields(data: dict) -> dict:
     head_dim = _int(data, "head_dim")
     heads, groups = _int(data, "num_attention_heads"), _int(data, "o_groups")
     if heads % groups:
-        raise ValueError(f"config field 'o_groups' ({groups}) must divide num_attention_heads ({heads})")
+        raise ValueError(f"config field 'o_groups' ({groups}) must divide "
+                         f"num_attention_heads ({heads})")
     return dict(num_attention_heads=heads, head_dim=head_dim,
                 qk_rope_head_dim=_rope_dim(data, head_dim),
                 q_lora_rank=_int(data, "q_lora_rank"), o_groups=groups,
@@ -171,10 +172,12 @@ def _moe_fields(data: dict) -> dict:
     n = _int(data, "num_hidden_layers")
     scoring = data.get("scoring_func", "sqrtsoftplus")
     if scoring not in SCORING_FUNCS:
-        raise ValueError(f"config field 'scoring_func' must be one of {SCORING_FUNCS}, got {scoring!r}")
+        raise ValueError(f"config field 'scoring_func' must be one of {SCORING_FUNCS}, "
+                         f"got {scoring!r}")
     topk, experts = _int(data, "num_experts_per_tok"), _int(data, "n_routed_experts")
     if topk > experts:
-        raise ValueError(f"config field 'num_experts_per_tok' ({topk}) exceeds n_routed_experts ({experts})")
+        raise ValueError(f"config field 'num_experts_per_tok' ({topk}) exceeds "
+                         f"n_routed_experts ({experts})")
     return dict(
         n_routed_experts=experts, num_experts_per_tok=topk,
         n_shared_experts=_int(data, "n_shared_experts", 0) if "n_shared_experts" in data else 1,
@@ -212,7 +215,8 @@ def _rope_dim(data: dict, head_dim: int) -> int:
         factor = _float(data, "partial_rotary_factor", 64 / 512)
         rope_dim = int(head_dim * factor)
     if rope_dim % 2 or not 0 < rope_dim <= head_dim:
-        raise ValueError(f"config field 'qk_rope_head_dim' must be even and in (0, head_dim], got {rope_dim}")
+        raise ValueError("config field 'qk_rope_head_dim' must be even and in (0, head_dim], "
+                         f"got {rope_dim}")
     return rope_dim
 
 
@@ -221,7 +225,8 @@ def _index_head_dim(data: dict, layer_types: tuple, rope_dim: int) -> int:
         return int(data.get("index_head_dim", rope_dim))
     dim = _int(data, "index_head_dim")
     if dim < rope_dim:
-        raise ValueError(f"config field 'index_head_dim' ({dim}) is smaller than the rope dim ({rope_dim})")
+        raise ValueError(f"config field 'index_head_dim' ({dim}) is smaller than the rope dim "
+                         f"({rope_dim})")
     return dim
 
 
@@ -233,7 +238,8 @@ def _compress_rates(data: dict) -> dict:
     for kind, rate in rates.items():
         if (kind not in (CSA, HCA) or isinstance(rate, bool) or not isinstance(rate, int)
                 or rate < 1):
-            raise ValueError(f"config field 'compress_rates' has an invalid entry {kind!r}: {rate!r}")
+            raise ValueError(f"config field 'compress_rates' has an invalid entry {kind!r}: "
+                             f"{rate!r}")
     return rates
 
 
@@ -256,8 +262,8 @@ def _layer_types(data: dict, n: int, rates: dict) -> tuple[str, ...]:
     types = data.get("layer_types")
     if types is None:
         if from_ratios is None:
-            raise ValueError("config.json lacks 'layer_types' and 'compress_ratios'; the layer schedule "
-                             "must come from the checkpoint")
+            raise ValueError("config.json lacks 'layer_types' and 'compress_ratios'; the layer "
+                             "schedule must come from the checkpoint")
         types = from_ratios
     types = list(types)[:n]
     if len(types) != n:
@@ -277,7 +283,8 @@ def _type_of_ratio(ratio, rates: dict) -> str:
         return CSA
     if ratio == rates.get(HCA):
         return HCA
-    raise ValueError(f"config field 'compress_ratios' has ratio {ratio!r}, which matches no compress rate {rates}")
+    raise ValueError(f"config field 'compress_ratios' has ratio {ratio!r}, which matches no "
+                     f"compress rate {rates}")
 
 
 def _mlp_layer_types(data: dict, n: int) -> tuple[str, ...]:
@@ -287,12 +294,14 @@ def _mlp_layer_types(data: dict, n: int) -> tuple[str, ...]:
         if n_hash is None:
             raise ValueError("config.json lacks 'mlp_layer_types' and 'num_hash_layers'")
         if isinstance(n_hash, bool) or not isinstance(n_hash, int) or n_hash < 0:
-            raise ValueError(f"config field 'num_hash_layers' must be an integer >= 0, got {n_hash!r}")
+            raise ValueError("config field 'num_hash_layers' must be an integer >= 0, "
+                             f"got {n_hash!r}")
         types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
     types = list(types)[:n]
     if len(types) != n or any(t not in MLP_TYPES for t in types):
         raise ValueError(f"config field 'mlp_layer_types' must hold {n} entries from {MLP_TYPES}")
-    if data.get("num_hash_layers") is not None and data["num_hash_layers"] != types.count("hash_moe"):
+    if (data.get("num_hash_layers") is not None
+            and data["num_hash_layers"] != types.count("hash_moe")):
         raise ValueError("config fields 'mlp_layer_types' and 'num_hash_layers' disagree")
     return tuple(types)
 
@@ -324,13 +333,16 @@ def _rope_spec(params: dict, label: str) -> RopeSpec:
     factor = float(params.get("factor") or 0)
     original = params.get("original_max_position_embeddings")
     if factor <= 0 or not isinstance(original, int) or original <= 0:
-        raise ValueError(f"config field {where} needs yarn 'factor' and 'original_max_position_embeddings'")
+        raise ValueError(f"config field {where} needs yarn 'factor' and "
+                         "'original_max_position_embeddings'")
     attention = params.get("attention_factor")
     if attention is None:
         attention = _yarn_mscale(factor, params.get("mscale"), params.get("mscale_all_dim"))
     return RopeSpec(
-        theta=float(theta), rope_type="yarn", factor=factor, original_max_position_embeddings=original,
-        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+        theta=float(theta), rope_type="yarn", factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
         truncate=bool(params.get("truncate", True)), attention_factor=float(attention),
     )
 

@@ -140,7 +140,8 @@ class KernelDecoder:
         """Grow the indexer-score and attention-partial buffers to this session's capacity
         (a regrown buffer moves, so captured graphs are dropped)."""
         cfg = self.cfg
-        need = {"scores": max([ls.indexer.rows.shape[0] for ls in state.layers if ls.indexer] + [1]),
+        need = {"scores": max([ls.indexer.rows.shape[0] for ls in state.layers if ls.indexer]
+                              + [1]),
                 "attn_part": max(at.partial_size(cfg.num_attention_heads, cfg.head_dim,
                                                  self._max_keys(ls)) for ls in state.layers)}
         for name, size in need.items():
@@ -293,7 +294,8 @@ class KernelDecoder:
             self._packed_moe(t)
             return
         gu, k = t["experts.gate_up"], cfg.num_experts_per_tok
-        shared = [t.get(f"mlp.shared_experts.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")]
+        shared = [t.get(f"mlp.shared_experts.{n}.weight")
+                  for n in ("gate_proj", "up_proj", "down_proj")]
         if shared[0] is not None and (shared[0].dtype != gu.dtype or shared[0].shape[0] != inter):
             shared = [None, None, None]  # the kernels take a shared expert shaped like a routed one
         act = b["act"] if shared[0] is not None else b["act"][:k]

@@ -55,7 +55,8 @@ CONFIG = {
     "rms_norm_eps": 1e-6,
     "sliding_window": 64,
     "layer_types": LAYER_TYPES,
-    "mlp_layer_types": ["hash_moe"] * NUM_HASH_LAYERS + ["moe"] * (len(LAYER_TYPES) - NUM_HASH_LAYERS),
+    "mlp_layer_types": (["hash_moe"] * NUM_HASH_LAYERS
+                        + ["moe"] * (len(LAYER_TYPES) - NUM_HASH_LAYERS)),
     "compress_rates": {CSA: RATES[CSA], HCA: RATES[HCA]},
     "compress_ratios": [RATES[t] for t in LAYER_TYPES] + [0],  # official key, + the MTP block
     "num_hash_layers": NUM_HASH_LAYERS,
@@ -231,7 +232,8 @@ def make_tiny(directory: str | Path, seed: int = 0, tokenizer_json: Path | None 
 
 
 def default_model_dir(tokenizer_json: Path) -> Path:
-    """The cached built-in tiny model ($DS4_CACHE_DIR or ~/.cache/ds4, /tiny-<version>), made once."""
+    """The cached built-in tiny model ($DS4_CACHE_DIR or ~/.cache/ds4, /tiny-<version>), made
+    once."""
     root = Path(os.environ.get("DS4_CACHE_DIR") or Path.home() / ".cache" / "ds4")
     target = root / f"tiny-{TINY_VERSION}"
     if (target / "model.safetensors").is_file():

@@ -203,7 +203,8 @@ class ExpertBank:
         return int(self._gate_up.nbytes + self._down.nbytes) if self.resident else 0
 
     def gather(self, ids) -> tuple:
-        """(gate_up [k, 2I, D], down [k, D, I]) fp32 for expert ids [k] (streaming reads them on host)."""
+        """(gate_up [k, 2I, D], down [k, D, I]) fp32 for expert ids [k] (streaming reads them on
+        host)."""
         if self.placed_stacks and self.xp is np:
             np.add.at(self.counts, np.asarray(ids).reshape(-1), 1)
         if self.resident and self.packed:
@@ -449,7 +450,8 @@ def _held(stored: StoredTensor, label: str, block: tuple[int, int], packed_ckpt:
     mapped bf16 words for matrices of a packed checkpoint, else None (widen at load)."""
     if stored.name.endswith("tid2eid"):
         if stored.dtype not in INT_DTYPES:
-            raise WeightsError(f"tensor {label} has dtype {stored.dtype}; an expert table is integer")
+            raise WeightsError(f"tensor {label} has dtype {stored.dtype}; an expert table is "
+                               "integer")
         return None
     if stored.dtype in INT_DTYPES and stored.scale is None:
         raise WeightsError(f"tensor {label} has dtype {stored.dtype} and no .scale: integer "
