@@ -1,5 +1,5 @@
-"""Engine (config, weights, scratch, tokenizer) and Session (one context: sync, decode,
-snapshot)."""
+"""Engine (config, weights, scratch, tokenizer) and Session
+(one context: sync, decode, snapshot)."""
 
 from __future__ import annotations
 
@@ -248,8 +248,8 @@ class Session:
         return buf.getvalue()
 
     def restore(self, blob: bytes) -> Session:
-        """Load a snapshot of a compatible engine's session; returns self (ValueError if not
-        one)."""
+        """Load a snapshot of a compatible engine's session; returns self
+        (ValueError if not one)."""
         arrays, meta = _read_snapshot(blob)
         if meta.get("version") != SNAPSHOT_VERSION:
             raise ValueError(f"snapshot version {meta.get('version')} is not supported")

@@ -53,8 +53,8 @@ def random_tensor(name: str, shape: tuple, rng: np.random.Generator,
 
 
 def write_model(directory: Path, seed: int = 0, **overrides) -> Path:
-    """Write config.json + model.safetensors (HF names, fp32) of a random model; returns
-    directory."""
+    """Write config.json + model.safetensors (HF names, fp32) of a random model;
+    returns directory."""
     data = {**SMALL, **overrides}
     cfg = ModelConfig.from_dict(data)
     rng = np.random.default_rng(seed)

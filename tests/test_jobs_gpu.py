@@ -1,5 +1,5 @@
-"""Interleaving on the CuPy engine: sessions share its scratch and graphs, never each other's
-state."""
+"""Interleaving on the CuPy engine: sessions share its scratch and graphs, never each
+other's state."""
 
 from __future__ import annotations
 

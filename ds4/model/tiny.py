@@ -232,8 +232,8 @@ def make_tiny(directory: str | Path, seed: int = 0, tokenizer_json: Path | None 
 
 
 def default_model_dir(tokenizer_json: Path) -> Path:
-    """The cached built-in tiny model ($DS4_CACHE_DIR or ~/.cache/ds4, /tiny-<version>), made
-    once."""
+    """The cached built-in tiny model ($DS4_CACHE_DIR or ~/.cache/ds4, /tiny-<version>),
+    made once."""
     root = Path(os.environ.get("DS4_CACHE_DIR") or Path.home() / ".cache" / "ds4")
     target = root / f"tiny-{TINY_VERSION}"
     if (target / "model.safetensors").is_file():

@@ -203,8 +203,8 @@ class ExpertBank:
         return int(self._gate_up.nbytes + self._down.nbytes) if self.resident else 0
 
     def gather(self, ids) -> tuple:
-        """(gate_up [k, 2I, D], down [k, D, I]) fp32 for expert ids [k] (streaming reads them on
-        host)."""
+        """(gate_up [k, 2I, D], down [k, D, I]) fp32 for expert ids [k]
+        (streaming reads them on host)."""
         if self.placed_stacks and self.xp is np:
             np.add.at(self.counts, np.asarray(ids).reshape(-1), 1)
         if self.resident and self.packed:
