@@ -1,26 +1,27 @@
-"""Engine (config, weights, scratch, tokenizer) and Session (one context: sync, decode, snapshot)."""
+"""Engine (config, weights, scratch, tokenizer) and Session
+(one context: sync, decode, snapshot)."""
 
 from __future__ import annotations
 
 import io
 import json
 import zipfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
-from ds4.backend import get_backend
 # Re-exported so layers above the engine never import ds4.backend or ds4.model themselves.
 from ds4.backend import cuda_available as cuda_available
+from ds4.backend import get_backend
 from ds4.builtin_model import default_model_dir as default_model_dir
 from ds4.builtin_model import make_tiny as make_tiny
 from ds4.model.config import ModelConfig
 from ds4.model.dummy import CONFIG_DIR, LOAD_FORMATS, dummy_weights, model_path
 from ds4.model.forward import Model
-from ds4.model.state import SessionState, state_bytes
 from ds4.model.placement import weight_budget
+from ds4.model.state import SessionState, state_bytes
 from ds4.model.weights import load_weights
 from ds4.sampling import sample
 
@@ -47,7 +48,7 @@ class Engine:
     def open(cls, model_dir: str | Path, backend: str = "auto", prefill_chunk: int = 512,
              resident_experts: bool = True, quantize: bool | None = None,
              load_format: str = "auto", seed: int = 0, gpu_memory_gib: float | None = None,
-             parallel: int = 1, ctx: int = 4096) -> "Engine":
+             parallel: int = 1, ctx: int = 4096) -> Engine:
         """Load a model directory (or a shipped config's name with load_format="dummy": random
         weights from config.json alone, drawn by `seed`); quantize=None simulates FP8/FP4 only
         for quantised checkpoints. gpu_memory_gib caps the weights' device memory (default on
@@ -82,7 +83,7 @@ class Engine:
             self._tokenizer = Tokenizer.for_model(self.model_dir)
         return self._tokenizer
 
-    def new_session(self, ctx_size: int = 4096) -> "Session":
+    def new_session(self, ctx_size: int = 4096) -> Session:
         """A fresh, empty session with state preallocated for ctx_size tokens."""
         if ctx_size < 1:
             raise ValueError(f"ctx_size must be >= 1, got {ctx_size}")
@@ -109,7 +110,7 @@ class Engine:
         placement = self.model.weights.placement
         return placement.replace() if placement is not None else 0
 
-    def decode_batch(self, sessions: Sequence["Session"],
+    def decode_batch(self, sessions: Sequence[Session],
                      tokens: Sequence[int]) -> list[np.ndarray]:
         """Append one token to each session in one engine step; logits (float32 [vocab]) per
         session, equal to each one's own `Session.decode` (see docs/PERF.md for the rounding).
@@ -129,7 +130,7 @@ class Engine:
             out += self._decode_rows(sessions[b:b + MAX_BATCH], tokens[b:b + MAX_BATCH])
         return out
 
-    def _decode_rows(self, sessions: list["Session"], tokens: list[int]) -> list[np.ndarray]:
+    def _decode_rows(self, sessions: list[Session], tokens: list[int]) -> list[np.ndarray]:
         if len(sessions) == 1:
             return [sessions[0].decode(tokens[0])]
         try:
@@ -150,7 +151,8 @@ class Engine:
     def fingerprint(self) -> dict:
         """What a snapshot must agree on to be restored into this engine."""
         c = self.config
-        return {"layer_types": list(c.layer_types), "hidden_size": c.hidden_size, "head_dim": c.head_dim,
+        return {"layer_types": list(c.layer_types), "hidden_size": c.hidden_size,
+                "head_dim": c.head_dim,
                 "vocab_size": c.vocab_size, "sliding_window": c.sliding_window,
                 "compress_rates": c.compress_rates, "index_head_dim": c.index_head_dim,
                 "quantize": self.model.quantize}
@@ -199,7 +201,8 @@ class Session:
         if not ids:
             raise ValueError("sync needs at least one token")
         if len(ids) > self.ctx_size:
-            raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context size {self.ctx_size}")
+            raise ContextOverflow(f"prompt of {len(ids)} tokens exceeds the context size "
+                                  f"{self.ctx_size}")
         self._check_vocabulary(ids)  # before the rewind: a bad prompt must not cost the held one
         self._rewind_to(self.reusable_prefix(ids))
         chunk, start = self.engine.prefill_chunk, len(self.tokens)
@@ -227,12 +230,14 @@ class Session:
     def snapshot(self) -> bytes:
         """Exact resumable state as bytes (tokens, logits, every live state row)."""
         arrays = self.state.export(self.engine.backend.to_numpy)
-        meta = {"version": SNAPSHOT_VERSION, "fingerprint": self.engine.fingerprint(), "n": self.state.n,
+        meta = {"version": SNAPSHOT_VERSION, "fingerprint": self.engine.fingerprint(),
+                "n": self.state.n,
                 "tokens": self.tokens}
         if self._frontier is not None:  # so a restored session can still regenerate for free
             f = self._frontier
             meta["frontier"] = {"tokens": len(f.tokens), "n": f.n}
-            arrays.update({f"frontier/{k}": self.engine.backend.to_numpy(v) for k, v in f.arrays.items()})
+            arrays.update({f"frontier/{k}": self.engine.backend.to_numpy(v)
+                           for k, v in f.arrays.items()})
             if f.logits is not None:
                 arrays["__frontier_logits__"] = f.logits
         arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
@@ -242,15 +247,17 @@ class Session:
         np.savez(buf, **arrays)
         return buf.getvalue()
 
-    def restore(self, blob: bytes) -> "Session":
-        """Load a snapshot of a compatible engine's session; returns self (ValueError if not one)."""
+    def restore(self, blob: bytes) -> Session:
+        """Load a snapshot of a compatible engine's session; returns self
+        (ValueError if not one)."""
         arrays, meta = _read_snapshot(blob)
         if meta.get("version") != SNAPSHOT_VERSION:
             raise ValueError(f"snapshot version {meta.get('version')} is not supported")
         if meta["fingerprint"] != json.loads(json.dumps(self.engine.fingerprint())):
             raise ValueError("snapshot was taken with a different model configuration")
         if meta["n"] > self.ctx_size:
-            raise ContextOverflow(f"snapshot holds {meta['n']} tokens, more than the context size {self.ctx_size}")
+            raise ContextOverflow(f"snapshot holds {meta['n']} tokens, more than the context size "
+                                  f"{self.ctx_size}")
         try:
             self._load(arrays, meta)
         except KeyError as missing:
@@ -268,7 +275,8 @@ class Session:
             copies = self._frontier.arrays
             for name in copies:
                 copies[name][...] = self.engine.backend.asarray(arrays[f"frontier/{name}"])
-            self._frontier = Frontier(self.tokens[: f["tokens"]], _read_only(arrays.get("__frontier_logits__")),
+            self._frontier = Frontier(self.tokens[: f["tokens"]],
+                                      _read_only(arrays.get("__frontier_logits__")),
                                       f["n"], copies)
 
     # ---- internals
@@ -332,7 +340,8 @@ class Session:
     def _save_frontier(self) -> None:
         """Remember this point (the end of a synced prompt) so a retry can roll back to it."""
         current = self.state.frontier_arrays()
-        copies = self._frontier.arrays if self._frontier is not None else {k: v.copy() for k, v in current.items()}
+        copies = (self._frontier.arrays if self._frontier is not None
+                  else {k: v.copy() for k, v in current.items()})
         for name, arr in current.items():
             copies[name][...] = arr
         self._frontier = Frontier(list(self.tokens), self.logits, self.state.n, copies)
@@ -344,7 +353,8 @@ def _read_snapshot(blob: bytes) -> tuple[dict, dict]:
         with np.load(io.BytesIO(blob)) as data:
             arrays = {k: data[k] for k in data.files}
         meta = json.loads(arrays.pop("__meta__").tobytes())
-        if not isinstance(meta, dict) or not {"version", "fingerprint", "n", "tokens"} <= meta.keys():
+        if not isinstance(meta, dict) or not {"version", "fingerprint", "n",
+                                              "tokens"} <= meta.keys():
             raise ValueError("its metadata lacks version, fingerprint, n or tokens")
     except (OSError, EOFError, ValueError, KeyError, AttributeError, zipfile.BadZipFile) as err:
         raise ValueError(f"not a session snapshot ({err})") from None

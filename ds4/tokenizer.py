@@ -39,7 +39,7 @@ class Tokenizer:
         self._added = {i: t.content for i, t in added.items()}
 
     @classmethod
-    def for_model(cls, model_dir: str | Path | None = None) -> "Tokenizer":
+    def for_model(cls, model_dir: str | Path | None = None) -> Tokenizer:
         """Tokenizer of a model directory (or the packaged one)."""
         return _cached(str(tokenizer_path(model_dir)))
 
@@ -48,7 +48,8 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def token_bytes(self, token_id: int) -> bytes:
-        """Exact bytes one token stands for (may be part of a UTF-8 sequence; b"" outside the vocabulary)."""
+        """Exact bytes one token stands for (may be part of a UTF-8 sequence;
+        b"" outside the vocabulary)."""
         if token_id in self._added:
             return self._added[token_id].encode("utf-8")
         if not 0 <= token_id < self.vocab_size:

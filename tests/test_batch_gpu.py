@@ -5,7 +5,8 @@ the model code run eagerly on CuPy arrays: shared matrices as one cuBLAS GEMM ov
 block, each routed expert one grouped GEMM over the rows that picked it, attention per
 session. It is compared with single steps of the same eager code (kernel decoder off), within
 3e-5 of the logits' scale (measured on the H200: 1.0-1.7e-5; cuBLAS picks another reduction
-order for a [B, D] block than for one row, so the issue's 1e-5 is not met there), and with the CUDA-graph single steps, within the 2e-4 that separates
+order for a [B, D] block than for one row, so the issue's 1e-5 is not met there), and with the
+CUDA-graph single steps, within the 2e-4 that separates
 the eager path from the kernels (tests/test_gpu_engine.py) and with the same argmax. The default
 where the kernel decoder runs (DS4_DECODE_BATCH=replay) replays each session's graph in turn,
 which must equal single steps bitwise.

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_server_support import live_server
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_serve.py"

@@ -28,10 +28,12 @@ C1 = ('I need the get_weather tool.</think>\n\n<｜DSML｜tool_calls>\n'
       '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
 RICH = ('<think>Plan: call </｜DSML｜ two tools; é 😀 </thin k.</think>Sure — doing it \n\n'
         '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="write">\n'
-        '<｜DSML｜parameter name="path" string="true">/tmp/ä "x"\\n</｜DSML｜param</｜DSML｜parameter>'
+        '<｜DSML｜parameter name="path" string="true">/tmp/ä "x"\\n'
+        '</｜DSML｜param</｜DSML｜parameter>'
         '\n<｜DSML｜parameter name="opts" string="false">{"a": [1, 2], "b": null}'
         '</｜DSML｜parameter>\n<｜DSML｜parameter name="bad" string="false">not json'
-        '</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name="ping">\n\n</｜DSML｜invoke>\n'
+        '</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+        '<｜DSML｜invoke name="ping">\n\n</｜DSML｜invoke>\n'
         '</｜DSML｜tool_calls>ignored after the block')
 PLAIN = ('ok</think>Text<tool_calls>\n<invoke name="f">\n<parameter name="k">v</parameter>\n'
          '</invoke>\n</tool_calls>')
@@ -279,9 +281,11 @@ def test_structure_flag_inside_json_values():
     assert parser.in_dsml_structure
 
 
-DSML_PIECES = ["<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", "<｜DSML｜invoke", "</｜DSML｜invoke>",
+DSML_PIECES = ["<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", "<｜DSML｜invoke",
+               "</｜DSML｜invoke>",
                "<｜DSML｜parameter", "</｜DSML｜parameter>", ' name="f"', ' name="k"',
-               ' string="true"', ' string="false"', ">", "\n", "</think>", "<think>", "<tool_calls>",
+               ' string="true"', ' string="false"', ">", "\n", "</think>", "<think>",
+               "<tool_calls>",
                "<invoke", "</invoke>", "</parameter>", "1", "[2]", '"s"', "<｜User｜>",
                "<｜Assistant｜>"]
 fuzz_text = st.lists(st.sampled_from(DSML_PIECES + TRICKY), max_size=40).map("".join)

@@ -66,7 +66,8 @@ def weather_history():
     call = {"id": "call_0", "type": "function", "function": {
         "name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}
     return [SYSTEM, WEATHER_USER,
-            {"role": "assistant", "content": "", "reasoning_content": "I need the get_weather tool.",
+            {"role": "assistant", "content": "",
+             "reasoning_content": "I need the get_weather tool.",
              "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "call_0", "content": RESULT}]
 
@@ -297,9 +298,11 @@ def test_a_request_not_ending_in_a_user_turn_still_opens_the_reply():
     """System-only and finished-assistant endings get the assistant prefix; a prefill does not."""
     system_only = render_chat([{"role": "system", "content": "S"}], thinking="none")
     assert system_only == "<｜begin▁of▁sentence｜>S<｜Assistant｜></think>"
-    after_reply = render_chat([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}],
+    after_reply = render_chat([{"role": "user", "content": "u"},
+                               {"role": "assistant", "content": "a"}],
                               thinking="high")
     assert after_reply.endswith("a<｜end▁of▁sentence｜><｜Assistant｜><think>")
-    prefill = render_anthropic([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}],
+    prefill = render_anthropic([{"role": "user", "content": "u"},
+                                {"role": "assistant", "content": "a"}],
                                thinking="none")
     assert prefill.endswith("<｜Assistant｜></think>a")

@@ -54,7 +54,8 @@ def test_generate_streams_text_and_prints_speeds(tiny: Path, capsys) -> None:
 
 
 def test_seeded_sampling_repeats_and_differs_from_greedy(tiny: Path, capsys) -> None:
-    args = ["-p", "Tell a story.", "-n", "12", "--model", str(tiny), "--temperature", "1.0", "--seed", "3"]
+    args = ["-p", "Tell a story.", "-n", "12", "--model", str(tiny), "--temperature", "1.0",
+            "--seed", "3"]
     first, _ = generate(capsys, *args)
     second, _ = generate(capsys, *args)
     greedy, _ = generate(capsys, "-p", "Tell a story.", "-n", "12", "--model", str(tiny))
@@ -62,7 +63,8 @@ def test_seeded_sampling_repeats_and_differs_from_greedy(tiny: Path, capsys) -> 
     assert first != greedy
 
 
-def test_generate_without_model_uses_the_cached_tiny_model(tmp_path: Path, monkeypatch, capsys) -> None:
+def test_generate_without_model_uses_the_cached_tiny_model(tmp_path: Path, monkeypatch,
+                                                           capsys) -> None:
     monkeypatch.setenv("DS4_CACHE_DIR", str(tmp_path))
     out, err = generate(capsys, "-p", "Hi", "-n", "2")
     assert out.strip() and "decode: 2 tokens" in err
@@ -70,7 +72,8 @@ def test_generate_without_model_uses_the_cached_tiny_model(tmp_path: Path, monke
 
 
 def test_prompt_longer_than_the_context_fails_clearly(tiny: Path, capsys) -> None:
-    code = main(["generate", "--backend", "numpy", "-p", "word " * 50, "--ctx", "16", "--model", str(tiny)])
+    code = main(["generate", "--backend", "numpy", "-p", "word " * 50, "--ctx", "16", "--model",
+                 str(tiny)])
     assert code == 1
     assert "ds4:" in capsys.readouterr().err
 

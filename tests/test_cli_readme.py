@@ -14,9 +14,8 @@ import pytest
 
 from ds4.cli.main import parser as ds4_parser
 from ds4.cli.server import parser as server_parser
-from ds4.engine import Engine
+from ds4.engine import Engine, default_model_dir
 from ds4.model.config import ModelConfig
-from ds4.engine import default_model_dir
 from ds4.model.official_format import F32_RE, FP4_RE, FP8_RE, write_official
 from ds4.model.safetensors_file import read_checkpoint
 from ds4.model.weights import _official_of, expected_shapes

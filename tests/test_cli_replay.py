@@ -12,10 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_server_support import GREEDY, live_server
 
 from ds4.cli.replay import recorded_view, replay, returned_view
 from ds4.jobs.trace import read_trace
-from test_server_support import GREEDY, live_server
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -11,7 +11,8 @@ from ds4.model.hyper_connection import hc_weights
 from ds4.model.rope import Rope, inverse_frequencies
 from ds4.model.state import CompressorState
 
-FLASH_YARN = RopeSpec(theta=160000.0, rope_type="yarn", factor=16.0, original_max_position_embeddings=65536)
+FLASH_YARN = RopeSpec(theta=160000.0, rope_type="yarn", factor=16.0,
+                      original_max_position_embeddings=65536)
 
 
 def test_flash_yarn_frequencies_follow_the_spec():
@@ -21,7 +22,8 @@ def test_flash_yarn_frequencies_follow_the_spec():
     np.testing.assert_allclose(ratio[25:], 1 / 16)  # pairs from high = 25 on are divided by 16
     assert np.all(np.diff(ratio) <= 1e-12)  # a linear ramp in between
     plain = RopeSpec(theta=10000.0)
-    np.testing.assert_allclose(inverse_frequencies(plain, 64), 10000.0 ** (-np.arange(0, 64, 2) / 64))
+    np.testing.assert_allclose(inverse_frequencies(plain, 64),
+                               10000.0 ** (-np.arange(0, 64, 2) / 64))
 
 
 def test_rope_is_relative_and_invertible():
@@ -34,7 +36,8 @@ def test_rope_is_relative_and_invertible():
     rk = rope.apply(np.repeat(k, 4, 0), cos, sin)
     assert abs(rq[1] @ rk[0] - rq[3] @ rk[2]) < 1e-4  # same distance 900 -> same score
     np.testing.assert_array_equal(rq[:, :24], np.repeat(q, 4, 0)[:, :24])  # only the tail rotates
-    np.testing.assert_allclose(rope.apply(rq, cos, sin, inverse=True), np.repeat(q, 4, 0), atol=1e-5)
+    np.testing.assert_allclose(rope.apply(rq, cos, sin, inverse=True), np.repeat(q, 4, 0),
+                               atol=1e-5)
 
 
 def test_hyper_connection_comb_is_doubly_stochastic():
@@ -42,7 +45,8 @@ def test_hyper_connection_comb_is_doubly_stochastic():
     X = rng.standard_normal((3, 4, 16)).astype(np.float32)
     fn = (0.3 * rng.standard_normal((24, 64))).astype(np.float32)
     base = rng.standard_normal(24).astype(np.float32)
-    pre, post, comb = hc_weights(np, fn, base, np.array([1.0, 0.8, 1.2], np.float32), X, 20, 1e-6, 1e-6)
+    pre, post, comb = hc_weights(np, fn, base, np.array([1.0, 0.8, 1.2], np.float32), X, 20, 1e-6,
+                                 1e-6)
     np.testing.assert_allclose(comb.sum(axis=-1), 1.0, atol=1e-3)
     np.testing.assert_allclose(comb.sum(axis=-2), 1.0, atol=1e-5)
     assert np.all((post > 0) & (post < 2)) and np.all(pre > 1e-6)
@@ -61,7 +65,8 @@ def test_compressor_windows_do_not_depend_on_chunking(ratio, overlap):
     pieces = CompressorState(np, ratio, width, out, overlap, 16)
     got, start = [], 0
     for size in (1, 2, 5, 1, 9, 3, 8):
-        p, w = pool_windows(np, pieces, kv[start : start + size], score[start : start + size], start)
+        p, w = pool_windows(np, pieces, kv[start : start + size], score[start : start + size],
+                            start)
         if p is not None:
             assert w == len(got)
             got.extend(p)
@@ -71,4 +76,5 @@ def test_compressor_windows_do_not_depend_on_chunking(ratio, overlap):
         slots_kv = np.concatenate([kv[0:4, :8], kv[4:8, 8:]])
         slots_score = np.concatenate([score[0:4, :8], score[4:8, 8:]])
         np.testing.assert_allclose(pooled[1], softmax_pool(np, slots_kv, slots_score, 0), atol=1e-6)
-        np.testing.assert_allclose(pooled[0], softmax_pool(np, kv[0:4, 8:], score[0:4, 8:], 0), atol=1e-6)
+        np.testing.assert_allclose(pooled[0], softmax_pool(np, kv[0:4, 8:], score[0:4, 8:], 0),
+                                   atol=1e-6)

@@ -10,7 +10,8 @@ import pytest
 from ds4.backend import cuda_available
 from ds4.engine import Engine
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -16,23 +16,28 @@ from ds4.model.config import CSA, HCA, SLIDING, ModelConfig
 from ds4.model.weights import WeightsError, expected_shapes, load_weights
 
 SMALL = dict(
-    vocab_size=300, hidden_size=32, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=1,
+    vocab_size=300, hidden_size=32, num_hidden_layers=5, num_attention_heads=4,
+    num_key_value_heads=1,
     head_dim=32, qk_rope_head_dim=8, q_lora_rank=16, o_groups=2, o_lora_rank=8, n_routed_experts=4,
-    num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16, scoring_func="sqrtsoftplus",
+    num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+    scoring_func="sqrtsoftplus",
     norm_topk_prob=True, routed_scaling_factor=1.5, swiglu_limit=10.0,
     layer_types=[SLIDING, CSA, HCA, CSA, HCA], mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 3,
     compress_rates={CSA: 4, HCA: 8}, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, sliding_window=8,
-    index_n_heads=4, index_head_dim=16, index_topk=3, rope_theta=10000.0, compress_rope_theta=160000.0,
+    index_n_heads=4, index_head_dim=16, index_topk=3, rope_theta=10000.0,
+    compress_rope_theta=160000.0,
     rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
                      "beta_fast": 32, "beta_slow": 1},
     rms_norm_eps=1e-6, max_position_embeddings=1 << 20, tie_word_embeddings=False,
 )
 
 
-def random_tensor(name: str, shape: tuple, rng: np.random.Generator, cfg: ModelConfig) -> np.ndarray:
+def random_tensor(name: str, shape: tuple, rng: np.random.Generator,
+                  cfg: ModelConfig) -> np.ndarray:
     """Values scaled like the reference fixtures: unit-ish activations, non-flat softmaxes."""
     if name.endswith("tid2eid"):
-        return np.stack([rng.permutation(cfg.n_routed_experts)[: shape[1]] for _ in range(shape[0])])
+        return np.stack([rng.permutation(cfg.n_routed_experts)[: shape[1]]
+                         for _ in range(shape[0])])
     normal = rng.standard_normal(shape).astype(np.float32)
     if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
         return 1.0 + 0.2 * normal
@@ -48,7 +53,8 @@ def random_tensor(name: str, shape: tuple, rng: np.random.Generator, cfg: ModelC
 
 
 def write_model(directory: Path, seed: int = 0, **overrides) -> Path:
-    """Write config.json + model.safetensors (HF names, fp32) of a random model; returns directory."""
+    """Write config.json + model.safetensors (HF names, fp32) of a random model;
+    returns directory."""
     data = {**SMALL, **overrides}
     cfg = ModelConfig.from_dict(data)
     rng = np.random.default_rng(seed)
@@ -94,11 +100,14 @@ def test_config_errors_name_the_field():
 
 
 def test_schedule_comes_from_official_keys():
-    data = {k: v for k, v in SMALL.items() if k not in ("layer_types", "mlp_layer_types", "compress_rates")}
-    cfg = ModelConfig.from_dict({**data, "compress_ratios": [0, 4, 8, 4, 8, 0], "num_hash_layers": 1,
+    data = {k: v for k, v in SMALL.items()
+            if k not in ("layer_types", "mlp_layer_types", "compress_rates")}
+    cfg = ModelConfig.from_dict({**data, "compress_ratios": [0, 4, 8, 4, 8, 0],
+                                 "num_hash_layers": 1,
                                  "rope_parameters": None,
                                  "rope_scaling": {"type": "yarn", "factor": 16.0, "beta_fast": 32,
-                                                  "beta_slow": 1, "original_max_position_embeddings": 65536}})
+                                                  "beta_slow": 1,
+                                                  "original_max_position_embeddings": 65536}})
     assert cfg.layer_types == (SLIDING, CSA, HCA, CSA, HCA)  # trailing MTP ratio dropped
     assert cfg.compress_rates[HCA] == 8 and cfg.compress_ratio(2) == 8
     assert cfg.mlp_layer_types == ("hash_moe",) + ("moe",) * 4
@@ -138,7 +147,8 @@ def test_sharded_index_loads_like_one_file(model_dir, tmp_path):
 
     tensors = load_file(str(model_dir / "model.safetensors"))
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
     sharded = tmp_path / "sharded"
     sharded.mkdir()
     for shard, keys in shards.items():
@@ -146,7 +156,8 @@ def test_sharded_index_loads_like_one_file(model_dir, tmp_path):
     index = {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
     data = json.loads((model_dir / "config.json").read_text())
-    (sharded / "config.json").write_text(json.dumps({**data, "quantization_config": {"fmt": "e4m3"}}))
+    (sharded / "config.json").write_text(json.dumps({**data,
+                                                     "quantization_config": {"fmt": "e4m3"}}))
     cfg = ModelConfig.from_dir(sharded)
     one, split = load_weights(model_dir, cfg, np), load_weights(sharded, cfg, np)
     assert set(one.tensors) == set(split.tensors)
@@ -181,7 +192,8 @@ def test_bf16_experts_are_held_once_as_bf16_words(model_dir, tmp_path):
     assert [w.dtype for w in plain.experts[1].stacked] == [np.float32, np.float32]
     assert 2 * bank.nbytes == plain.experts[1].nbytes
     gate_up, down = bank.gather(np.array([2, 0]))
-    np.testing.assert_array_equal(gate_up, rounded["model.layers.1.mlp.experts.gate_up_proj"][[2, 0]])
+    np.testing.assert_array_equal(gate_up,
+                                  rounded["model.layers.1.mlp.experts.gate_up_proj"][[2, 0]])
     np.testing.assert_array_equal(down, rounded["model.layers.1.mlp.experts.down_proj"][[2, 0]])
     t = layer_tensors(np, cfg, exact, 1)
     assert t["experts.gate_up"] is bank.stacked[0] and t["experts.down"] is bank.stacked[1]

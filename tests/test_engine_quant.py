@@ -17,7 +17,8 @@ FIXTURE = Path(__file__).parent / "fixtures" / "v4_csa_hca"
 
 
 def test_e4m3_rounding_known_values():
-    x = np.array([0.3, 1.0625, 1.1875, -250.0, 449.0, 1e6, 2.0**-10, 3 * 2.0**-10, 0.0, -0.0], np.float32)
+    x = np.array([0.3, 1.0625, 1.1875, -250.0, 449.0, 1e6, 2.0**-10, 3 * 2.0**-10, 0.0, -0.0],
+                 np.float32)
     want = [0.3125, 1.0, 1.25, -256.0, 448.0, 448.0, 0.0, 2.0**-8, 0.0, 0.0]
     np.testing.assert_array_equal(quant.round_e4m3(np, x), np.array(want, np.float32))
 
@@ -54,7 +55,8 @@ def test_hadamard_is_orthonormal():
 def _write_safetensors(path: Path, tensors: dict[str, tuple[str, list, bytes]]) -> None:
     header, blobs, offset = {}, [], 0
     for name, (dtype, shape, data) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        header[name] = {"dtype": dtype, "shape": shape,
+                        "data_offsets": [offset, offset + len(data)]}
         blobs.append(data)
         offset += len(data)
     text = json.dumps(header).encode()
@@ -83,7 +85,8 @@ def test_quantised_graph_runs_and_is_chunk_invariant(chunk):
     plain = Engine.open(FIXTURE, backend="numpy")
     assert not plain.model.quantize  # bf16 weights, no quantization_config: simulation off
     quantised = Engine.open(FIXTURE, backend="numpy", prefill_chunk=chunk, quantize=True)
-    one_shot = Engine(quantised.model_dir, quantised.config, quantised.model, 512).new_session(128).sync(ids)
+    one_shot = Engine(quantised.model_dir, quantised.config, quantised.model,
+                      512).new_session(128).sync(ids)
     chunked = quantised.new_session(128).sync(ids)
     # summation-order noise can move one value across an FP8 rounding boundary (seen: 1.4e-3);
     # still 20x below what the rounding itself moves (~0.1, checked below)

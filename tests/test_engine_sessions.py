@@ -135,7 +135,8 @@ def test_memory_report(engine):
     # CSA layers append head_dim/4 + index_head_dim/4 floats per token, HCA head_dim/16
     assert report["state_bytes_per_token"] == 4 * (2 * (32 / 4 + 16 / 4) + 2 * (32 / 16))
     assert report["weight_bytes"] > 0 and report["scratch_bytes"] > 0
-    assert report["state_fixed_bytes"] >= cfg.num_hidden_layers * cfg.sliding_window * cfg.head_dim * 4
+    assert (report["state_fixed_bytes"]
+            >= cfg.num_hidden_layers * cfg.sliding_window * cfg.head_dim * 4)
 
 
 def test_indexer_query_blocks_do_not_change_results(engine, monkeypatch):
@@ -143,7 +144,8 @@ def test_indexer_query_blocks_do_not_change_results(engine, monkeypatch):
 
     p = prompt(13, 120)
     want = engine.new_session(128).sync(p)
-    monkeypatch.setattr(indexer, "SCORE_BLOCK", 16 * 30 * 3)  # 16 heads x ~30 rows: 3 queries a block
+    monkeypatch.setattr(indexer, "SCORE_BLOCK",
+                        16 * 30 * 3)  # 16 heads x ~30 rows: 3 queries a block
     np.testing.assert_array_equal(engine.new_session(128).sync(p), want)
 
 
@@ -171,7 +173,8 @@ def test_a_bad_token_id_leaves_the_held_prompt_intact(engine):
     p = prompt(6, 40)
     s = engine.new_session(128)
     want = s.sync(p).copy()
-    for bad in ([0, 5, 512], p[:20] + [7] * 30 + [-1]):  # a diverging prompt, bad id in a later chunk
+    for bad in ([0, 5, 512],
+                p[:20] + [7] * 30 + [-1]):  # a diverging prompt, bad id in a later chunk
         with pytest.raises(ValueError, match="outside the model's vocabulary"):
             s.sync(bad)
         assert s.tokens == p and s.reusable_prefix(p) == len(p)
@@ -225,13 +228,15 @@ def test_a_damaged_or_foreign_snapshot_is_a_clear_error(engine):
     other = Engine.open(FIXTURE.parent / "v4_hca8", backend="numpy").new_session(128)
     other.sync([0, 5, 6])
     p = prompt(14, 20)
-    for bad, match in ((b"garbage", "not a session snapshot"), (blob[: len(blob) // 2], "not a session snapshot"),
+    for bad, match in ((b"garbage", "not a session snapshot"),
+                       (blob[: len(blob) // 2], "not a session snapshot"),
                        (lacking.getvalue(), "lacks"), (other.snapshot(), "different model")):
         s = engine.new_session(128)
         s.sync(p)
         with pytest.raises(ValueError, match=match):
             s.restore(bad)
-        np.testing.assert_allclose(s.sync(p + [3]), engine.new_session(128).sync(p + [3]), atol=1e-4)
+        np.testing.assert_allclose(s.sync(p + [3]), engine.new_session(128).sync(p + [3]),
+                                   atol=1e-4)
 
 
 def test_returned_logits_are_read_only_so_a_regenerate_gets_them_unchanged(engine):

@@ -56,7 +56,6 @@ def test_linear_on_words_matches_fp32(monkeypatch, mode, tol, rows, n, k):
 
 def test_grouped_experts_on_the_gpu_equal_the_numpy_loop():
     import cupy
-
     from test_linear import _Bank
 
     from ds4.model import moe
@@ -71,7 +70,8 @@ def test_grouped_experts_on_the_gpu_equal_the_numpy_loop():
     weights = rng.random((S, k)).astype(np.float32)
     want = moe._routed_many(np, cfg, _Bank(gate_up, down), x, ids, weights, ids)
     dev = _Bank(cupy.asarray(gate_up), cupy.asarray(down))
-    got = moe._routed_grouped(cupy, cfg, dev, cupy.asarray(x), cupy.asarray(ids), cupy.asarray(weights),
+    got = moe._routed_grouped(cupy, cfg, dev, cupy.asarray(x), cupy.asarray(ids),
+                              cupy.asarray(weights),
                               cupy.asnumpy)
     assert rel_err(cupy.asnumpy(got), want) < 3e-5
 
@@ -101,11 +101,16 @@ def test_rms_norm_and_stream_expansion_match_the_array_formulas():
     from ds4.model.hyper_connection import hc_expand, rms_norm
 
     rng = np.random.default_rng(5)
-    x, w = rng.standard_normal((7, 64, 512)).astype(np.float32), rng.standard_normal(512).astype(np.float32)
+    x = rng.standard_normal((7, 64, 512)).astype(np.float32)
+    w = rng.standard_normal(512).astype(np.float32)
     for weight in (w, None):
-        got = rms_norm(cupy, cupy.asarray(x), None if weight is None else cupy.asarray(weight), 1e-6)
-        np.testing.assert_allclose(cupy.asnumpy(got), rms_norm(np, x, weight, 1e-6), rtol=2e-5, atol=1e-6)
-    X, y = rng.standard_normal((300, 4, 256)).astype(np.float32), rng.standard_normal((300, 256)).astype(np.float32)
+        got = rms_norm(cupy, cupy.asarray(x), None if weight is None else cupy.asarray(weight),
+                       1e-6)
+        np.testing.assert_allclose(cupy.asnumpy(got), rms_norm(np, x, weight, 1e-6), rtol=2e-5,
+                                   atol=1e-6)
+    X = rng.standard_normal((300, 4, 256)).astype(np.float32)
+    y = rng.standard_normal((300, 256)).astype(np.float32)
     post, comb = rng.random((300, 4)).astype(np.float32), rng.random((300, 4, 4)).astype(np.float32)
     got = hc_expand(cupy, *(cupy.asarray(a) for a in (X, y, post, comb)))
-    np.testing.assert_allclose(cupy.asnumpy(got), hc_expand(np, X, y, post, comb), rtol=2e-5, atol=1e-5)
+    np.testing.assert_allclose(cupy.asnumpy(got), hc_expand(np, X, y, post, comb), rtol=2e-5,
+                               atol=1e-5)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_sampling import TWIN_OPTIONS
 
 from ds4.backend import cuda_available
 from ds4.jobs.events import SamplingOptions
 from ds4.sampling import make_rng, sample
-from test_sampling import TWIN_OPTIONS
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
@@ -43,8 +43,7 @@ def test_device_sampling_draws_the_host_tokens(options):
 def test_session_samples_its_device_logits():
     """A CuPy engine session samples the logits it holds on the device, token for token as the
     host sampler on its numpy copy; a seeded run repeats."""
-    from ds4.engine import Engine
-    from ds4.engine import default_model_dir
+    from ds4.engine import Engine, default_model_dir
 
     eng = Engine.open(default_model_dir(), backend="cupy")
     opts = SamplingOptions(temperature=0.9, top_k=50, top_p=0.95, min_p=0.02)

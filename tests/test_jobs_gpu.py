@@ -1,4 +1,5 @@
-"""Interleaving on the CuPy engine: sessions share its scratch and graphs, never each other's state."""
+"""Interleaving on the CuPy engine: sessions share its scratch and graphs, never each
+other's state."""
 
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ TEXTS = ["The quick brown fox", "Once upon a time in a land far away, " * 3,
 
 @pytest.fixture(scope="module")
 def engine():
-    from ds4.engine import Engine
-    from ds4.engine import default_model_dir
+    from ds4.engine import Engine, default_model_dir
 
     return Engine.open(default_model_dir(), backend="cupy", prefill_chunk=16)
 

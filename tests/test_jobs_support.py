@@ -125,7 +125,6 @@ class ScriptedEngine:
 
 def tiny_engine(prefill_chunk: int = 16):
     """The built-in tiny model on NumPy; small chunks so prompts span several of them."""
-    from ds4.engine import Engine
-    from ds4.engine import default_model_dir
+    from ds4.engine import Engine, default_model_dir
 
     return Engine.open(default_model_dir(), backend="numpy", prefill_chunk=prefill_chunk)

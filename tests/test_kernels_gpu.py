@@ -150,7 +150,8 @@ def test_compressor_windows(cp, rng, ratio, hd, overlap):
     for t in range(3 * ratio):
         kvp, g = randn(rng, cw), randn(rng, cw)
         pos = np.array([t], np.int32)
-        for fns, st, conv in (((c.compressor_push_numpy, c.compressor_pool_numpy), host, np.asarray),
+        for fns, st, conv in (((c.compressor_push_numpy, c.compressor_pool_numpy), host,
+                               np.asarray),
                               ((c.compressor_push, c.compressor_pool), dev, cp.asarray)):
             fns[0](conv(kvp), conv(g), conv(bias), conv(pos), st["pkv"], st["psc"])
             fns[1](st["pkv"], st["psc"], st["okv"], st["osc"], conv(w), conv(freqs), conv(pos),

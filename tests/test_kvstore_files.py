@@ -120,7 +120,7 @@ def corrupt(files: list[Path], outside: Path) -> None:
 
 
 def test_broken_foreign_or_outside_checkpoints_are_removed_and_the_request_succeeds(
-        tmp_path, cold, caplog):
+        tmp_path, cold, caplog):  # noqa: F811  (cold: the imported fixture)
     store_dir, outside = tmp_path / "kv", tmp_path / "elsewhere.kv"
     prompt = long_text(30, 120)
     grown = prompt[:-8] + " with an ending"  # not an extension: the whole-prompt file misses

@@ -20,13 +20,15 @@ def test_linear_on_bf16_words_is_the_widened_product():
     np.testing.assert_array_equal(linear(np, x, w), x @ widen(w).T)
     np.testing.assert_array_equal(linear(np, x, widen(w)), x @ widen(w).T)
     ws = np.stack([w, w[::-1]])
-    np.testing.assert_allclose(batched_linear(np, x[:2], ws), np.matmul(x[:2], widen(ws).transpose(0, 2, 1)))
+    np.testing.assert_allclose(batched_linear(np, x[:2], ws),
+                               np.matmul(x[:2], widen(ws).transpose(0, 2, 1)))
 
 
 def test_split_rows_keep_16_bits_of_each_activation():
     """hi + lo reproduces x to 2^-16 relative: what keeps the tensor-core GEMMs fp32-class."""
     rng = np.random.default_rng(1)
-    x = (rng.standard_normal((2, 7, 33)) * np.exp(rng.uniform(-20, 20, (2, 7, 33)))).astype(np.float32)
+    x = (rng.standard_normal((2, 7,
+                              33)) * np.exp(rng.uniform(-20, 20, (2, 7, 33)))).astype(np.float32)
     out = split_bf16_numpy(x, np.empty((2, 14, 33), np.uint16))
     back = widen(out[:, :7]) + widen(out[:, 7:])
     assert float(np.max(np.abs(back - x) / np.abs(x))) <= 2.0 ** -16

@@ -14,8 +14,12 @@ import numpy as np
 import pytest
 
 from ds4.engine import Engine
-from ds4.model.official_format import (official_tensors, official_values, write_dequantized,
-                                       write_shards)
+from ds4.model.official_format import (
+    official_tensors,
+    official_values,
+    write_dequantized,
+    write_shards,
+)
 from ds4.model.weights import WeightsError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,8 +215,19 @@ def test_unknown_dtype_is_a_load_error(tmp_path, official):
 @pytest.fixture
 def twins(monkeypatch):
     """Route every launcher the kernel decoder calls to its NumPy twin (packed and quant too)."""
-    from ds4.kernels import (attention, compressor, gemv, hyper_connection, indexer, moe, norm,
-                             packed, quant, rope, sampling)
+    from ds4.kernels import (
+        attention,
+        compressor,
+        gemv,
+        hyper_connection,
+        indexer,
+        moe,
+        norm,
+        packed,
+        quant,
+        rope,
+        sampling,
+    )
     from ds4.model import gpu_decode
 
     for mod in (attention, compressor, hyper_connection, indexer, moe, sampling, packed, quant):

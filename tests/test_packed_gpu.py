@@ -14,7 +14,8 @@ from ds4.backend import cuda_available
 from ds4.engine import Engine
 from ds4.model.packed import PackedMatrix
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = [0] + list(range(7, 4000, 41))

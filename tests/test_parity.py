@@ -7,7 +7,7 @@ TOLERANCE of HF on every checked row, and pick the same argmax.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -21,14 +21,14 @@ LAYOUTS = {"hf": "", "official": "official", "default": "default"}
 TOLERANCE = 2e-4  # max |logit difference|, logits reach ~4.5
 
 
-@lru_cache(maxsize=None)
+@cache
 def reference(case: str) -> dict[str, np.ndarray]:
     """The fixture's ref.npz as a dict."""
     with np.load(FIXTURES / case / "ref.npz") as ref:
         return {k: ref[k] for k in ref.files}
 
 
-@lru_cache(maxsize=None)
+@cache
 def engine(case: str, layout: str, prefill_chunk: int = 512) -> Engine:
     """One NumPy fp32 engine per fixture directory, without FP8/FP4 simulation."""
     model_dir = FIXTURES / case / LAYOUTS[layout]
@@ -59,7 +59,8 @@ def test_prefill_then_decode_matches_hf(case: str, layout: str) -> None:
     for i, token in enumerate(ids[p:]):
         logits = session.decode(token)
         assert_logits_close(logits, ref["decode_logits"][i], f"{case}/{layout} decode step {i}")
-        assert_logits_close(logits, ref["full_logits"][p + i], f"{case}/{layout} decode vs full {i}")
+        assert_logits_close(logits, ref["full_logits"][p + i],
+                            f"{case}/{layout} decode vs full {i}")
     assert session.tokens == ids
 
 
@@ -87,7 +88,8 @@ def test_small_prefill_chunks_match_hf(prefill_chunk: int) -> None:
     assert_logits_close(logits, ref["full_logits"][p - 1], f"{case} chunk {prefill_chunk}")
     for i, token in enumerate(ids[p : p + 4]):
         logits = session.decode(token)
-        assert_logits_close(logits, ref["decode_logits"][i], f"{case} chunk {prefill_chunk} decode {i}")
+        assert_logits_close(logits, ref["decode_logits"][i],
+                            f"{case} chunk {prefill_chunk} decode {i}")
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_server_support import GREEDY, live_server
 
 from ds4.cli.replay import main as replay_main
 from ds4.jobs.trace import read_trace_file
-from test_server_support import GREEDY, live_server
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -131,7 +131,9 @@ def test_device_path_twin_draws_the_host_tokens(options) -> None:
             assert host.random() == device.random()  # both took the same number of draws
 
 
-@pytest.mark.parametrize("options", [SamplingOptions(min_p=1.5), SamplingOptions(min_p=1.0, top_p=0.5)], ids=str)
+@pytest.mark.parametrize("options",
+                         [SamplingOptions(min_p=1.5),
+                          SamplingOptions(min_p=1.0, top_p=0.5)], ids=str)
 def test_min_p_above_one_keeps_the_best_token(options) -> None:
     # no token can reach min_p > 1 times the best probability; the best one must still be drawn
     from ds4.sampling import sample_masked
@@ -141,8 +143,10 @@ def test_min_p_above_one_keeps_the_best_token(options) -> None:
     assert sample_masked(np, logits, options, make_rng(0)) == 1
 
 
-@pytest.mark.parametrize("options", [SamplingOptions(temperature=t, **knobs) for t in (2e-38, 1e-38, 1e-45)
-                                     for knobs in ({"min_p": 0.0}, {"top_p": 0.9, "min_p": 0.0}, {"top_k": 2})],
+@pytest.mark.parametrize("options",
+                         [SamplingOptions(temperature=t, **knobs) for t in (2e-38, 1e-38, 1e-45)
+                                     for knobs in ({"min_p": 0.0}, {"top_p": 0.9, "min_p": 0.0},
+                                                   {"top_k": 2})],
                          ids=str)
 def test_a_tiny_temperature_draws_the_best_token(options) -> None:
     # logits / T overflows float32 here (and 1e-38 is a subnormal float32 that a GPU may flush to

@@ -233,7 +233,7 @@ def test_a_client_gone_while_its_body_is_read_is_one_log_line(live, caplog):
     url = live[0]
     caplog.set_level(logging.INFO)
     with connect(url) as sock:
-        me = "127.0.0.1:%d " % sock.getsockname()[1]
+        me = f"127.0.0.1:{sock.getsockname()[1]:d} "
         sock.sendall(body_head(CHAT, 1000) + b'{"messages": [')
         time.sleep(0.2)
     deadline = time.monotonic() + 5

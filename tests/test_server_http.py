@@ -266,7 +266,8 @@ def test_api_key_body_limit_cors_and_health_while_loading():
         assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
         r = httpx.post(url + MSG, json=big, headers={"x-api-key": "sekrit"})
         assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
-        r = httpx.post(url + CHAT, json={"messages": HI}, headers={"Authorization": "Bearer sekrit"})
+        r = httpx.post(url + CHAT, json={"messages": HI},
+                       headers={"Authorization": "Bearer sekrit"})
         assert r.status_code == 503 and r.headers["access-control-allow-origin"] == "*"
         r = httpx.options(url + CHAT)
         assert r.status_code == 204 and "POST" in r.headers["access-control-allow-methods"]

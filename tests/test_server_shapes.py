@@ -32,9 +32,11 @@ from ds4.server.turn import Prompt, Turn
 from ds4.tokenizer import EOS_ID, Tokenizer
 
 D = "｜DSML｜"
-TOOL_TURN = (f'I need the get_weather tool.</think>\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\n'
+TOOL_TURN = (f'I need the get_weather tool.</think>\n\n<{D}tool_calls>\n'
+             f'<{D}invoke name="get_weather">\n'
              f'<{D}parameter name="city" string="true">Paris</{D}parameter>\n'
-             f'<{D}parameter name="days" string="false">2</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>')
+             f'<{D}parameter name="days" string="false">2</{D}parameter>\n</{D}invoke>\n'
+             f'</{D}tool_calls>')
 TEXT_TURN = "Let me think.</think>The answer is 42."
 ARGS = {"city": "Paris", "days": 2}
 
@@ -163,7 +165,8 @@ def test_responses_stream_numbers_events_and_ends_with_the_whole_response():
     assert all(list(d)[:2] == ["type", "sequence_number"] for d in data)
     types = [d["type"] for d in data]
     assert types[0] == "response.created" and types[-1] == "response.completed"
-    summary = "".join(d["delta"] for d in data if d["type"] == "response.reasoning_summary_text.delta")
+    summary = "".join(d["delta"] for d in data
+                      if d["type"] == "response.reasoning_summary_text.delta")
     text = "".join(d["delta"] for d in data if d["type"] == "response.output_text.delta")
     assert (summary, text) == ("Let me think.", "The answer is 42.")
     final = data[-1]["response"]

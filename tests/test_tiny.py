@@ -55,9 +55,11 @@ def test_tensors_use_hf_names_bf16_and_official_mtp_names(tiny: Path) -> None:
     assert "model.layers.3.self_attn.compressor.position_bias" in tensors
     assert "model.layers.3.self_attn.compressor.indexer.kv_proj.weight" not in tensors  # HCA
     assert "model.layers.5.mlp.gate.e_score_correction_bias" in tensors
-    for name in ["mtp.0.e_proj.weight", "mtp.0.h_proj.weight", "mtp.0.enorm.weight", "mtp.0.hnorm.weight",
-                 "mtp.0.norm.weight", "mtp.0.hc_head_fn", "mtp.0.attn.wq_a.weight", "mtp.0.hc_attn_fn",
-                 "mtp.0.ffn.gate.bias", "mtp.0.ffn.experts.7.w2.weight", "mtp.0.ffn.shared_experts.w1.weight"]:
+    for name in ["mtp.0.e_proj.weight", "mtp.0.h_proj.weight", "mtp.0.enorm.weight",
+                 "mtp.0.hnorm.weight",
+                 "mtp.0.norm.weight", "mtp.0.hc_head_fn", "mtp.0.attn.wq_a.weight",
+                 "mtp.0.hc_attn_fn", "mtp.0.ffn.gate.bias", "mtp.0.ffn.experts.7.w2.weight",
+                 "mtp.0.ffn.shared_experts.w1.weight"]:
         assert name in tensors, name
     assert not any(k.startswith("mtp.0.attn.compressor") for k in tensors)  # MTP is a sliding block
     assert Tokenizer.for_model(tiny).encode("Hello") == Tokenizer.for_model(None).encode("Hello")
@@ -71,11 +73,13 @@ def test_same_seed_same_bytes_other_seed_differs(tmp_path: Path, tiny: Path) -> 
     assert (other / "model.safetensors").read_bytes() != weights
 
 
-def test_default_model_dir_is_made_once_even_by_racing_processes(tmp_path: Path, monkeypatch) -> None:
+def test_default_model_dir_is_made_once_even_by_racing_processes(tmp_path: Path,
+                                                                 monkeypatch) -> None:
     monkeypatch.setenv("DS4_CACHE_DIR", str(tmp_path))
     code = "from ds4.engine import default_model_dir; print(default_model_dir())"
     env = {**os.environ, "DS4_CACHE_DIR": str(tmp_path)}
-    racers = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    racers = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                               text=True)
               for _ in range(3)]
     paths = {p.communicate(timeout=120)[0].strip() for p in racers}
     assert all(p.returncode == 0 for p in racers)

@@ -5,7 +5,8 @@ from ds4.tokenizer import Tokenizer
 
 def test_special_tokens_and_context_dependent_merges():
     tok = Tokenizer.for_model()
-    assert tok.encode("<｜begin▁of▁sentence｜><｜end▁of▁sentence｜><｜User｜><｜Assistant｜>") == [0, 1, 128803, 128804]
+    assert tok.encode("<｜begin▁of▁sentence｜><｜end▁of▁sentence｜><｜User｜><｜Assistant｜>") == [
+        0, 1, 128803, 128804]
     assert tok.encode("<think></think>") == [128821, 128822]
     assert tok.encode("\n\n<｜DSML｜tool_calls>\n") == [271, 30, 128825, 72461, 4941, 12548, 1018]
     assert tok.encode("</｜DSML｜tool_calls>") == [1718, 128825, 72461, 4941, 12548, 32]

@@ -91,7 +91,8 @@ def decode_bench(cp, stack: FlashStack, ctx: int) -> dict:
     out = {"layers": [], "ctx": ctx}
     for i, ls in enumerate(state.layers):
         t = dec.layers[i]
-        row = {"kind": ls.kind, "s": graph_time(cp, stream, lambda i=i, ls=ls: dec.run_layer(i, ls)),
+        row = {"kind": ls.kind,
+               "s": graph_time(cp, stream, lambda i=i, ls=ls: dec.run_layer(i, ls)),
                "bytes": bytes_read_per_token(stack.cfg, t, ls, state.n)}
         row["stages"] = stage_times(cp, stream, dec, i, t, ls)
         out["layers"].append(row)
@@ -126,7 +127,8 @@ def stage_times(cp, stream, dec, i: int, t: dict, ls) -> dict:
     comp = None if ls.compressor is None else ls.compressor.rows
     sel = b["sel"] if ls.indexer is not None else None
     out["attention kernel"] = graph_time(cp, stream, lambda: at.attention_decode(
-        b["q"], ls.raw, dec.pos, comp, sel, b["sel_count"], 0 if comp is None else ls.compressor.ratio,
+        b["q"], ls.raw, dec.pos, comp, sel, b["sel_count"],
+        0 if comp is None else ls.compressor.ratio,
         t["self_attn.sinks"], b["o"], dec._max_keys(ls), b["attn_part"]))
     return out
 
@@ -147,9 +149,11 @@ def gemv_profile(cp, stream, dec) -> dict:
             rates = {}
             for splits in (1, 2, 4, 8, 16):
                 if w.shape[1] % (256 * splits) == 0:
-                    s = graph_time(cp, stream, lambda w=w, x=x, y=y, k=splits: gemv(w, x, y, splits=k))
+                    s = graph_time(cp, stream, lambda w=w, x=x, y=y,
+                                   k=splits: gemv(w, x, y, splits=k))
                     rates[splits] = w.nbytes / s
-            s = graph_time(cp, stream, lambda w=w, x=x, y=y: gemv(w, x, y, splits=1, rows_per_warp=2))
+            s = graph_time(cp, stream, lambda w=w, x=x,
+                           y=y: gemv(w, x, y, splits=1, rows_per_warp=2))
             rates["2rows"] = w.nbytes / s
             splits = pick_splits(*w.shape)
             chosen = "2rows" if pick_rows_per_warp(*w.shape, splits) == 2 else splits
@@ -171,7 +175,8 @@ def prefill_bench(cp, stack: FlashStack, chunks: list[int]) -> dict:
         out[kind] = {}
         for mode in GEMM_MODES:
             os.environ["DS4_GEMM"] = mode
-            out[kind][mode] = {chunk: timed(cp, prefill_run(stack, model, chunk), repeat=3, warmup=1)
+            out[kind][mode] = {chunk: timed(cp, prefill_run(stack, model, chunk), repeat=3,
+                                            warmup=1)
                                for chunk in chunks}
         os.environ["DS4_GEMM"] = GEMM_MODES[0]
         out[kind]["stages"] = prefill_stages(cp, prefill_run(stack, model, chunks[-1]))
@@ -222,7 +227,8 @@ def prefill_stages(cp, run) -> dict:
     finally:
         for name, fn in originals.items():
             setattr(forward, name, fn)
-    out = {name: sum(cp.cuda.get_elapsed_time(a, b) for a, b in pairs) / 1e3 for name, pairs in spans.items()}
+    out = {name: sum(cp.cuda.get_elapsed_time(a, b) for a, b in pairs) / 1e3
+           for name, pairs in spans.items()}
     out["total"] = cp.cuda.get_elapsed_time(start, end) / 1e3
     return out
 
@@ -281,7 +287,8 @@ def report(res: dict) -> None:
         cells = " ".join(f"{k}{'*' if k == g['chosen'] else ''}:{v / 1e12:.2f}"
                          for k, v in g["bytes_per_s"].items())
         print(f"  {name:60} {cells}")
-    print("\nprefill through the engine's model code on CuPy (bf16 weights, per layer, own process):")
+    print("\nprefill through the engine's model code on CuPy (bf16 weights, per layer, "
+          "own process):")
     if "error" in res["prefill"]:
         print(res["prefill"]["error"])
     for kind, per in res["prefill"].items():
@@ -291,11 +298,13 @@ def report(res: dict) -> None:
             for chunk, s in per[mode].items():
                 flops = matrix_flops(res["cfg"], kind, chunk)
                 floor = prefill_floor(res["cfg"], kind, chunk, c)
-                print(f"{kind[:10]:10} {mode:6} chunk {chunk:5}: {s * 1e3:8.2f} ms, {chunk / s:9.0f} tok/s, "
-                      f"{flops / s / 1e12:6.1f} TFLOP/s, floor {floor * 1e3:.2f} ms ({s / floor:.1f}x)")
+                print(f"{kind[:10]:10} {mode:6} chunk {chunk:5}: {s * 1e3:8.2f} ms, "
+                      f"{chunk / s:9.0f} tok/s, {flops / s / 1e12:6.1f} TFLOP/s, "
+                      f"floor {floor * 1e3:.2f} ms ({s / floor:.1f}x)")
         st = per["stages"]
         rest = st["total"] - st["attention"] - st["moe"]
-        print(f"{'':10} where the time goes ({GEMM_MODES[0]}, largest chunk): attention {st['attention'] * 1e3:.2f} ms, "
+        print(f"{'':10} where the time goes ({GEMM_MODES[0]}, largest chunk): "
+              f"attention {st['attention'] * 1e3:.2f} ms, "
               f"moe {st['moe'] * 1e3:.2f} ms, mHC/norms/head {rest * 1e3:.2f} ms")
     hf = res.get("hf")
     if isinstance(hf, dict):

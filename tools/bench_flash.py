@@ -118,7 +118,8 @@ class FlashStack:
         from ds4.model.rope import Rope
 
         cp, cfg = self.cp, self.cfg
-        layers = [gpu_weights.layer_tensors(cp, cfg, self.weights, i) for i in range(len(self.kinds))]
+        layers = [gpu_weights.layer_tensors(cp, cfg, self.weights,
+                                            i) for i in range(len(self.kinds))]
         ropes = {"main": Rope(cp, cfg.rope_main, cfg.qk_rope_head_dim),
                  "compress": Rope(cp, cfg.rope_compress, cfg.qk_rope_head_dim)}
         freqs = {k: gpu_weights.rope_frequencies(cp, r) for k, r in ropes.items()}
@@ -153,7 +154,8 @@ class FlashStack:
         config = flash_config([kind], small=self.cfg.hidden_size != FLASH["hidden_size"])
         cfg = ModelConfig.from_dict(config)
         src = f"model.layers.{i}."
-        tensors = {name: self.weights[name.replace("model.layers.0.", src)] for name in expected_shapes(cfg)}
+        tensors = {name: self.weights[name.replace("model.layers.0.",
+                                                   src)] for name in expected_shapes(cfg)}
         bank = DeviceBank(*self.weights.experts[i].stacked)
         return Model(cfg, Weights(tensors, [bank], {}, False), get_backend("cupy"), quantize=False)
 

@@ -29,8 +29,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ds4.engine import Engine
-from ds4.model.dummy import expert_bytes
+from ds4.engine import Engine  # noqa: E402  (after the sys.path line above)
+from ds4.model.dummy import expert_bytes  # noqa: E402
 
 
 def open_engine(args) -> Engine:
@@ -144,7 +144,9 @@ def report(res: dict) -> None:
 def parser() -> argparse.ArgumentParser:
     """The tool's flags."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ints = lambda text: [int(v) for v in text.split(",")]
+    def ints(text):
+        return [int(v) for v in text.split(",")]
+
     ap.add_argument("--config", help="a config.json (or its directory); default: the shipped "
                     "deepseek-v4-flash")
     ap.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="auto")

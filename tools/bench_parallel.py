@@ -2,7 +2,8 @@
 greedy generation, B sends a long prompt once A has ~50 tokens; a --parallel 1 and a --parallel 2
 server (same model, backend, prompts and env) are measured alike and the medians compared.
 
-    python3 tools/bench_parallel.py --tokens-a 400 --prompt-b-tokens 3000 --prefill-ms 200 --repeat 3
+    python3 tools/bench_parallel.py --tokens-a 400 --prompt-b-tokens 3000 --prefill-ms 200 \\
+        --repeat 3
     python3 tools/bench_parallel.py --model /models/DeepSeek-V4-Flash --backend cupy  # on a GPU
 
 --streams 1,2,4,8 measures instead the aggregate decode tok/s of N concurrent greedy streams on
@@ -26,8 +27,8 @@ import time
 
 import httpx
 
-from ds4.jobs.scheduler import SchedulerConfig
 from ds4.engine import default_model_dir
+from ds4.jobs.scheduler import SchedulerConfig
 from ds4.tokenizer import Tokenizer
 
 MODEL = "deepseek-chat"  # alias with thinking off, so temperature 0 is greedy

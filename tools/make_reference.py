@@ -118,7 +118,8 @@ def official_keys(config: DeepseekV4Config) -> dict:
     n_hash = sum(t == "hash_moe" for t in config.mlp_layer_types)
     return {
         # the official list carries one trailing entry per MTP block
-        "compress_ratios": [rates[t] for t in config.layer_types] + [0] * config.num_nextn_predict_layers,
+        "compress_ratios": ([rates[t] for t in config.layer_types]
+                            + [0] * config.num_nextn_predict_layers),
         "num_hash_layers": n_hash,
         "qk_rope_head_dim": config.qk_rope_head_dim,
         "rope_scaling": {
@@ -143,7 +144,8 @@ def rerandomise(model: DeepseekV4ForCausalLM, seed: int) -> None:
         if "inv_freq" in name:
             continue
         if name.endswith("tid2eid"):
-            picks = [torch.randperm(config.n_routed_experts, generator=gen)[: config.num_experts_per_tok]
+            picks = [torch.randperm(config.n_routed_experts,
+                                    generator=gen)[: config.num_experts_per_tok]
                      for _ in range(p.shape[0])]
             p.copy_(torch.stack(picks))
             continue
@@ -259,7 +261,8 @@ def reference_logits(model, ids: torch.Tensor, chunks: list[int]) -> dict[str, n
 
 def as_bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Float tensors cast to bf16 (lossless here), integer tables kept."""
-    return {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+    return {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+            for k, v in state.items()}
 
 
 def save_bf16(path: Path) -> None:
@@ -360,7 +363,8 @@ def selection_margins(model, ids: torch.Tensor) -> dict[str, float]:
     config, found = model.config, {"moe": [], "indexer": []}
 
     def router_hook(module, args, _output):
-        scores = module.score_fn(torch.nn.functional.linear(args[0].reshape(-1, module.hidden_dim), module.weight))
+        scores = module.score_fn(torch.nn.functional.linear(
+            args[0].reshape(-1, module.hidden_dim), module.weight))
         ranked = (scores + module.e_score_correction_bias).sort(dim=-1, descending=True).values
         found["moe"].append((ranked[:, module.top_k - 1] - ranked[:, module.top_k]).min().item())
 
@@ -370,9 +374,11 @@ def selection_margins(model, ids: torch.Tensor) -> dict[str, float]:
             usable = scores[0, t, : (t + 1) // rate]
             if usable.numel() > config.index_topk:
                 ranked = usable.sort(descending=True).values
-                found["indexer"].append((ranked[config.index_topk - 1] - ranked[config.index_topk]).item())
+                found["indexer"].append(
+                    (ranked[config.index_topk - 1] - ranked[config.index_topk]).item())
 
-    hooks = [m.register_forward_hook(router_hook) for m in model.modules() if isinstance(m, hf.DeepseekV4TopKRouter)]
+    hooks = [m.register_forward_hook(router_hook) for m in model.modules()
+             if isinstance(m, hf.DeepseekV4TopKRouter)]
     hooks += [m.register_forward_hook(scorer_hook) for m in model.modules()
               if isinstance(m, hf.DeepseekV4IndexerScorer)]
     model(input_ids=ids, use_cache=False)
@@ -384,7 +390,8 @@ def selection_margins(model, ids: torch.Tensor) -> dict[str, float]:
 def main() -> None:
     """Write every case's fixture directory and print its self-check summary."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "tests/fixtures")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).resolve().parents[1] / "tests/fixtures")
     args = parser.parse_args()
     torch.set_num_threads(2)
     for name, case in CASES.items():

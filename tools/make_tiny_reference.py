@@ -33,9 +33,11 @@ PROMPT_LEN, DECODE_STEPS, TOP = 300, 8, 32
 def top_logits(model, ids: torch.Tensor) -> dict[str, np.ndarray]:
     """Cached prefill of PROMPT_LEN ids, then single-token steps; top-TOP of every row."""
     cache = DynamicCache(config=model.config)
-    rows = [model(input_ids=ids[None, :PROMPT_LEN], past_key_values=cache, use_cache=True).logits[0, -1]]
+    rows = [model(input_ids=ids[None, :PROMPT_LEN], past_key_values=cache,
+                  use_cache=True).logits[0, -1]]
     for t in range(PROMPT_LEN, PROMPT_LEN + DECODE_STEPS):
-        rows.append(model(input_ids=ids[None, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1])
+        rows.append(model(input_ids=ids[None, t : t + 1], past_key_values=cache,
+                          use_cache=True).logits[0, -1])
     full = model(input_ids=ids[None], use_cache=False).logits[0, PROMPT_LEN - 1 :]
     rows = torch.stack(rows).float()
     assert (rows - full[: rows.shape[0]]).abs().max() < 1e-4, "HF cached run disagrees with itself"
@@ -57,8 +59,10 @@ def main() -> None:
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([args.python, "-m", "ds4.cli.main", "make-tiny", tmp], check=True, cwd=ROOT)
-        version = subprocess.run([args.python, "-c", "from ds4.model.tiny import TINY_VERSION; print(TINY_VERSION)"],
-                                 check=True, cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        version = subprocess.run([args.python, "-c",
+                                  "from ds4.model.tiny import TINY_VERSION; print(TINY_VERSION)"],
+                                 check=True, cwd=ROOT, capture_output=True, text=True)
+        version = version.stdout.strip()
         model = DeepseekV4ForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     model.config._attn_implementation = "eager"
     model.config._experts_implementation = "eager"

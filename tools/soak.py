@@ -173,7 +173,7 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
     try:
         sock.recv(65536)
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 

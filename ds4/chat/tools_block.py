@@ -14,7 +14,8 @@ TOOLS_INTRO = (
     f' by writing a "<{DSML}tool_calls>" block like the following:\n\n'
     f"<{DSML}tool_calls>\n"
     f'<{DSML}invoke name="$TOOL_NAME">\n'
-    f'<{DSML}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{DSML}parameter>\n'
+    f'<{DSML}parameter name="$PARAMETER_NAME" string="true|false">'
+    f"$PARAMETER_VALUE</{DSML}parameter>\n"
     "...\n"
     f"</{DSML}invoke>\n"
     f'<{DSML}invoke name="$TOOL_NAME2">\n'

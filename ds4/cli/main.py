@@ -84,8 +84,7 @@ def statechart_command(args: argparse.Namespace, out: TextIO) -> int:
 
 def generate_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """`ds4 generate`: prefill the prompt, stream sampled tokens, report speeds on stderr."""
-    from ds4.engine import ContextOverflow, Engine
-    from ds4.engine import default_model_dir
+    from ds4.engine import ContextOverflow, Engine, default_model_dir
     from ds4.sampling import make_rng, sample
     from ds4.server.runtime import check_vocabulary
 

@@ -21,8 +21,7 @@ from pathlib import Path
 import httpx
 
 from ds4.chat import parse_output
-from ds4.chat.responses import LOCAL_SHELL, custom_input, local_shell_action
-from ds4.chat.responses import responses_call_kinds
+from ds4.chat.responses import LOCAL_SHELL, custom_input, local_shell_action, responses_call_kinds
 from ds4.jobs.latency import JobTiming
 from ds4.server.responses import SUMMARY_OPT_IN
 from ds4.server.runtime import trace_file_id
@@ -52,7 +51,7 @@ class Report:
     timings: dict[int, JobTiming] = field(default_factory=dict)
     outcomes: dict[int, str] = field(default_factory=dict)  # failed | differs | compared | timed
 
-    def add(self, sent: "Sent") -> None:
+    def add(self, sent: Sent) -> None:
         """Count one request's outcome."""
         self.compared += sent.compared
         self.skipped += not sent.compared and not sent.problems

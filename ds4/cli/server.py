@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from ds4.engine import cuda_available
 from ds4.cli.flags import ShowDefaults, add_version
+from ds4.engine import cuda_available
 from ds4.server.config import DEFAULT_MAX_TOKENS, ServerConfig
 
 if TYPE_CHECKING:

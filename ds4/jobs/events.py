@@ -6,10 +6,11 @@ thread-safe callable). Nothing here knows HTTP or JSON wire shapes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Union
 
 from ds4.chat.events import ParsedOutput, ParserEvent
+
 # Defined by the sampler it configures; re-exported since every JobRequest carries one.
 from ds4.sampling import SamplingOptions as SamplingOptions
 
@@ -94,5 +95,5 @@ class Failed:
     kind: str = "server_error"  # "context_overflow" | "invalid_request" | "server_error"
 
 
-JobEvent = Union[Queued, Started, Progress, TokenEvents, Finished, Failed]
+JobEvent = Queued | Started | Progress | TokenEvents | Finished | Failed
 JobSink = Callable[[JobEvent], None]

@@ -22,7 +22,8 @@ def attention_store_kv(kv_in, w, freqs, pos, raw, rope_dim: int, eps: float = 1e
 def attention_store_kv_numpy(kv_in, w, freqs, pos, raw, rope_dim: int, eps: float = 1e-6):
     """NumPy twin of attention_store_kv."""
     t = int(np.asarray(pos)[0])
-    row = rms_norm_numpy(np.asarray(kv_in)[None, :], w, np.empty((1, raw.shape[1]), np.float32), eps)
+    row = rms_norm_numpy(np.asarray(kv_in)[None, :], w, np.empty((1, raw.shape[1]), np.float32),
+                         eps)
     cos, sin = rope_angles_numpy([t], freqs)
     raw[t % raw.shape[0]] = rotate_numpy(row, cos, sin, rope_dim)[0]
     return raw
@@ -47,7 +48,8 @@ def attention_decode(q, raw, pos, comp, sel, sel_count, ratio: int, sinks, out, 
     hpb = next(g for g in (8, 4, 2, 1) if heads % g == 0)  # heads sharing one staged key tile
     args = (ptr(q), ptr(raw), ptr(pos), i32(cap), ptr(comp), ptr(sel), ptr(sel_count),
             i32(ratio), ptr(part), i32(width), f32(width ** -0.5), i32(max_keys), i32(hpb))
-    shared = 4 * (KEYS_PER_BLOCK * (width + 1) + hpb * width + hpb * KEYS_PER_BLOCK + KEYS_PER_BLOCK)
+    shared = 4 * (KEYS_PER_BLOCK * (width + 1) + hpb * width + hpb * KEYS_PER_BLOCK
+                  + KEYS_PER_BLOCK)
     launch("attention", "attention_partial", (heads // hpb, splits), (256,), args, shared=shared)
     launch("attention", "attention_combine", (heads,), (256,),
            (ptr(part), ptr(sinks), ptr(out), i32(width), i32(splits)), shared=8 * splits)

@@ -35,7 +35,8 @@ def pick_rows_per_warp(rows: int, cols: int, splits: int) -> int:
 
 def gemv(w, x, out, rows_per_group: int | None = None, splits: int | None = None,
          rows_per_warp: int | None = None):
-    """out = W x (W [rows, cols] bf16 words or fp32); row r reads x[(r // rows_per_group) * cols:]."""
+    """out = W x (W [rows, cols] bf16 words or fp32); row r reads
+    x[(r // rows_per_group) * cols:]."""
     rows, cols = w.shape
     assert cols % 8 == 0 and w.flags.c_contiguous
     group = rows if rows_per_group is None else rows_per_group
@@ -69,7 +70,8 @@ def gemv_numpy(w, x, out, rows_per_group: int | None = None, splits: int | None 
 def gemv_table(xp, weights: list, outs: list):
     """The device table gemv_many reads: (W pointer, y pointer, rows) per matrix."""
     rows = [w.shape[0] for w in weights]
-    return xp.asarray(np.array([[int(ptr(w)), int(ptr(y)), r] for w, y, r in zip(weights, outs, rows)],
+    return xp.asarray(np.array([[int(ptr(w)), int(ptr(y)), r] for w, y,
+                                r in zip(weights, outs, rows)],
                                dtype=np.int64).reshape(-1))
 
 
@@ -77,7 +79,8 @@ def gemv_many(table, weights: list, x, outs: list):
     """outs[k] = weights[k] x for matrices of one dtype and column count, in one launch.
     table: gemv_table(xp, weights, outs), built once (it holds their addresses)."""
     cols, total = weights[0].shape[1], sum(w.shape[0] for w in weights)
-    assert cols % 8 == 0 and all(w.shape[1] == cols and w.dtype == weights[0].dtype for w in weights)
+    assert cols % 8 == 0 and all(w.shape[1] == cols and w.dtype == weights[0].dtype
+                                 for w in weights)
     grid = ((total + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
     launch("gemv", "gemv_many_" + weight_kind(weights[0]), grid, (32 * WARPS_PER_BLOCK,),
            (ptr(table), i32(len(weights)), ptr(x), i32(cols)))

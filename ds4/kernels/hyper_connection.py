@@ -49,7 +49,9 @@ def hc_pre(mix, scale, base, X, u, post_comb, iters: int = 20, eps: float = 1e-6
 
 def hc_weights_numpy(mix, scale, base, n: int, iters: int, eps: float):
     """pre [n], post [n] and the Sinkhorn comb [n, n] from one mix vector."""
-    sig = lambda v: 1.0 / (1.0 + np.exp(-v))
+    def sig(v):
+        return 1.0 / (1.0 + np.exp(-v))
+
     pre = sig(mix[:n] * scale[0] + base[:n]) + eps
     post = 2.0 * sig(mix[n:2 * n] * scale[1] + base[n:2 * n])
     c = (mix[2 * n:2 * n + n * n] * scale[2] + base[2 * n:2 * n + n * n]).reshape(n, n)

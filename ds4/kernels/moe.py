@@ -98,7 +98,8 @@ def moe_down_numpy(down, idx, act, out, accumulate: bool = False, shared_down=No
 
 
 def swiglu_rows(y, scale, act, limit: float):
-    """act [rows, I] = swiglu(y[:, :I], y[:, I:]) * scale[:, None] for y [rows, 2I]; scale None = 1."""
+    """act [rows, I] = swiglu(y[:, :I], y[:, I:]) * scale[:, None] for y [rows, 2I];
+    scale None = 1."""
     rows, inter = act.shape
     n = rows * inter
     launch("moe", "swiglu_rows", ((n + 255) // 256,), (256,),
@@ -109,5 +110,6 @@ def swiglu_rows(y, scale, act, limit: float):
 def swiglu_rows_numpy(y, scale, act, limit: float):
     """NumPy twin of swiglu_rows."""
     inter = act.shape[1]
-    act[...] = _swiglu(y[:, :inter], y[:, inter:], limit) * (1.0 if scale is None else scale[:, None])
+    act[...] = _swiglu(y[:, :inter], y[:, inter:],
+                       limit) * (1.0 if scale is None else scale[:, None])
     return act

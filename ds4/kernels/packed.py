@@ -15,9 +15,9 @@ cuBLAS GEMMs. Every launcher has a `*_numpy` twin with the same signature.
 
 from __future__ import annotations
 
-import numpy as np
-
 import functools
+
+import numpy as np
 
 from ds4.kernels import f32, i32, kernel, launch, ptr, to_bf16
 from ds4.kernels.moe import _swiglu

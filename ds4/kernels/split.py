@@ -10,7 +10,8 @@ THREADS = 256
 
 
 def split_bf16(x, out):
-    """out [G, pR, K] words per group of x [G, R, K]: round(x) rows, then (p = 2) round(x - round(x))."""
+    """out [G, pR, K] words per group of x [G, R, K]: round(x) rows, then (p = 2)
+    round(x - round(x))."""
     groups = x.shape[0]
     n = x.size
     blocks = min(max(1, (n + THREADS - 1) // THREADS), 65535)

@@ -117,7 +117,8 @@ def _compressed_parts(xp, ctx, lw, layer_state, h, qlat, step) -> list:
     def weight(name):
         return lw["self_attn.compressor." + name]
 
-    count = compress(xp, weight, comp, h, step.positions, step.start, rope, cfg.rms_norm_eps, ctx.kv_fp8)
+    count = compress(xp, weight, comp, h, step.positions, step.start, rope, cfg.rms_norm_eps,
+                     ctx.kv_fp8)
     if layer_state.kind == CSA:  # the indexer's own compressor sees every token, rows or not
         cos_q, sin_q = step.cos_sin["compress"]
         picks = select_entries(xp, lw, cfg, layer_state, h, qlat, step.positions, step.start, rope,
@@ -127,7 +128,8 @@ def _compressed_parts(xp, ctx, lw, layer_state, h, qlat, step) -> list:
     rows = comp.rows[:count]
     if layer_state.kind != CSA or count <= cfg.index_topk:  # every usable row (CSA: all picked)
         usable = (step.positions + 1) // comp.ratio
-        bias = xp.where(xp.arange(count)[None, :] < usable[:, None], 0.0, -xp.inf).astype(xp.float32)
+        bias = xp.where(xp.arange(count)[None, :] < usable[:, None], 0.0,
+                        -xp.inf).astype(xp.float32)
 
         def shared(i0: int, i1: int):
             """Rows up to the last one the block's newest query may see (none masked for all)."""
@@ -161,7 +163,8 @@ def _softmax_with_sink(xp, q, blocks, sinks, scale: float):
         p = xp.exp(block - top[:, :, None])
         denom = denom + p.sum(axis=-1)
         shared = rows.ndim == 2
-        out = out + ((p.reshape(S * H, -1) @ rows).reshape(S, H, d) if shared else xp.matmul(p, rows))
+        out = out + ((p.reshape(S * H,
+                                -1) @ rows).reshape(S, H, d) if shared else xp.matmul(p, rows))
     return out / denom[:, :, None]
 
 

@@ -92,7 +92,7 @@ class ModelConfig:
         return 0 if kind == SLIDING else int(self.compress_rates[kind])
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """Read <model_dir>/config.json."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
@@ -100,7 +100,7 @@ class ModelConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ModelConfig":
+    def from_dict(cls, data: dict) -> ModelConfig:
         """Build from a config.json dict; an invalid or unsupported field raises ValueError."""
         return _parse(dict(data))
 
@@ -159,9 +159,12 @@ def _attention_fields(data: dict) -> dict:
     head_dim = _int(data, "head_dim")
     heads, groups = _int(data, "num_attention_heads"), _int(data, "o_groups")
     if heads % groups:
-        raise ValueError(f"config field 'o_groups' ({groups}) must divide num_attention_heads ({heads})")
-    return dict(num_attention_heads=heads, head_dim=head_dim, qk_rope_head_dim=_rope_dim(data, head_dim),
-                q_lora_rank=_int(data, "q_lora_rank"), o_groups=groups, o_lora_rank=_int(data, "o_lora_rank"),
+        raise ValueError(f"config field 'o_groups' ({groups}) must divide "
+                         f"num_attention_heads ({heads})")
+    return dict(num_attention_heads=heads, head_dim=head_dim,
+                qk_rope_head_dim=_rope_dim(data, head_dim),
+                q_lora_rank=_int(data, "q_lora_rank"), o_groups=groups,
+                o_lora_rank=_int(data, "o_lora_rank"),
                 sliding_window=_int(data, "sliding_window"))
 
 
@@ -169,10 +172,12 @@ def _moe_fields(data: dict) -> dict:
     n = _int(data, "num_hidden_layers")
     scoring = data.get("scoring_func", "sqrtsoftplus")
     if scoring not in SCORING_FUNCS:
-        raise ValueError(f"config field 'scoring_func' must be one of {SCORING_FUNCS}, got {scoring!r}")
+        raise ValueError(f"config field 'scoring_func' must be one of {SCORING_FUNCS}, "
+                         f"got {scoring!r}")
     topk, experts = _int(data, "num_experts_per_tok"), _int(data, "n_routed_experts")
     if topk > experts:
-        raise ValueError(f"config field 'num_experts_per_tok' ({topk}) exceeds n_routed_experts ({experts})")
+        raise ValueError(f"config field 'num_experts_per_tok' ({topk}) exceeds "
+                         f"n_routed_experts ({experts})")
     return dict(
         n_routed_experts=experts, num_experts_per_tok=topk,
         n_shared_experts=_int(data, "n_shared_experts", 0) if "n_shared_experts" in data else 1,
@@ -190,7 +195,8 @@ def _compression_fields(data: dict) -> dict:
     has_csa = CSA in layer_types
     return dict(
         layer_types=layer_types, compress_rates=rates,
-        index_n_heads=_int(data, "index_n_heads") if has_csa else int(data.get("index_n_heads") or 1),
+        index_n_heads=(_int(data, "index_n_heads") if has_csa
+                       else int(data.get("index_n_heads") or 1)),
         index_head_dim=_index_head_dim(data, layer_types, _rope_dim(data, _int(data, "head_dim"))),
         index_topk=_int(data, "index_topk") if has_csa else int(data.get("index_topk") or 1),
     )
@@ -209,7 +215,8 @@ def _rope_dim(data: dict, head_dim: int) -> int:
         factor = _float(data, "partial_rotary_factor", 64 / 512)
         rope_dim = int(head_dim * factor)
     if rope_dim % 2 or not 0 < rope_dim <= head_dim:
-        raise ValueError(f"config field 'qk_rope_head_dim' must be even and in (0, head_dim], got {rope_dim}")
+        raise ValueError("config field 'qk_rope_head_dim' must be even and in (0, head_dim], "
+                         f"got {rope_dim}")
     return rope_dim
 
 
@@ -218,7 +225,8 @@ def _index_head_dim(data: dict, layer_types: tuple, rope_dim: int) -> int:
         return int(data.get("index_head_dim", rope_dim))
     dim = _int(data, "index_head_dim")
     if dim < rope_dim:
-        raise ValueError(f"config field 'index_head_dim' ({dim}) is smaller than the rope dim ({rope_dim})")
+        raise ValueError(f"config field 'index_head_dim' ({dim}) is smaller than the rope dim "
+                         f"({rope_dim})")
     return dim
 
 
@@ -228,8 +236,10 @@ def _compress_rates(data: dict) -> dict:
         if data.get(legacy) is not None:
             rates[kind] = data[legacy]
     for kind, rate in rates.items():
-        if kind not in (CSA, HCA) or isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
-            raise ValueError(f"config field 'compress_rates' has an invalid entry {kind!r}: {rate!r}")
+        if (kind not in (CSA, HCA) or isinstance(rate, bool) or not isinstance(rate, int)
+                or rate < 1):
+            raise ValueError(f"config field 'compress_rates' has an invalid entry {kind!r}: "
+                             f"{rate!r}")
     return rates
 
 
@@ -252,8 +262,8 @@ def _layer_types(data: dict, n: int, rates: dict) -> tuple[str, ...]:
     types = data.get("layer_types")
     if types is None:
         if from_ratios is None:
-            raise ValueError("config.json lacks 'layer_types' and 'compress_ratios'; the layer schedule "
-                             "must come from the checkpoint")
+            raise ValueError("config.json lacks 'layer_types' and 'compress_ratios'; the layer "
+                             "schedule must come from the checkpoint")
         types = from_ratios
     types = list(types)[:n]
     if len(types) != n:
@@ -273,7 +283,8 @@ def _type_of_ratio(ratio, rates: dict) -> str:
         return CSA
     if ratio == rates.get(HCA):
         return HCA
-    raise ValueError(f"config field 'compress_ratios' has ratio {ratio!r}, which matches no compress rate {rates}")
+    raise ValueError(f"config field 'compress_ratios' has ratio {ratio!r}, which matches no "
+                     f"compress rate {rates}")
 
 
 def _mlp_layer_types(data: dict, n: int) -> tuple[str, ...]:
@@ -283,12 +294,14 @@ def _mlp_layer_types(data: dict, n: int) -> tuple[str, ...]:
         if n_hash is None:
             raise ValueError("config.json lacks 'mlp_layer_types' and 'num_hash_layers'")
         if isinstance(n_hash, bool) or not isinstance(n_hash, int) or n_hash < 0:
-            raise ValueError(f"config field 'num_hash_layers' must be an integer >= 0, got {n_hash!r}")
+            raise ValueError("config field 'num_hash_layers' must be an integer >= 0, "
+                             f"got {n_hash!r}")
         types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
     types = list(types)[:n]
     if len(types) != n or any(t not in MLP_TYPES for t in types):
         raise ValueError(f"config field 'mlp_layer_types' must hold {n} entries from {MLP_TYPES}")
-    if data.get("num_hash_layers") is not None and data["num_hash_layers"] != types.count("hash_moe"):
+    if (data.get("num_hash_layers") is not None
+            and data["num_hash_layers"] != types.count("hash_moe")):
         raise ValueError("config fields 'mlp_layer_types' and 'num_hash_layers' disagree")
     return tuple(types)
 
@@ -320,13 +333,16 @@ def _rope_spec(params: dict, label: str) -> RopeSpec:
     factor = float(params.get("factor") or 0)
     original = params.get("original_max_position_embeddings")
     if factor <= 0 or not isinstance(original, int) or original <= 0:
-        raise ValueError(f"config field {where} needs yarn 'factor' and 'original_max_position_embeddings'")
+        raise ValueError(f"config field {where} needs yarn 'factor' and "
+                         "'original_max_position_embeddings'")
     attention = params.get("attention_factor")
     if attention is None:
         attention = _yarn_mscale(factor, params.get("mscale"), params.get("mscale_all_dim"))
     return RopeSpec(
-        theta=float(theta), rope_type="yarn", factor=factor, original_max_position_embeddings=original,
-        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+        theta=float(theta), rope_type="yarn", factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
         truncate=bool(params.get("truncate", True)), attention_factor=float(attention),
     )
 

@@ -42,7 +42,8 @@ class Model:
         self.ropes = {"main": Rope(xp, cfg.rope_main, cfg.qk_rope_head_dim),
                       "compress": Rope(xp, cfg.rope_compress, cfg.qk_rope_head_dim)}
         self.quantize = quantize
-        self.kv_fp8 = partial(quant.kv_fp8_simulation, xp, rope_dim=cfg.qk_rope_head_dim) if quantize else None
+        self.kv_fp8 = partial(quant.kv_fp8_simulation, xp,
+                              rope_dim=cfg.qk_rope_head_dim) if quantize else None
         self.indexer_qat = None
         if quantize and cfg.index_head_dim & (cfg.index_head_dim - 1) == 0:
             matrix = xp.asarray(quant.hadamard(cfg.index_head_dim))
@@ -57,7 +58,8 @@ class Model:
         xp, cfg = self.xp, self.cfg
         step = self._step(state.n, token_ids)
         x = widen(self.weights["model.embed_tokens.weight"][step.token_ids], xp)
-        X = xp.ascontiguousarray(xp.broadcast_to(x[:, None, :], (x.shape[0], cfg.hc_mult, x.shape[1])))
+        X = xp.ascontiguousarray(xp.broadcast_to(x[:, None, :],
+                                                 (x.shape[0], cfg.hc_mult, x.shape[1])))
         for i, layer_state in enumerate(state.layers):
             X = self._layer(i, layer_state, X, step)
         state.n += len(token_ids)
@@ -136,7 +138,8 @@ class Model:
     def _head(self, X):
         """logits [S, V] = W_head @ RMSNorm(HyperHead(X))."""
         xp, cfg, w = self.xp, self.cfg, self.weights
-        y = hyper_head(xp, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"], w["model.hc_head.hc_scale"],
+        y = hyper_head(xp, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"],
+                       w["model.hc_head.hc_scale"],
                        X, cfg.hc_eps, cfg.rms_norm_eps)
         y = rms_norm(xp, y, w["model.norm.weight"], cfg.rms_norm_eps)
         return linear(xp, y, w["lm_head.weight"])

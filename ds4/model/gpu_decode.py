@@ -94,7 +94,8 @@ class KernelDecoder:
         launch, packed FP8 ones of one width and tile as one gemv_many_fp8 launch, any other
         one by one."""
         b, p, ip = self.buf, "self_attn.compressor.", "self_attn.compressor.indexer."
-        pairs = [(t["self_attn.q_a_proj.weight"], b["qlat"][0]), (t["self_attn.kv_proj.weight"], b["kv"])]
+        pairs = [(t["self_attn.q_a_proj.weight"], b["qlat"][0]),
+                 (t["self_attn.kv_proj.weight"], b["kv"])]
         for prefix, kv, g in ((p, "ckv", "cg"), (ip, "ickv", "icg")):
             if prefix + "kv_proj.weight" in t:
                 cw = t[prefix + "kv_proj.weight"].shape[0]
@@ -139,7 +140,8 @@ class KernelDecoder:
         """Grow the indexer-score and attention-partial buffers to this session's capacity
         (a regrown buffer moves, so captured graphs are dropped)."""
         cfg = self.cfg
-        need = {"scores": max([ls.indexer.rows.shape[0] for ls in state.layers if ls.indexer] + [1]),
+        need = {"scores": max([ls.indexer.rows.shape[0] for ls in state.layers if ls.indexer]
+                              + [1]),
                 "attn_part": max(at.partial_size(cfg.num_attention_heads, cfg.head_dim,
                                                  self._max_keys(ls)) for ls in state.layers)}
         for name, size in need.items():
@@ -292,7 +294,8 @@ class KernelDecoder:
             self._packed_moe(t)
             return
         gu, k = t["experts.gate_up"], cfg.num_experts_per_tok
-        shared = [t.get(f"mlp.shared_experts.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")]
+        shared = [t.get(f"mlp.shared_experts.{n}.weight")
+                  for n in ("gate_proj", "up_proj", "down_proj")]
         if shared[0] is not None and (shared[0].dtype != gu.dtype or shared[0].shape[0] != inter):
             shared = [None, None, None]  # the kernels take a shared expert shaped like a routed one
         act = b["act"] if shared[0] is not None else b["act"][:k]

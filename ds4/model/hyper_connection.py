@@ -60,7 +60,8 @@ def hc_expand(xp, X, y, post, comb):
     if xp is not np and X.shape[1] <= 8 and X.shape[0] < 65536:  # one pass, not a batched 4x4 GEMM
         from ds4.kernels.hyper_connection import hc_post_rows
 
-        return hc_post_rows(xp.ascontiguousarray(X), xp.ascontiguousarray(y), xp.ascontiguousarray(post),
+        return hc_post_rows(xp.ascontiguousarray(X), xp.ascontiguousarray(y),
+                            xp.ascontiguousarray(post),
                             xp.ascontiguousarray(comb), xp.empty(X.shape, xp.float32))
     return post[:, :, None] * y[:, None, :] + xp.matmul(comb.transpose(0, 2, 1), X)
 

@@ -27,7 +27,8 @@ def select_entries(xp, lw, cfg, layer_state, h, qlat, positions, start: int, rop
         ids = xp.broadcast_to(xp.arange(count), (h.shape[0], count))
         return xp.where(ids < usable[:, None], ids, -1)
     keys = comp.rows[:count]
-    # bound the [queries, heads, entries] score block: long prompts score a slice of queries at a time
+    # bound the [queries, heads, entries] score block: long prompts score a slice of
+    # queries at a time
     block = max(1, SCORE_BLOCK // (cfg.index_n_heads * count))
     picks = []
     for b in range(0, h.shape[0], block):

@@ -98,7 +98,8 @@ def grouped_linear(xp, x, w, groups: list[tuple[int, int, int]]):
 
 
 def _words(cp, x):
-    """x [R, K] fp32 -> [R, p, K] bf16 words: each row's rounding (hi), then its remainder's (lo)."""
+    """x [R, K] fp32 -> [R, p, K] bf16 words: each row's rounding (hi), then its
+    remainder's (lo)."""
     from ds4.kernels.split import split_bf16
 
     x = cp.ascontiguousarray(x, dtype=cp.float32).reshape(x.shape[0], 1, -1)

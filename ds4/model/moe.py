@@ -81,7 +81,8 @@ def _routed_many(xp, cfg, bank, x, ids, weights, host_ids: np.ndarray):
 
 
 def _routed_grouped(xp, cfg, bank, x, ids, weights, to_host):
-    """Prefill: (token, pick) rows sorted by expert, one gate/up and one down GEMM per expert hit."""
+    """Prefill: (token, pick) rows sorted by expert, one gate/up and one down GEMM
+    per expert hit."""
     S, k = ids.shape
     inter = cfg.moe_intermediate_size
     flat = ids.reshape(-1)

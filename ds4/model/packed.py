@@ -42,7 +42,7 @@ class PackedMatrix:
         """Number of logical axes."""
         return len(self.shape)
 
-    def __getitem__(self, index) -> "PackedMatrix":
+    def __getitem__(self, index) -> PackedMatrix:
         """The stacked matrices picked by index along the leading axis (an int or ids)."""
         out = PackedMatrix(self.fmt, self.codes[index], self.scale[index], self.shape[-1],
                            self.block)

@@ -25,7 +25,7 @@ class StoredTensor:
     name: str
     dtype: str
     data: np.ndarray
-    scale: "StoredTensor | None" = None
+    scale: StoredTensor | None = None
     block: tuple[int, int] = (128, 128)  # FP8 scale tile (config weight_block_size)
 
     @property

@@ -46,7 +46,8 @@ class LayerState:
         m = cfg.compress_ratio(layer)
         cap = ctx_size // m
         c = 2 if self.kind == CSA else 1
-        self.compressor = CompressorState(xp, m, c * cfg.head_dim, cfg.head_dim, self.kind == CSA, cap)
+        self.compressor = CompressorState(xp, m, c * cfg.head_dim, cfg.head_dim, self.kind == CSA,
+                                          cap)
         if self.kind == CSA:
             k = cfg.index_head_dim
             self.indexer = CompressorState(xp, m, 2 * k, k, True, cap)

@@ -55,7 +55,8 @@ CONFIG = {
     "rms_norm_eps": 1e-6,
     "sliding_window": 64,
     "layer_types": LAYER_TYPES,
-    "mlp_layer_types": ["hash_moe"] * NUM_HASH_LAYERS + ["moe"] * (len(LAYER_TYPES) - NUM_HASH_LAYERS),
+    "mlp_layer_types": (["hash_moe"] * NUM_HASH_LAYERS
+                        + ["moe"] * (len(LAYER_TYPES) - NUM_HASH_LAYERS)),
     "compress_rates": {CSA: RATES[CSA], HCA: RATES[HCA]},
     "compress_ratios": [RATES[t] for t in LAYER_TYPES] + [0],  # official key, + the MTP block
     "num_hash_layers": NUM_HASH_LAYERS,
@@ -91,7 +92,8 @@ def block_tensors(c: dict, kind: str, hash_moe: bool) -> dict[str, tuple[tuple[i
         "ffn_hc.fn": ((mix, hc * D), "hc_fn"), "ffn_hc.base": ((mix,), "base"),
         "ffn_hc.scale": ((3,), "scale"),
         "input_layernorm.weight": ((D,), "norm"), "post_attention_layernorm.weight": ((D,), "norm"),
-        "self_attn.q_a_proj.weight": ((q, D), "linear"), "self_attn.q_a_norm.weight": ((q,), "norm"),
+        "self_attn.q_a_proj.weight": ((q, D),
+                                      "linear"), "self_attn.q_a_norm.weight": ((q,), "norm"),
         "self_attn.q_b_proj.weight": ((h * d, q), "linear"),
         "self_attn.kv_proj.weight": ((d, D), "linear"), "self_attn.kv_norm.weight": ((d,), "norm"),
         "self_attn.o_a_proj.weight": ((og * ol, h * d // og), "linear"),
@@ -119,21 +121,26 @@ def compressor_tensors(c: dict, kind: str) -> dict[str, tuple[tuple[int, ...], s
     width = 2 * d if kind == CSA else d  # CSA pools two overlapping series
     pre = "self_attn.compressor."
     t = {
-        pre + "kv_proj.weight": ((width, D), "linear"), pre + "gate_proj.weight": ((width, D), "linear"),
-        pre + "position_bias": ((m, width), "position_bias"), pre + "kv_norm.weight": ((d,), "norm"),
+        pre + "kv_proj.weight": ((width, D),
+                                 "linear"), pre + "gate_proj.weight": ((width, D), "linear"),
+        pre + "position_bias": ((m, width),
+                                "position_bias"), pre + "kv_norm.weight": ((d,), "norm"),
     }
     if kind == CSA:
         ih, idim, ix = c["index_n_heads"], c["index_head_dim"], pre + "indexer."
         t.update({
-            ix + "kv_proj.weight": ((2 * idim, D), "linear"), ix + "gate_proj.weight": ((2 * idim, D), "linear"),
-            ix + "position_bias": ((m, 2 * idim), "position_bias"), ix + "kv_norm.weight": ((idim,), "norm"),
+            ix + "kv_proj.weight": ((2 * idim, D),
+                                    "linear"), ix + "gate_proj.weight": ((2 * idim, D), "linear"),
+            ix + "position_bias": ((m, 2 * idim),
+                                   "position_bias"), ix + "kv_norm.weight": ((idim,), "norm"),
             ix + "q_b_proj.weight": ((ih * idim, c["q_lora_rank"]), "linear"),
             ix + "scorer.weights_proj.weight": ((ih, D), "linear"),
         })
     return t
 
 
-def random_tensor(rng: np.random.Generator, shape: tuple[int, ...], rule: str, c: dict) -> np.ndarray:
+def random_tensor(rng: np.random.Generator, shape: tuple[int, ...], rule: str,
+                  c: dict) -> np.ndarray:
     """Random values for one tensor, scaled so routing, mixing and softmaxes are not flat."""
     if rule == "tid2eid":  # distinct experts per token
         keys = rng.random((shape[0], c["n_routed_experts"]))
@@ -183,7 +190,8 @@ def mtp_tensors(rng: np.random.Generator, c: dict) -> dict[str, np.ndarray]:
                 out[f"mtp.0.ffn.experts.{e}.w2.weight"] = value[e]
         else:
             out["mtp.0." + HF_TO_OFFICIAL_LAYER[name]] = value
-    for name, shape, rule in [("e_proj.weight", (D, D), "linear"), ("h_proj.weight", (D, D), "linear"),
+    for name, shape, rule in [("e_proj.weight", (D, D), "linear"),
+                              ("h_proj.weight", (D, D), "linear"),
                               ("enorm.weight", (D,), "norm"), ("hnorm.weight", (D,), "norm"),
                               ("norm.weight", (D,), "norm"), ("hc_head_fn", (hc, hc * D), "hc_fn"),
                               ("hc_head_base", (hc,), "base"), ("hc_head_scale", (1,), "scale")]:
@@ -198,7 +206,8 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
         a = tensors[name]
         data, dtype = (a.astype("<i8"), "I64") if a.dtype.kind == "i" else (to_bf16(a), "BF16")
         raw = data.tobytes()
-        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + len(raw)]}
+        header[name] = {"dtype": dtype, "shape": list(a.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
         blobs.append(raw)
         offset += len(raw)
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -223,7 +232,8 @@ def make_tiny(directory: str | Path, seed: int = 0, tokenizer_json: Path | None 
 
 
 def default_model_dir(tokenizer_json: Path) -> Path:
-    """The cached built-in tiny model ($DS4_CACHE_DIR or ~/.cache/ds4, /tiny-<version>), made once."""
+    """The cached built-in tiny model ($DS4_CACHE_DIR or ~/.cache/ds4, /tiny-<version>),
+    made once."""
     root = Path(os.environ.get("DS4_CACHE_DIR") or Path.home() / ".cache" / "ds4")
     target = root / f"tiny-{TINY_VERSION}"
     if (target / "model.safetensors").is_file():

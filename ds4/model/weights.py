@@ -50,7 +50,8 @@ OFFICIAL_TOP = {
 }
 # HF names inside a layer -> official names (after "layers.{i}."): the tables above, inverted.
 HF_TO_OFFICIAL_LAYER = {hf: off for off, hf in OFFICIAL_LAYER_NAMES.items()}
-HF_TO_OFFICIAL_LAYER.update({hf + ".weight": off + ".weight" for off, hf in OFFICIAL_LAYER_MODULES.items()})
+HF_TO_OFFICIAL_LAYER.update({hf + ".weight": off + ".weight"
+                             for off, hf in OFFICIAL_LAYER_MODULES.items()})
 EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
 LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -78,7 +79,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     mix = (2 + hc) * hc
     shapes = {
         "model.embed_tokens.weight": (V, D), "model.norm.weight": (D,),
-        "model.hc_head.hc_fn": (hc, hc * D), "model.hc_head.hc_base": (hc,), "model.hc_head.hc_scale": (1,),
+        "model.hc_head.hc_fn": (hc, hc * D), "model.hc_head.hc_base": (hc,),
+        "model.hc_head.hc_scale": (1,),
     }
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (V, D)
@@ -94,7 +96,8 @@ def _layer_shapes(cfg: ModelConfig, i: int, mix: int) -> dict[str, tuple[int, ..
         "attn_hc.fn": (mix, cfg.hc_mult * D), "attn_hc.base": (mix,), "attn_hc.scale": (3,),
         "ffn_hc.fn": (mix, cfg.hc_mult * D), "ffn_hc.base": (mix,), "ffn_hc.scale": (3,),
         "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
-        "self_attn.q_a_proj.weight": (cfg.q_lora_rank, D), "self_attn.q_a_norm.weight": (cfg.q_lora_rank,),
+        "self_attn.q_a_proj.weight": (cfg.q_lora_rank, D),
+        "self_attn.q_a_norm.weight": (cfg.q_lora_rank,),
         "self_attn.q_b_proj.weight": (H * d, cfg.q_lora_rank),
         "self_attn.kv_proj.weight": (d, D), "self_attn.kv_norm.weight": (d,),
         "self_attn.o_a_proj.weight": (cfg.o_groups * cfg.o_lora_rank, H * d // cfg.o_groups),
@@ -112,12 +115,14 @@ def _layer_shapes(cfg: ModelConfig, i: int, mix: int) -> dict[str, tuple[int, ..
     kind, m = cfg.layer_types[i], cfg.compress_ratio(i)
     if kind in (CSA, HCA):
         c = 2 if kind == CSA else 1
-        s.update({f"self_attn.compressor.{k}": v for k, v in _compressor_shapes(D, c * d, m, d).items()})
+        s.update({f"self_attn.compressor.{k}": v
+                  for k, v in _compressor_shapes(D, c * d, m, d).items()})
     if kind == CSA:
         k_dim = cfg.index_head_dim
         s.update({f"self_attn.compressor.indexer.{k}": v
                   for k, v in _compressor_shapes(D, 2 * k_dim, m, k_dim).items()})
-        s["self_attn.compressor.indexer.q_b_proj.weight"] = (cfg.index_n_heads * k_dim, cfg.q_lora_rank)
+        s["self_attn.compressor.indexer.q_b_proj.weight"] = (cfg.index_n_heads * k_dim,
+                                                             cfg.q_lora_rank)
         s["self_attn.compressor.indexer.scorer.weights_proj.weight"] = (cfg.index_n_heads, D)
     return s
 
@@ -151,7 +156,7 @@ class ExpertBank:
             self._gate_up_src, self._down_src = gate_up, down
 
     @classmethod
-    def from_stacks(cls, xp, gate_up, down) -> "ExpertBank":
+    def from_stacks(cls, xp, gate_up, down) -> ExpertBank:
         """A resident bank over stacks already held (packed, bf16 words, or PlacedStacks split
         over device and mapped host memory), e.g. a benchmark's or the dummy loader's."""
         placed = getattr(gate_up, "placed", False)
@@ -198,7 +203,8 @@ class ExpertBank:
         return int(self._gate_up.nbytes + self._down.nbytes) if self.resident else 0
 
     def gather(self, ids) -> tuple:
-        """(gate_up [k, 2I, D], down [k, D, I]) fp32 for expert ids [k] (streaming reads them on host)."""
+        """(gate_up [k, 2I, D], down [k, D, I]) fp32 for expert ids [k]
+        (streaming reads them on host)."""
         if self.placed_stacks and self.xp is np:
             np.add.at(self.counts, np.asarray(ids).reshape(-1), 1)
         if self.resident and self.packed:
@@ -270,7 +276,7 @@ class Weights:
     def __getitem__(self, name: str):
         return self.tensors[name]
 
-    def layer(self, i: int) -> "LayerWeights":
+    def layer(self, i: int) -> LayerWeights:
         """Accessor for one decoder layer's tensors by their names inside the layer."""
         return LayerWeights(self, i)
 
@@ -325,7 +331,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
     stored = _unhybrid(read_checkpoint(model_dir))
     mtp = {k: v for k, v in stored.items() if k.startswith("mtp.")}
     official = not any(k.startswith(("model.", "lm_head.")) for k in stored)
-    named = _official_named(stored) if official else {k: v for k, v in stored.items() if k not in mtp}
+    named = (_official_named(stored) if official
+             else {k: v for k, v in stored.items() if k not in mtp})
     expected = expected_shapes(cfg)
     if cfg.tie_word_embeddings and "lm_head.weight" in named:
         expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
@@ -339,7 +346,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
     expert_sources = [_expert_sources(stored if official else named, cfg, i, official, block)
                       for i in range(cfg.num_hidden_layers)]
     expert_bytes = sum(_source_bytes(s) for pair in expert_sources for part in pair for s in part)
-    progress = _progress(sum(named[n].nbytes for n in expected) + (expert_bytes if resident_experts else 0))
+    progress = _progress(sum(named[n].nbytes for n in expected)
+                         + (expert_bytes if resident_experts else 0))
     tensors = {}
     for name in expected:
         tensors[name] = _device_tensor(xp, name, named[name], dense[name])
@@ -442,7 +450,8 @@ def _held(stored: StoredTensor, label: str, block: tuple[int, int], packed_ckpt:
     mapped bf16 words for matrices of a packed checkpoint, else None (widen at load)."""
     if stored.name.endswith("tid2eid"):
         if stored.dtype not in INT_DTYPES:
-            raise WeightsError(f"tensor {label} has dtype {stored.dtype}; an expert table is integer")
+            raise WeightsError(f"tensor {label} has dtype {stored.dtype}; an expert table is "
+                               "integer")
         return None
     if stored.dtype in INT_DTYPES and stored.scale is None:
         raise WeightsError(f"tensor {label} has dtype {stored.dtype} and no .scale: integer "

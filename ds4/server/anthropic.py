@@ -51,8 +51,11 @@ def render_for(body: dict, runtime: Runtime, thinking: str):
     tools = rf.field(body, "tools", rf.ARRAY, default=[])
     choice = rf.field(body, "tool_choice", rf.OBJECT)
     memory = runtime.tool_memory
-    render = lambda: render_anthropic(messages, system=system, tools=tools or None,
-                                      thinking=thinking, tool_choice=choice, tool_memory=memory)
+
+    def render():
+        return render_anthropic(messages, system=system, tools=tools or None,
+                                thinking=thinking, tool_choice=choice, tool_memory=memory)
+
     return render, tools, choice
 
 

@@ -20,7 +20,8 @@ def model_card(model_id: str, config: ServerConfig) -> dict:
     ctx = config.ctx
     return {"id": model_id, "object": "model", "created": CREATED, "owned_by": "ds4",
             "name": "DeepSeek V4 Flash", "context_length": ctx,
-            "top_provider": {"context_length": ctx, "max_completion_tokens": min(config.tokens, ctx),
+            "top_provider": {"context_length": ctx,
+                             "max_completion_tokens": min(config.tokens, ctx),
                              "is_moderated": False},
             "supported_parameters": PARAMETERS}
 

@@ -19,9 +19,9 @@ from ds4.server.config import ServerConfig
 from ds4.server.errors import ApiError
 from ds4.server.exchange import note_tokens
 from ds4.server.metrics import KVDiskCounters, Metrics
-from ds4.server.sealed_reasoning import ReasoningSeal
 from ds4.server.prompt_tokens import encode_prompt
 from ds4.server.request_fields import lone_surrogate, lone_surrogate_error
+from ds4.server.sealed_reasoning import ReasoningSeal
 from ds4.server.sse import JobEvents
 from ds4.server.turn import Prompt, Turn
 
