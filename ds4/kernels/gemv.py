@@ -70,8 +70,8 @@ def gemv_numpy(w, x, out, rows_per_group: int | None = None, splits: int | None 
 def gemv_table(xp, weights: list, outs: list):
     """The device table gemv_many reads: (W pointer, y pointer, rows) per matrix."""
     rows = [w.shape[0] for w in weights]
-    return xp.asarray(np.array([[int(ptr(w)), int(ptr(y)), r] for w, y,
-                                r in zip(weights, outs, rows)],
+    return xp.asarray(np.array([[int(ptr(w)), int(ptr(y)), r]
+                                for w, y, r in zip(weights, outs, rows)],
                                dtype=np.int64).reshape(-1))
 
 
