@@ -25,14 +25,8 @@ from test_kvstore import (  # noqa: F401  (cold: the reference server fixture)
 )
 from test_server_support import free_port, live_server
 
-from ds4.jobs.kvstore import (
-    FORMAT_VERSION,
-    HEADER,
-    InvalidCheckpoint,
-    KVStore,
-    KVStoreBusy,
-    decode_checkpoint,
-)
+from ds4.jobs.kvfile import FORMAT_VERSION, HEADER, InvalidCheckpoint, decode_checkpoint
+from ds4.jobs.kvstore import KVStore, KVStoreBusy
 
 FINGERPRINT = bytes(range(32))
 FP_AT = struct.calcsize("<8sHH")  # where the model fingerprint sits in a header

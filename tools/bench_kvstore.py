@@ -21,7 +21,8 @@ import time
 import numpy as np
 
 from ds4.engine import Engine, default_model_dir
-from ds4.jobs.kvstore import KVStore, model_fingerprint
+from ds4.jobs.kvfile import model_fingerprint
+from ds4.jobs.kvstore import KVStore
 
 
 def timed(fn) -> tuple[float, object]:

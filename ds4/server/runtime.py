@@ -169,7 +169,7 @@ class Runtime:
             model_dir = self.model_dir()
             self.engine = open_engine(model_dir, cfg)
             if self.kvstore is not None:
-                from ds4.jobs.kvstore import model_fingerprint
+                from ds4.jobs.kvfile import model_fingerprint
 
                 self.kvstore.use_model(model_fingerprint(self.engine))
             sched_cfg = SchedulerConfig.from_env(parallel=cfg.parallel, ctx_size=cfg.ctx,
