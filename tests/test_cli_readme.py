@@ -15,10 +15,10 @@ import pytest
 from ds4.cli.main import parser as ds4_parser
 from ds4.cli.server import parser as server_parser
 from ds4.engine import Engine, default_model_dir
+from ds4.model.checkpoint_names import expected_shapes, official_of
 from ds4.model.config import ModelConfig
 from ds4.model.official_format import F32_RE, FP4_RE, FP8_RE, write_official
 from ds4.model.safetensors_file import read_checkpoint
-from ds4.model.weights import _official_of, expected_shapes
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
@@ -82,7 +82,7 @@ def flash_stored_bytes(cfg: ModelConfig) -> tuple[float, float]:
     sinks / ape / router bias as F32, integer tables as I64, the rest BF16."""
     dense = 0
     for name, shape in expected_shapes(cfg).items():
-        n, official = math.prod(shape), _official_of(name)
+        n, official = math.prod(shape), official_of(name)
         if name.endswith("tid2eid"):
             dense += 8 * n
         elif FP8_RE.search(official):

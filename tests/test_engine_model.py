@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from ds4.model.checkpoint_names import expected_shapes
 from ds4.model.config import CSA, HCA, SLIDING, ModelConfig
-from ds4.model.weights import WeightsError, expected_shapes, load_weights
+from ds4.model.weights import WeightsError, load_weights
 
 SMALL = dict(
     vocab_size=300, hidden_size=32, num_hidden_layers=5, num_attention_heads=4,

@@ -12,8 +12,8 @@ import copy
 import numpy as np
 
 from ds4.kernels import widen
+from ds4.model.checkpoint_names import expected_shapes
 from ds4.model.config import CSA, HCA, ModelConfig
-from ds4.model.weights import expected_shapes
 
 RATIOS = {"sliding_attention": 0, "compressed_sparse_attention": 4,
           "heavily_compressed_attention": 128}

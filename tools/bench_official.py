@@ -13,10 +13,12 @@ from __future__ import annotations
 import numpy as np
 from bench_flash import bytes_read_per_token, flash_config, matrix_flops
 
+from ds4.model.checkpoint_names import expected_shapes, official_of
 from ds4.model.config import ModelConfig
+from ds4.model.expert_bank import ExpertBank
 from ds4.model.official_format import FP8_RE
 from ds4.model.packed import FP4, FP4_GROUP, FP8, PackedMatrix
-from ds4.model.weights import ExpertBank, Weights, _official_of, expected_shapes
+from ds4.model.weights import Weights
 
 BLOCK = (128, 128)
 BF16_SUFFIXES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")
@@ -44,7 +46,7 @@ def packed_weights(cp, cfg) -> Weights:
     rng = cp.random.default_rng(0)
     named = {}
     for name, shape in expected_shapes(cfg).items():
-        if FP8_RE.search(_official_of(name)):
+        if FP8_RE.search(official_of(name)):
             named[name] = random_fp8(cp, rng, shape)
         elif len(shape) == 2 and name.endswith(BF16_SUFFIXES):
             w = (rng.standard_normal(shape, dtype=cp.float32) * 0.02).view(cp.uint32)

@@ -22,7 +22,9 @@ import numpy as np
 
 from ds4.model import packed as pk
 from ds4.model import quant
+from ds4.model.checkpoint_names import expected_shapes
 from ds4.model.config import ModelConfig
+from ds4.model.expert_bank import ExpertBank
 from ds4.model.placement import (
     ExpertPlacement,
     HostMemory,
@@ -30,10 +32,8 @@ from ds4.model.placement import (
     choose_resident,
 )
 from ds4.model.weights import (
-    ExpertBank,
     Weights,
     WeightsError,
-    expected_shapes,
     weight_block,
 )
 

@@ -21,8 +21,8 @@ import numpy as np
 
 from ds4.kernels import to_bf16
 from ds4.model import quant
+from ds4.model.checkpoint_names import official_of, unhybrid
 from ds4.model.safetensors_file import read_checkpoint
-from ds4.model.weights import _official_of, _unhybrid
 
 FP8_RE = re.compile(r"(^|\.)(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b"
                     r"|ffn\.shared_experts\.w[123]|e_proj|h_proj)\.weight$")
@@ -78,12 +78,12 @@ def quantize_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def official_values(src: str | Path) -> dict[str, np.ndarray]:
     """Every tensor of a model directory under its official name, widened (fp32 / int64)."""
     out: dict[str, np.ndarray] = {}
-    for name, t in _unhybrid(read_checkpoint(src)).items():
+    for name, t in unhybrid(read_checkpoint(src)).items():
         m = HF_EXPERTS_RE.match(name)
         if m:
             out.update(_split_experts(int(m.group(1)), m.group(2), t.widen()))
         elif name.startswith(("model.", "lm_head.")):
-            out[_official_of(name)] = t.widen()
+            out[official_of(name)] = t.widen()
         else:
             out[name] = t.widen()
     return out

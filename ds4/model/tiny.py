@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from ds4.kernels import to_bf16
+from ds4.model.checkpoint_names import HF_TO_OFFICIAL_LAYER
 from ds4.model.config import CSA, HCA, SLIDING
-from ds4.model.weights import HF_TO_OFFICIAL_LAYER
 
 TINY_VERSION = "1"  # bump when the recipe below changes: cached copies are then regenerated
 LAYER_TYPES = [SLIDING, SLIDING, CSA, HCA, CSA, HCA]

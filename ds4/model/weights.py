@@ -2,261 +2,23 @@
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from ds4.kernels import exact_bf16, widen
+from ds4.kernels import exact_bf16
 from ds4.model import packed as pk
-from ds4.model.config import CSA, HCA, ModelConfig
-from ds4.model.packed import PackedMatrix, concat_rows, on_device, stack
+from ds4.model.checkpoint_names import (
+    expected_shapes,
+    official_named,
+    official_of,
+    unhybrid,
+)
+from ds4.model.config import ModelConfig
+from ds4.model.expert_bank import ExpertBank
+from ds4.model.packed import PackedMatrix, concat_rows, on_device
 from ds4.model.safetensors_file import StoredTensor, read_checkpoint
-
-# Official per-layer names (after "layers.{i}.") -> HF names (after "model.layers.{i}.").
-OFFICIAL_LAYER_NAMES = {
-    "hc_attn_fn": "attn_hc.fn", "hc_attn_base": "attn_hc.base", "hc_attn_scale": "attn_hc.scale",
-    "hc_ffn_fn": "ffn_hc.fn", "hc_ffn_base": "ffn_hc.base", "hc_ffn_scale": "ffn_hc.scale",
-    "attn.attn_sink": "self_attn.sinks",
-    "attn.compressor.ape": "self_attn.compressor.position_bias",
-    "attn.indexer.compressor.ape": "self_attn.compressor.indexer.position_bias",
-    "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
-    "ffn.gate.tid2eid": "mlp.gate.tid2eid",
-}
-OFFICIAL_LAYER_MODULES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn.wq_a": "self_attn.q_a_proj", "attn.q_norm": "self_attn.q_a_norm",
-    "attn.wq_b": "self_attn.q_b_proj", "attn.wkv": "self_attn.kv_proj",
-    "attn.kv_norm": "self_attn.kv_norm", "attn.wo_a": "self_attn.o_a_proj",
-    "attn.wo_b": "self_attn.o_b_proj",
-    "attn.compressor.wkv": "self_attn.compressor.kv_proj",
-    "attn.compressor.wgate": "self_attn.compressor.gate_proj",
-    "attn.compressor.norm": "self_attn.compressor.kv_norm",
-    "attn.indexer.compressor.wkv": "self_attn.compressor.indexer.kv_proj",
-    "attn.indexer.compressor.wgate": "self_attn.compressor.indexer.gate_proj",
-    "attn.indexer.compressor.norm": "self_attn.compressor.indexer.kv_norm",
-    "attn.indexer.wq_b": "self_attn.compressor.indexer.q_b_proj",
-    "attn.indexer.weights_proj": "self_attn.compressor.indexer.scorer.weights_proj",
-    "ffn.gate": "mlp.gate",
-    "ffn.shared_experts.w1": "mlp.shared_experts.gate_proj",
-    "ffn.shared_experts.w3": "mlp.shared_experts.up_proj",
-    "ffn.shared_experts.w2": "mlp.shared_experts.down_proj",
-}
-OFFICIAL_TOP = {
-    "embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
-    "norm.weight": "model.norm.weight", "hc_head_fn": "model.hc_head.hc_fn",
-    "hc_head_base": "model.hc_head.hc_base", "hc_head_scale": "model.hc_head.hc_scale",
-}
-# HF names inside a layer -> official names (after "layers.{i}."): the tables above, inverted.
-HF_TO_OFFICIAL_LAYER = {hf: off for off, hf in OFFICIAL_LAYER_NAMES.items()}
-HF_TO_OFFICIAL_LAYER.update({hf + ".weight": off + ".weight"
-                             for off, hf in OFFICIAL_LAYER_MODULES.items()})
-EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
-LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
-
-
-def hf_name(official: str) -> str | None:
-    """HF name of an official tensor name (None for experts, MTP and unknown names)."""
-    if official in OFFICIAL_TOP:
-        return OFFICIAL_TOP[official]
-    m = LAYER_RE.match(official)
-    if not m:
-        return None
-    layer, rel = m.groups()
-    prefix = f"model.layers.{layer}."
-    if rel in OFFICIAL_LAYER_NAMES:
-        return prefix + OFFICIAL_LAYER_NAMES[rel]
-    module, _, leaf = rel.rpartition(".")
-    if module in OFFICIAL_LAYER_MODULES and leaf == "weight":
-        return prefix + OFFICIAL_LAYER_MODULES[module] + ".weight"
-    return None
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every dense tensor the forward pass reads, by HF name, with its shape (experts excluded)."""
-    D, V, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
-    mix = (2 + hc) * hc
-    shapes = {
-        "model.embed_tokens.weight": (V, D), "model.norm.weight": (D,),
-        "model.hc_head.hc_fn": (hc, hc * D), "model.hc_head.hc_base": (hc,),
-        "model.hc_head.hc_scale": (1,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (V, D)
-    for i in range(cfg.num_hidden_layers):
-        shapes.update({f"model.layers.{i}.{k}": v for k, v in _layer_shapes(cfg, i, mix).items()})
-    return shapes
-
-
-def _layer_shapes(cfg: ModelConfig, i: int, mix: int) -> dict[str, tuple[int, ...]]:
-    D, H, d, E = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.n_routed_experts
-    inter = cfg.moe_intermediate_size * cfg.n_shared_experts
-    s = {
-        "attn_hc.fn": (mix, cfg.hc_mult * D), "attn_hc.base": (mix,), "attn_hc.scale": (3,),
-        "ffn_hc.fn": (mix, cfg.hc_mult * D), "ffn_hc.base": (mix,), "ffn_hc.scale": (3,),
-        "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
-        "self_attn.q_a_proj.weight": (cfg.q_lora_rank, D),
-        "self_attn.q_a_norm.weight": (cfg.q_lora_rank,),
-        "self_attn.q_b_proj.weight": (H * d, cfg.q_lora_rank),
-        "self_attn.kv_proj.weight": (d, D), "self_attn.kv_norm.weight": (d,),
-        "self_attn.o_a_proj.weight": (cfg.o_groups * cfg.o_lora_rank, H * d // cfg.o_groups),
-        "self_attn.o_b_proj.weight": (D, cfg.o_groups * cfg.o_lora_rank), "self_attn.sinks": (H,),
-        "mlp.gate.weight": (E, D),
-    }
-    if inter:
-        s.update({"mlp.shared_experts.gate_proj.weight": (inter, D),
-                  "mlp.shared_experts.up_proj.weight": (inter, D),
-                  "mlp.shared_experts.down_proj.weight": (D, inter)})
-    if cfg.mlp_layer_types[i] == "hash_moe":
-        s["mlp.gate.tid2eid"] = (cfg.vocab_size, cfg.num_experts_per_tok)
-    else:
-        s["mlp.gate.e_score_correction_bias"] = (E,)
-    kind, m = cfg.layer_types[i], cfg.compress_ratio(i)
-    if kind in (CSA, HCA):
-        c = 2 if kind == CSA else 1
-        s.update({f"self_attn.compressor.{k}": v
-                  for k, v in _compressor_shapes(D, c * d, m, d).items()})
-    if kind == CSA:
-        k_dim = cfg.index_head_dim
-        s.update({f"self_attn.compressor.indexer.{k}": v
-                  for k, v in _compressor_shapes(D, 2 * k_dim, m, k_dim).items()})
-        s["self_attn.compressor.indexer.q_b_proj.weight"] = (cfg.index_n_heads * k_dim,
-                                                             cfg.q_lora_rank)
-        s["self_attn.compressor.indexer.scorer.weights_proj.weight"] = (cfg.index_n_heads, D)
-    return s
-
-
-def _compressor_shapes(D: int, width: int, m: int, d: int) -> dict[str, tuple[int, ...]]:
-    return {"kv_proj.weight": (width, D), "gate_proj.weight": (width, D),
-            "position_bias": (m, width), "kv_norm.weight": (d,)}
-
-
-class ExpertBank:
-    """One layer's routed experts: stacks resident on the device, or mapped views widened per use.
-
-    Resident stacks hold the experts as stored when packed (FP4 codes + scales, widened per use
-    into the engine's scratch), else bf16 words (uint16) when every value is exactly bf16, else
-    fp32. On the GPU the prefill GEMMs (and, for bf16 words, the decode kernels) read these
-    stacks in place, so every expert is in device memory once. Streamed banks (NumPy only) keep
-    views of the mapped file and read the experts a step picks from it each time.
-    """
-
-    def __init__(self, xp, gate_up: list, down: list, resident: bool, packed: bool = False):
-        self.xp, self.resident, self.packed = xp, resident, packed
-        self.count = len(down)
-        self.scratch = None  # the engine's Scratch (bound by the model) for per-use widening
-        if resident and packed:
-            self._gate_up = on_device(xp, stack([concat_rows(s) for s in gate_up]))
-            self._down = on_device(xp, stack([concat_rows(s) for s in down]))
-        elif resident:
-            self._gate_up = xp.asarray(_stack(gate_up))
-            self._down = xp.asarray(_stack(down))
-        else:
-            self._gate_up_src, self._down_src = gate_up, down
-
-    @classmethod
-    def from_stacks(cls, xp, gate_up, down) -> ExpertBank:
-        """A resident bank over stacks already held (packed, bf16 words, or PlacedStacks split
-        over device and mapped host memory), e.g. a benchmark's or the dummy loader's."""
-        placed = getattr(gate_up, "placed", False)
-        bank = cls(xp, [], [], resident=False, packed=placed or isinstance(gate_up, PackedMatrix))
-        bank.resident, bank.count = True, gate_up.shape[0]
-        bank._gate_up, bank._down = gate_up, down
-        if placed:  # routing picks, for re-placement (decode counts them)
-            bank.counts = xp.zeros(bank.count, dtype=xp.int64 if xp is np else xp.int32)
-        return bank
-
-    @property
-    def placed_stacks(self) -> tuple:
-        """(gate_up, down) PlacedStacks when this bank's experts are split over two memories."""
-        gate_up = getattr(self, "_gate_up", None)  # streamed banks hold no stacks
-        return (gate_up, self._down) if getattr(gate_up, "placed", False) else ()
-
-    def pick_counts(self) -> np.ndarray:
-        """Routing picks per expert counted by decode steps (zeros when not placed)."""
-        counts = getattr(self, "counts", None)
-        if counts is None:
-            return np.zeros(self.count, dtype=np.int64)
-        return np.asarray(counts.get() if hasattr(counts, "get") else counts, dtype=np.int64)
-
-    @property
-    def host_nbytes(self) -> int:
-        """Bytes of this bank's experts in mapped host memory."""
-        return sum(s.host_nbytes for s in self.placed_stacks)
-
-    def bind(self, scratch) -> None:
-        """Widen packed experts into this scratch (the engine's, shared by its sessions)."""
-        self.scratch = scratch
-        if self.resident and self.packed:
-            self._gate_up.scratch = self._down.scratch = scratch
-
-    @property
-    def stacked(self) -> tuple | None:
-        """(gate_up [E, 2I, D], down [E, D, I]) as held (packed, bf16 words or fp32); None when
-        streamed."""
-        return (self._gate_up, self._down) if self.resident else None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held resident (0 when streamed from the mapped file)."""
-        return int(self._gate_up.nbytes + self._down.nbytes) if self.resident else 0
-
-    def gather(self, ids) -> tuple:
-        """(gate_up [k, 2I, D], down [k, D, I]) fp32 for expert ids [k]
-        (streaming reads them on host)."""
-        if self.placed_stacks and self.xp is np:
-            np.add.at(self.counts, np.asarray(ids).reshape(-1), 1)
-        if self.resident and self.packed:
-            return (self._gate_up[ids].dense(self.xp, "experts.gate_up"),
-                    self._down[ids].dense(self.xp, "experts.down"))
-        if self.resident:
-            return widen(self._gate_up[ids], self.xp), widen(self._down[ids], self.xp)
-        ids = (ids.get() if hasattr(ids, "get") else np.asarray(ids)).tolist()
-        if self.packed:
-            return (self._streamed(self._gate_up_src, ids, "experts.gate_up"),
-                    self._streamed(self._down_src, ids, "experts.down"))
-        gate_up = np.stack([_widen_source(self._gate_up_src[e]) for e in ids])
-        down = np.stack([_widen_source(self._down_src[e]) for e in ids])
-        return self.xp.asarray(gate_up), self.xp.asarray(down)
-
-    def expert(self, e: int) -> tuple:
-        """(gate_up [2I, D], down [D, I]) fp32 of one expert."""
-        if self.resident and self.packed:
-            return (self._gate_up[e].dense(self.xp, "expert.gate_up"),
-                    self._down[e].dense(self.xp, "expert.down"))
-        if self.resident:
-            return widen(self._gate_up[e], self.xp), widen(self._down[e], self.xp)
-        if self.packed:
-            return (self._streamed(self._gate_up_src, [e], "expert.gate_up")[0],
-                    self._streamed(self._down_src, [e], "expert.down")[0])
-        return (self.xp.asarray(_widen_source(self._gate_up_src[e])),
-                self.xp.asarray(_widen_source(self._down_src[e])))
-
-    def _streamed(self, sources: list, ids: list[int], name: str):
-        """Experts `ids` read from the mapped file now and widened into scratch `name`."""
-        picked = stack([concat_rows(sources[e]) for e in ids])
-        picked.scratch = self.scratch
-        return picked.dense(self.xp, name)
-
-
-def _widen_source(src) -> np.ndarray:
-    """A source is a (StoredTensor, row) slice of a stacked tensor or a tuple of parts to concat."""
-    if len(src) == 2 and isinstance(src[1], int):
-        return src[0].widen(src[1])
-    return np.concatenate([part.widen() for part in src], axis=0)
-
-
-def _stack(sources: list) -> np.ndarray:
-    """The experts stacked as bf16 words when every value is exactly bf16, else as fp32."""
-    first = _widen_source(sources[0])
-    words = np.empty((len(sources), *first.shape), dtype=np.uint16)
-    for e in range(len(sources)):
-        exact = exact_bf16(first if e == 0 else _widen_source(sources[e]))
-        if exact is None:
-            return np.stack([_widen_source(s) for s in sources]).astype(np.float32, copy=False)
-        words[e] = exact
-    return words
 
 
 class WeightsError(ValueError):
@@ -328,10 +90,10 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
     (FP8 / FP4 codes + scales), routed experts stay mapped when not resident. `budget` (bytes
     of device memory for all weights; None: no limit) sends the coldest packed experts to
     mapped host memory."""
-    stored = _unhybrid(read_checkpoint(model_dir))
+    stored = unhybrid(read_checkpoint(model_dir))
     mtp = {k: v for k, v in stored.items() if k.startswith("mtp.")}
     official = not any(k.startswith(("model.", "lm_head.")) for k in stored)
-    named = (_official_named(stored) if official
+    named = (official_named(stored) if official
              else {k: v for k, v in stored.items() if k not in mtp})
     expected = expected_shapes(cfg)
     if cfg.tie_word_embeddings and "lm_head.weight" in named:
@@ -507,7 +269,7 @@ def _scale_array(scale: StoredTensor) -> np.ndarray:
 
 
 def _label(name: str, official: bool) -> str:
-    return f"{_official_of(name)} (HF {name})" if official else name
+    return f"{official_of(name)} (HF {name})" if official else name
 
 
 WORD_MATRICES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")
@@ -531,49 +293,8 @@ def _device_tensor(xp, name: str, stored: StoredTensor, held):
     return xp.asarray(stored.widen())
 
 
-HYBRID_RE = re.compile(r"^model\.layers\.\d+\.(attn|ffn)\.")
-HYBRID_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
-              "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
-              "model.hc_head.hc_scale": "hc_head_scale"}
-
-
-def _unhybrid(stored: dict) -> dict:
-    """Official names for transformers' default `save_pretrained()` output (docs/MODEL.md, Weights).
-
-    That layout keeps the `model.` prefix and a few HF top-level names around official layer
-    names, and calls the attention kv_norm `attn.norm`; users get it unless they pass
-    save_original_format=False, so it loads too.
-    """
-    if not any(HYBRID_RE.match(k) for k in stored):
-        return stored
-    out = {}
-    for name, t in stored.items():
-        name = HYBRID_TOP.get(name, name.removeprefix("model."))
-        out[re.sub(r"^(layers\.\d+\.attn)\.norm\.weight$", r"\1.kv_norm.weight", name)] = t
-    return out
-
-
-def _official_named(stored: dict) -> dict[str, StoredTensor]:
-    named = {}
-    for name, t in stored.items():
-        hf = hf_name(name)
-        if hf is not None:
-            named[hf] = t
-    return named
-
-
-def _official_of(hf: str) -> str:
-    for off, name in OFFICIAL_TOP.items():
-        if name == hf:
-            return off
-    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf)
-    if m and m.group(2) in HF_TO_OFFICIAL_LAYER:
-        return f"layers.{m.group(1)}.{HF_TO_OFFICIAL_LAYER[m.group(2)]}"
-    return hf
-
-
 def _check(named: dict, name: str, shape: tuple, official: bool) -> None:
-    label = f"{_official_of(name)} (HF {name})" if official else name
+    label = f"{official_of(name)} (HF {name})" if official else name
     if name not in named:
         raise WeightsError(f"checkpoint lacks tensor {label}, expected shape {list(shape)}")
     got = named[name].shape
