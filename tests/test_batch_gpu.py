@@ -14,34 +14,27 @@ which must equal single steps bitwise.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_batch_engine import packed_tiny, twin_sessions
 
 from ds4.backend import cuda_available
-from ds4.engine import Engine
+from ds4.engine import Engine, default_model_dir
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
 
 FIXTURES = Path(__file__).parent / "fixtures"
-ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = [(15, 30), (7, 70, 22), (15, 30, 47, 63)]
 
 
 def model_dir(case: str, tmp_path_factory) -> Path:
     if case == "tiny":
-        from ds4.engine import default_model_dir
-
         return Path(default_model_dir())
     if case == "tiny-packed":
-        out = tmp_path_factory.mktemp("official") / "tiny"
-        subprocess.run([sys.executable, str(ROOT / "tools" / "make_official.py"), "tiny",
-                        str(out), "--shard-mb", "8"], check=True, cwd=ROOT, capture_output=True)
-        return out
+        return packed_tiny(tmp_path_factory.mktemp("official"))
     return FIXTURES / case
 
 
@@ -50,19 +43,9 @@ def path(request, tmp_path_factory) -> Path:
     return model_dir(request.param, tmp_path_factory)
 
 
-def prompt(seed: int, length: int) -> list[int]:
-    return [0] + np.random.default_rng(seed).integers(2, 512, length - 1).tolist()
-
-
 def twin_runs(engine: Engine, lengths, steps: int = 5):
     """(single-step logits, batched logits) per step, the same greedy tokens fed to both."""
-    sets = []
-    for _ in range(2):
-        sessions = [engine.new_session(128) for _ in lengths]
-        for s, n in zip(sessions, lengths):
-            s.sync(prompt(n, n))
-        sets.append(sessions)
-    single, batched = sets
+    single, batched = twin_sessions(engine, list(lengths))
     for _ in range(steps):
         tokens = [int(np.argmax(s.logits)) for s in single]
         alone = [s.decode(t) for s, t in zip(single, tokens)]
