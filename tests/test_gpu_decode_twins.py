@@ -20,6 +20,8 @@ from ds4.kernels import (
     indexer,
     moe,
     norm,
+    packed,
+    quant,
     rope,
     sampling,
 )
@@ -35,8 +37,8 @@ TOL = 2e-4  # fp32 logits, same weights, different summation order
 
 @pytest.fixture
 def twins(monkeypatch):
-    """Route every launcher the decoder calls to its NumPy twin."""
-    for mod in (attention, compressor, hyper_connection, indexer, moe, sampling):
+    """Route every launcher the decoder calls to its NumPy twin (packed and quant too)."""
+    for mod in (attention, compressor, hyper_connection, indexer, moe, sampling, packed, quant):
         for name in dir(mod):
             if name.endswith("_numpy") and hasattr(mod, name[:-6]):
                 monkeypatch.setattr(mod, name[:-6], getattr(mod, name))
@@ -44,6 +46,7 @@ def twins(monkeypatch):
     monkeypatch.setattr(gpu_decode, "gemv_many", gemv.gemv_many_numpy)
     monkeypatch.setattr(gpu_decode, "rms_norm", norm.rms_norm_numpy)
     monkeypatch.setattr(gpu_decode, "rope_tail", rope.rope_tail_numpy)
+    return gpu_decode
 
 
 def open_model(model_dir: Path) -> Model:

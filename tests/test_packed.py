@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_gpu_decode_twins import twins  # noqa: F401  (the fixture: launchers -> NumPy twins)
 
 from ds4.engine import Engine
 from ds4.model.official_format import (
@@ -212,37 +213,9 @@ def test_unknown_dtype_is_a_load_error(tmp_path, official):
 
 # ---- the decode graph's kernels on packed weights, run through their NumPy twins on CPU
 
-@pytest.fixture
-def twins(monkeypatch):
-    """Route every launcher the kernel decoder calls to its NumPy twin (packed and quant too)."""
-    from ds4.kernels import (
-        attention,
-        compressor,
-        gemv,
-        hyper_connection,
-        indexer,
-        moe,
-        norm,
-        packed,
-        quant,
-        rope,
-        sampling,
-    )
-    from ds4.model import gpu_decode
-
-    for mod in (attention, compressor, hyper_connection, indexer, moe, sampling, packed, quant):
-        for name in dir(mod):
-            if name.endswith("_numpy") and hasattr(mod, name[:-6]):
-                monkeypatch.setattr(mod, name[:-6], getattr(mod, name))
-    monkeypatch.setattr(gpu_decode, "gemv", gemv.gemv_numpy)
-    monkeypatch.setattr(gpu_decode, "gemv_many", gemv.gemv_many_numpy)
-    monkeypatch.setattr(gpu_decode, "rms_norm", norm.rms_norm_numpy)
-    monkeypatch.setattr(gpu_decode, "rope_tail", rope.rope_tail_numpy)
-    return gpu_decode
-
-
 @pytest.mark.parametrize("quantize", [False, True])
-def test_kernel_decode_on_packed_weights_matches_the_engine(twins, checkpoints, quantize):
+def test_kernel_decode_on_packed_weights_matches_the_engine(twins, checkpoints,  # noqa: F811
+                                                            quantize):
     """The decode step the GPU captures as a graph (packed GEMVs, FP4 expert kernels, the
     FP8 / FP4 simulation kernels) equals the engine's model code, through the kernels' twins."""
     from ds4.model import gpu_weights
