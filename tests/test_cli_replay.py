@@ -1,5 +1,6 @@
-"""`ds4-replay` against a live server: jobs compared and skipped, reasoning and tool calls
-compared, and a trace never replayed into the server that writes it."""
+"""`ds4-replay` against a live server: jobs streamed, timed from their chunks (TTFT, ITL,
+TPOT) and compared text-exactly or timed only, reasoning and tool calls compared, and a trace
+never replayed into the server that writes it nor into a server of another model."""
 
 from __future__ import annotations
 
@@ -57,14 +58,54 @@ def replay_command(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-def test_a_copy_replays_and_the_summary_counts_compared_and_skipped(live, tmp_path):
-    url, _trace, records = live
+def copy_of(trace: Path, tmp_path: Path, **header: object) -> Path:
+    """A copy of the server's trace (its header changed by `header`): one it does not write."""
+    lines = trace.read_text().splitlines()
+    first = json.dumps({**json.loads(lines[0]), **header})
     copy = tmp_path / "copy.jsonl"
-    copy.write_text("".join(json.dumps(r) + "\n" for r in records))
-    result = replay_command(str(copy), "--url", url)
+    copy.write_text("".join(line + "\n" for line in [first, *lines[1:]]))
+    return copy
+
+
+def test_a_copy_replays_streamed_with_its_latencies_side_by_side(live, tmp_path):
+    url, trace, _records = live
+    report = tmp_path / "report.json"
+    result = replay_command(str(copy_of(trace, tmp_path)), "--url", url, "--report", str(report))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.splitlines()[-1] == \
-        "ds4-replay: 5 job(s) compared, 1 skipped (not greedy or seeded), 0 problem(s)"
+    assert result.stdout.splitlines()[-1] == "ds4-replay: 5 job(s) compared text-exactly, " \
+        "1 timed only (not greedy or seeded), 0 problem(s)"
+    jobs = json.loads(report.read_text())["jobs"]
+    assert [j["outcome"] for j in jobs] == ["text-exact"] * 5 + ["timed"]
+    for job in jobs:  # TTFT and ITL come from the stream's chunks, as they did when recorded
+        rec, rep = job["recorded"], job["replayed"]
+        assert rep["tokens"] == rec["tokens"] == 6
+        assert 0 < rep["ttft_s"] <= rep["e2el_s"] and 0 < rec["ttft_s"] <= rec["e2el_s"]
+        assert rep["itl_s"] > 0 and rep["tpot_s"] > 0 and rec["itl_s"] > 0
+    agg = json.loads(report.read_text())["aggregate"]["replayed"]
+    assert agg["output_tokens"] == 36 and set(agg["itl_s"]) == {"mean", "p50", "p90", "p99"}
+    assert "ITL rec  ITL rep" in result.stdout and "| ITL p99 (ms)" in result.stdout
+
+
+def test_the_server_reports_the_fingerprint_its_trace_header_carries(live):
+    url, trace, _records = live
+    header = json.loads(trace.read_text().splitlines()[0])
+    assert httpx.get(url + "/health").json()["model_fingerprint"] == header["model_fingerprint"]
+
+
+def test_another_models_trace_is_refused_over_http_unless_forced(live, tmp_path):
+    url, trace, _records = live
+    foreign = copy_of(trace, tmp_path, model_fingerprint="f" * 32)
+    jobs = len(read_trace(trace))
+    result = replay_command(str(foreign), "--url", url)
+    assert result.returncode == 2 and result.stdout == ""
+    have = httpx.get(url + "/health").json()["model_fingerprint"]
+    assert result.stderr == f"ds4-replay: {foreign} was recorded with another model " \
+        f"(fingerprint {'f' * 32}); the server at {url} serves {have} (--force replays it " \
+        "anyway)\n"
+    assert len(read_trace(trace)) == jobs  # nothing was sent
+    forced = replay_command(str(foreign), "--url", url, "--force", "--jobs", "1")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    assert "replaying it anyway (--force)" in forced.stderr
 
 
 def test_the_servers_own_trace_is_refused(live, tmp_path):

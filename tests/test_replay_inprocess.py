@@ -1,6 +1,8 @@
 """`ds4-replay TRACE` in-process: a trace of concurrent greedy, seeded and unseeded sampled
 jobs comes out token-exact; an edited, truncated or foreign trace is reported and refused;
---timing original keeps the recorded arrival gaps; the same trace replays over HTTP too."""
+--timing original keeps the recorded arrival gaps, in-process and over HTTP; the same trace
+replays over HTTP too, its greedy and seeded jobs text-exact with TTFT and ITL from the
+stream."""
 
 from __future__ import annotations
 
@@ -147,9 +149,12 @@ def test_a_trace_without_header_still_replays(recorded, tmp_path, capsys):
         capsys.readouterr().err
 
 
-def test_original_timing_keeps_the_arrival_gaps(recorded, tmp_path, capsys):
+@pytest.mark.parametrize("where", ["in-process", "http"])
+def test_original_timing_keeps_the_arrival_gaps(recorded, tmp_path, where):
     report = tmp_path / "timed.json"
-    assert replay_main([str(recorded[0]), "--timing", "original", "--report", str(report)]) == 0
+    trace, url = recorded
+    over = ["--url", url, "--parallel", "2"] if where == "http" else []
+    assert replay_main([str(trace), *over, "--timing", "original", "--report", str(report)]) == 0
     jobs = json.loads(report.read_text())["jobs"]
     recorded_at = [j["recorded"]["arrived_s"] for j in jobs]
     replayed_at = [j["replayed"]["arrived_s"] - jobs[0]["replayed"]["arrived_s"] for j in jobs]
@@ -158,12 +163,19 @@ def test_original_timing_keeps_the_arrival_gaps(recorded, tmp_path, capsys):
         (recorded_at, replayed_at)
 
 
-def test_the_same_trace_replays_against_the_live_server(recorded, capsys):
+def test_the_same_trace_replays_against_the_live_server(recorded, tmp_path, capsys):
     trace, url = recorded
-    assert replay_main([str(trace), "--url", url, "--parallel", "2"]) == 0
+    report = tmp_path / "http.json"
+    assert replay_main([str(trace), "--url", url, "--parallel", "2", "--report",
+                        str(report)]) == 0
+    jobs = json.loads(report.read_text())["jobs"]
+    greedy_or_seeded = [j for j in jobs if j["outcome"] == "text-exact"]
+    assert len(greedy_or_seeded) == 2 and all(j["outcome"] in ("text-exact", "timed")
+                                              for j in jobs)
+    assert all(j["replayed"]["ttft_s"] > 0 and j["replayed"]["itl_s"] > 0 for j in jobs)
     out = capsys.readouterr().out.splitlines()
-    assert out[-1] == "ds4-replay: 2 job(s) compared, 3 skipped (not greedy or seeded), " \
-        "0 problem(s)"
+    assert out[-1] == "ds4-replay: 2 job(s) compared text-exactly, 3 timed only (not greedy " \
+        "or seeded), 0 problem(s)"
     assert any(line.startswith("| E2EL p50 (ms)") for line in out)
 
 

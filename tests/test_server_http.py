@@ -42,7 +42,9 @@ def n_tokens(runtime, text: str) -> int:
 
 def test_health_slots_and_metrics(live):
     url, _ = live
-    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    health = httpx.get(url + "/health").json()
+    assert health == {"status": "ok", "model_fingerprint": health["model_fingerprint"]}
+    assert len(health["model_fingerprint"]) == 32
     slots = httpx.get(url + "/slots").json()["slots"]
     assert [s["id"] for s in slots] == [0, 1]
     assert all(set(s) >= {"busy", "tokens", "last_used"} for s in slots)

@@ -3,8 +3,9 @@
 Without --url the model is loaded here and the jobs run through the real scheduler from their
 recorded prompt token ids, seeds and sampling settings: every job that ended on its own,
 greedy or sampled, must reproduce its recorded tokens exactly. With --url the recorded
-requests are sent to a running server (greedy and seeded jobs compared, the others timed).
-Either way a table puts the recorded and replayed latencies side by side.
+requests are streamed to a running server of the same model (greedy and seeded jobs compared
+text-exactly, the others timed). Either way a table puts the recorded and replayed latencies
+(TTFT, ITL, TPOT, end-to-end) side by side.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tqdm import tqdm
 
 from ds4.cli.flags import ShowDefaults, add_version
 from ds4.cli.replay_http import (  # noqa: F401  (the public names of the HTTP replay)
+    ForeignModel,
     OwnTrace,
     Report,
     deterministic,
@@ -73,6 +75,8 @@ def parser() -> argparse.ArgumentParser:
                        "the built-in tiny model)")
     where.add_argument("--url", help="send the requests to the server at this base URL")
     p.add_argument("--api-key", help="the server's --api-key, if it has one (with --url)")
+    p.add_argument("--force", action="store_true", help="with --url, replay even when the "
+                   "server's model fingerprint is not the trace's")
     p.add_argument("--parallel", type=positive, help="slots in-process, requests in flight "
                    "over HTTP (default: the trace's --parallel, else 1)")
     p.add_argument("--ctx", type=positive, help="context tokens per slot, in-process "
@@ -89,17 +93,23 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_model(trace: Trace, path: str, model_dir: str) -> None:
-    """Refuse a trace of a newer format, or one recorded with another model."""
+def check_format(trace: Trace, path: str) -> None:
+    """Refuse a trace of a newer format than this replay reads."""
     version = trace.header.get("ds4_trace", FORMAT)
     if not isinstance(version, int) or version > FORMAT:
         raise Refused(f"{path}: trace format {version!r} is newer than this ds4-replay "
                       f"reads ({FORMAT})")
+
+
+def check_model(trace: Trace, path: str, model_dir: str) -> None:
+    """Refuse a trace recorded with another model than the one in `model_dir`."""
+    from ds4.engine import model_path  # a shipped config's name resolves to its directory
+
     want = trace.header.get("model_fingerprint")
     if want is None:
         print(f"ds4-replay: {path} has no header line (an older server): the model is not "
               "checked", file=sys.stderr)
-    elif want != (have := model_fingerprint(model_dir)):
+    elif want != (have := model_fingerprint(model_path(model_dir))):
         raise Refused(f"{path} was recorded with another model (fingerprint {want}); "
                       f"{model_dir} is {have}")
 
@@ -146,12 +156,14 @@ def in_process(a: argparse.Namespace, trace: Trace, records: list[dict]) -> list
     return rows
 
 
-def over_http(a: argparse.Namespace, records: list[dict]) -> tuple[list[JobRow], Report]:
-    """Send the records to the server at --url; rows carry the end-to-end times."""
+def over_http(a: argparse.Namespace, trace: Trace, records: list[dict]
+              ) -> tuple[list[JobRow], Report]:
+    """Stream the records to the server at --url; rows carry the streams' times."""
     runnable = [r for r in records if replayable(r)]
     with progress(len(runnable)) as bar:
         rep = replay(runnable, a.url, a.api_key, trace=a.trace, parallel=a.parallel or 1,
-                     timing=a.timing, on_done=lambda _s: bar.update())
+                     timing=a.timing, on_done=lambda _s: bar.update(),
+                     fingerprint=trace.header.get("model_fingerprint"), force=a.force)
     rep.not_sent = len(records) - len(runnable)
     origin = min(r.get("arrived_at", 0.0) for r in runnable) if runnable else 0.0
     rows = [JobRow(r["seq"], rep.outcomes.get(r["seq"], "failed"), recorded_timing(r, origin),
@@ -185,9 +197,9 @@ def run_in_process(a: argparse.Namespace, trace: Trace, records: list[dict]) -> 
     return 1 if bad else 0
 
 
-def run_over_http(a: argparse.Namespace, records: list[dict]) -> int:
+def run_over_http(a: argparse.Namespace, trace: Trace, records: list[dict]) -> int:
     """The HTTP replay; exit 1 when a compared job differs or a request fails."""
-    rows, rep = over_http(a, records)
+    rows, rep = over_http(a, trace, records)
     for line in rep.problems:
         print(line)
     finish(a, rows, "http")
@@ -196,8 +208,10 @@ def run_over_http(a: argparse.Namespace, records: list[dict]) -> int:
 
 
 def load(a: argparse.Namespace) -> tuple[Trace, list[dict]]:
-    """The trace and the records selected by --jobs; the model checked in-process."""
+    """The trace and the records selected by --jobs; the model checked in-process (over
+    HTTP against the server's, once it answers)."""
     trace = read_trace_file(a.trace)
+    check_format(trace, a.trace)
     records = [r for r in trace.records if a.jobs is None or r["seq"] in a.jobs]
     if a.jobs and (unknown := a.jobs - {r["seq"] for r in records}):
         raise Refused(f"{a.trace} has no job {', '.join(map(str, sorted(unknown)))}")
@@ -220,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         trace, records = load(a)
         if a.url is None:
             return run_in_process(a, trace, records)
-        return run_over_http(a, records)
-    except (TraceError, Refused, OwnTrace, PlotUnavailable) as exc:
+        return run_over_http(a, trace, records)
+    except (TraceError, Refused, OwnTrace, ForeignModel, PlotUnavailable) as exc:
         print(f"ds4-replay: {exc}", file=sys.stderr)
         return 2
     except httpx.HTTPError as exc:

@@ -1,16 +1,21 @@
-"""`ds4-replay --url`: re-POST the jobs of a --trace file to a running server and compare.
+"""`ds4-replay --url`: re-send the jobs of a --trace file to a running server and compare.
 
-Jobs are sent non-streamed, in arrival order, up to --parallel at a time (at their recorded
-gaps with --timing original). For greedy or seeded jobs what a client sees of the reply must
-equal what the trace recorded, read through the parser the server uses: the visible text, the
-reasoning (where the protocol shows it) and the tool calls (names and arguments; call ids are
-fresh on every run). Other jobs are sent too, since they shape the slots' caches, and timed,
-but not compared. A trace is never replayed into the server that is writing it.
+Jobs are sent streamed, in arrival order, up to --parallel at a time (at their recorded gaps
+with --timing original), so each reply's TTFT, ITL and TPOT are measured as vLLM's benchmarks
+measure them: every chunk carrying generated output is a token arrival, and the reply's usage
+counts its tokens. Token ids do not cross HTTP, so greedy and seeded jobs are compared
+text-exactly: what a client sees of the reply must equal what the trace recorded, read through
+the parser the server uses (the visible text, the reasoning where the protocol shows it, the
+tool calls' names and arguments; call ids are fresh on every run), and the usage must count
+the recorded number of tokens. Other jobs are sent too, since they shape the slots' caches,
+and timed, but not compared. A trace is never replayed into the server that is writing it,
+nor into a server whose model fingerprint (its /health) is not the trace's.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -22,12 +27,18 @@ import httpx
 
 from ds4.chat import parse_output
 from ds4.chat.responses import LOCAL_SHELL, custom_input, local_shell_action, responses_call_kinds
+from ds4.cli.replay_stream import (
+    CHAT,
+    COMPLETIONS,
+    MESSAGES,
+    RESPONSES,
+    fold_stream,
+    streamed_request,
+)
 from ds4.jobs.latency import JobTiming
 from ds4.server.responses import SUMMARY_OPT_IN
 from ds4.server.runtime import trace_file_id
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
 Call = tuple[str, str, object]  # (kind: function | custom | local_shell, name, arguments)
 
 
@@ -49,7 +60,7 @@ class Report:
     problems: list[str] = field(default_factory=list)
     not_sent: int = 0  # failed or cancelled jobs, and jobs whose request was not kept
     timings: dict[int, JobTiming] = field(default_factory=dict)
-    outcomes: dict[int, str] = field(default_factory=dict)  # failed | differs | compared | timed
+    outcomes: dict[int, str] = field(default_factory=dict)  # failed|differs|text-exact|timed
 
     def add(self, sent: Sent) -> None:
         """Count one request's outcome."""
@@ -62,12 +73,16 @@ class Report:
     def summary(self) -> str:
         """The closing line of ds4-replay."""
         unsent = f", {self.not_sent} not sent (failed or cancelled)" if self.not_sent else ""
-        return (f"ds4-replay: {self.compared} job(s) compared, {self.skipped} skipped "
-                f"(not greedy or seeded){unsent}, {len(self.problems)} problem(s)")
+        return (f"ds4-replay: {self.compared} job(s) compared text-exactly, {self.skipped} "
+                f"timed only (not greedy or seeded){unsent}, {len(self.problems)} problem(s)")
 
 
 class OwnTrace(Exception):
     """The server at the URL writes the very trace file being replayed."""
+
+
+class ForeignModel(Exception):
+    """The server at the URL serves another model than the one the trace was recorded with."""
 
 
 def replayable(record: dict) -> bool:
@@ -182,18 +197,41 @@ def differences(seq: int, got: Visible, want: Visible) -> list[str]:
                                ("tool calls differ", got.tool_calls, want.tool_calls)) if g != w]
 
 
-def refuse_own_trace(client: httpx.Client, trace: str | Path) -> None:
-    """Raise OwnTrace when the server reports that it writes `trace` (its /health names the
-    file's identity): replaying into it would append to the file being read."""
+def server_health(client: httpx.Client) -> dict:
+    """The server's /health body ({} from an old, foreign or unreachable server: the
+    requests will say more)."""
     try:
         health = client.get("/health").json()
     except (httpx.HTTPError, ValueError):
-        return  # an old or unreachable server: the POSTs will say more
-    server_file = (health.get("trace") or {}).get("file_id") if isinstance(health, dict) else None
+        return {}
+    return health if isinstance(health, dict) else {}
+
+
+def refuse_own_trace(health: dict, url: object, trace: str | Path) -> None:
+    """Raise OwnTrace when the server reports that it writes `trace` (its /health names the
+    file's identity): replaying into it would append to the file being read."""
+    server_file = (health.get("trace") or {}).get("file_id")
     if server_file and server_file == trace_file_id(trace):
-        raise OwnTrace(f"the server at {client.base_url} writes its --trace to {trace}, the "
+        raise OwnTrace(f"the server at {url} writes its --trace to {trace}, the "
                        "file being replayed; replay a copy of it, or a server with another "
                        "--trace file (or none)")
+
+
+def check_server_model(health: dict, url: object, trace: str | Path | None,
+                       fingerprint: str | None, force: bool = False) -> None:
+    """Raise ForeignModel when the server's model fingerprint is not the trace's (a note
+    instead with `force`, or when either side does not say)."""
+    have = health.get("model_fingerprint")
+    if fingerprint is None or have is None:
+        side = f"{trace} has no header line" if fingerprint is None else \
+            f"the server at {url} does not report its model fingerprint"
+        print(f"ds4-replay: {side}: the model is not checked", file=sys.stderr)
+    elif have != fingerprint:
+        message = (f"{trace} was recorded with another model (fingerprint {fingerprint}); "
+                   f"the server at {url} serves {have}")
+        if not force:
+            raise ForeignModel(f"{message} (--force replays it anyway)")
+        print(f"ds4-replay: {message}: replaying it anyway (--force)", file=sys.stderr)
 
 
 def output_tokens(body: dict) -> int | None:
@@ -214,31 +252,46 @@ class Sent:
     failed: bool = False
 
     def outcome(self) -> str:
-        """failed (not a 200), differs, compared (and equal) or timed (not comparable)."""
+        """failed (not a 200, or an error in the stream), differs, text-exact or timed (not
+        comparable)."""
         if self.failed:
             return "failed"
         if self.compared:
-            return "differs" if self.problems else "compared"
+            return "differs" if self.problems else "text-exact"
         return "timed"
 
 
+def count_differs(seq: int, counted: int | None, record: dict) -> list[str]:
+    """A line when the reply's usage counts other than the recorded number of tokens."""
+    want = len(record["generated_tokens"])
+    if counted is None or counted == want:
+        return []
+    return [f"job {seq}: the token count differs: {counted} != {want}"]
+
+
 def replay_one(client: httpx.Client, record: dict, origin: float) -> Sent:
-    """POST one record's request; compare the reply when the job is deterministic."""
-    request = json.loads(record["raw_request"])
-    request["stream"] = False
-    sent = time.monotonic() - origin
-    response = client.post(record["endpoint"], json=request)
-    timing = JobTiming(sent, ended=time.monotonic() - origin)
-    if response.status_code != 200:
-        return Sent(record["seq"], [f"job {record['seq']}: HTTP {response.status_code} "
-                                    f"{response.text.strip()}"], False, timing, failed=True)
-    body = response.json()
-    timing.counted = output_tokens(body)
+    """Stream one record's request, timing its output chunks; compare the reply when the job
+    is deterministic."""
+    request, endpoint, seq = json.loads(record["raw_request"]), record["endpoint"], record["seq"]
+    now = lambda: time.monotonic() - origin  # noqa: E731
+    timing = JobTiming(now(), prompt_tokens=len(record.get("prompt_token_ids") or []))
+    with client.stream("POST", endpoint, json=streamed_request(endpoint, request)) as response:
+        if response.status_code != 200:
+            text = response.read().decode("utf-8", "replace").strip()
+            timing.ended = now()
+            return Sent(seq, [f"job {seq}: HTTP {response.status_code} {text}"], False, timing,
+                        failed=True)
+        folded, timing.token_times = fold_stream(endpoint, response.iter_lines(), now)
+    timing.ended = now()
+    if folded.error is not None:
+        return Sent(seq, [f"job {seq}: the stream failed: {folded.error}"], False, timing,
+                    failed=True)
+    timing.counted = output_tokens(folded.body)
     if not deterministic(record):
-        return Sent(record["seq"], [], False, timing)
-    got = returned_view(record["endpoint"], request, body)
-    return Sent(record["seq"], differences(record["seq"], got, recorded_view(record)), True,
-                timing)
+        return Sent(seq, [], False, timing)
+    got = returned_view(endpoint, request, folded.body)
+    problems = differences(seq, got, recorded_view(record))
+    return Sent(seq, problems + count_differs(seq, timing.counted, record), True, timing)
 
 
 class Pacer:
@@ -258,16 +311,21 @@ class Pacer:
 
 def replay(records: list[dict], base_url: str, api_key: str | None = None,
            trace: str | Path | None = None, parallel: int = 1, timing: str = "asap",
-           on_done: Callable[[Sent], None] | None = None) -> Report:
-    """POST every record's request, `parallel` at a time in arrival order; with `trace`,
-    first refuse the trace's writer."""
+           on_done: Callable[[Sent], None] | None = None, fingerprint: str | None = None,
+           force: bool = False) -> Report:
+    """Stream every record's request, `parallel` at a time in arrival order; with `trace`,
+    first refuse the trace's writer and a server of another model than `fingerprint`."""
     headers = {"Authorization": f"Bearer {api_key}", "x-api-key": api_key} if api_key else {}
     order = sorted(records, key=lambda r: r["seq"])
     report, lock = Report(), threading.Lock()
+    # original: every request leaves at its recorded time, none waits for a free connection
+    flight = parallel if timing == "asap" else max(1, len(order))
     with httpx.Client(base_url=base_url, timeout=None, headers=headers,
-                      limits=httpx.Limits(max_connections=parallel + 1)) as client:
+                      limits=httpx.Limits(max_connections=flight + 1)) as client:
         if trace is not None:
-            refuse_own_trace(client, trace)
+            health = server_health(client)
+            refuse_own_trace(health, client.base_url, trace)
+            check_server_model(health, client.base_url, trace, fingerprint, force)
         pacer = Pacer(order, timing)
 
         def one(record: dict) -> Sent:
@@ -278,7 +336,6 @@ def replay(records: list[dict], base_url: str, api_key: str | None = None,
             (on_done or (lambda _s: None))(sent)
             return sent
 
-        with ThreadPoolExecutor(max_workers=parallel if timing == "asap" else
-                                max(1, len(order))) as pool:
+        with ThreadPoolExecutor(max_workers=flight) as pool:
             list(pool.map(one, order))
     return report

@@ -91,7 +91,7 @@ class JobRow:
     """One job in the report: its outcome and both timings."""
 
     seq: int
-    outcome: str  # token-exact | diverged | timed | failed | compared
+    outcome: str  # token-exact | diverged (in-process); text-exact | differs | timed | failed
     recorded: JobTiming
     replayed: JobTiming | None
     slot: int | None = None
@@ -101,8 +101,8 @@ class JobRow:
     def cells(self) -> str:
         """The per-job table row."""
         rep = self.replayed or JobTiming(0.0)
-        pairs = ((self.recorded.ttft, rep.ttft), (self.recorded.tpot, rep.tpot),
-                 (self.recorded.latency, rep.latency))
+        pairs = ((self.recorded.ttft, rep.ttft), (self.recorded.itl_mean, rep.itl_mean),
+                 (self.recorded.tpot, rep.tpot), (self.recorded.latency, rep.latency))
         nums = " | ".join(f"{ms(a):>8} {ms(b):>8}" for a, b in pairs)
         return f"| {self.seq:>4} | {self.recorded.tokens:>6} | {nums} | {self.outcome:12} |"
 
@@ -117,10 +117,12 @@ class JobRow:
 
 
 def job_table(rows: list[JobRow]) -> list[str]:
-    """Per job: tokens, then TTFT, TPOT and E2EL (ms) recorded and replayed, and the outcome."""
-    head = " | ".join(f"{n + ' rec':>8} {n + ' rep':>8}" for n in ("TTFT", "TPOT", "E2EL"))
+    """Per job: tokens, then TTFT, mean ITL, TPOT and E2EL (ms) recorded and replayed, and
+    the outcome."""
+    names = ("TTFT", "ITL", "TPOT", "E2EL")
+    head = " | ".join(f"{n + ' rec':>8} {n + ' rep':>8}" for n in names)
     return [f"| {'job':>4} | {'tokens':>6} | {head} | {'outcome':12} |",
-            f"|{'-' * 6}|{'-' * 8}|" + f"{'-' * 19}|" * 3 + f"{'-' * 14}|",
+            f"|{'-' * 6}|{'-' * 8}|" + f"{'-' * 19}|" * len(names) + f"{'-' * 14}|",
             *(r.cells() for r in rows)]
 
 

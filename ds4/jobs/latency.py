@@ -55,6 +55,12 @@ class JobTiming:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
     @property
+    def itl_mean(self) -> float | None:
+        """This request's mean gap between consecutive tokens (None under two)."""
+        gaps = self.itl
+        return sum(gaps) / len(gaps) if gaps else None
+
+    @property
     def queued(self) -> float | None:
         """Arrival to getting a slot."""
         return self.started - self.arrived if self.started is not None else None
@@ -62,7 +68,8 @@ class JobTiming:
     def per_job(self) -> dict:
         """The job's own figures, in seconds."""
         return {"arrived_s": self.arrived, "queue_s": self.queued, "ttft_s": self.ttft,
-                "tpot_s": self.tpot, "e2el_s": self.latency, "tokens": self.tokens}
+                "itl_s": self.itl_mean, "tpot_s": self.tpot, "e2el_s": self.latency,
+                "tokens": self.tokens}
 
 
 def stats(values: list[float]) -> dict | None:

@@ -114,10 +114,12 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
 
 
 async def health(request: Request, runtime: Runtime) -> Response:
-    """200 when the model is loaded and the scheduler runs (with the --trace file), else 503."""
+    """200 when the model is loaded and the scheduler runs (with the model's fingerprint and
+    the --trace file), else 503."""
     if runtime.state == SERVING:
         trace = runtime.trace_file()  # lets ds4-replay refuse to replay a trace into its writer
-        return json_response({"status": "ok", **({"trace": trace} if trace else {})})
+        model = {"model_fingerprint": runtime.model_fingerprint}  # and another model's trace
+        return json_response({"status": "ok", **model, **({"trace": trace} if trace else {})})
     body = {"status": "error", "error": runtime.error} if runtime.state == BROKEN \
         else {"status": "loading"}
     return json_response(body, 503)

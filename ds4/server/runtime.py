@@ -141,6 +141,7 @@ class Runtime:
         self.engine = None
         self.scheduler = None
         self.kvstore = None
+        self.model_fingerprint: str | None = None  # a trace's header names the same one
         self.tool_memory = ToolMemory()
         self.reasoning_seal = ReasoningSeal()  # Responses encrypted_content, this process's key
         self._stop_lock = threading.Lock()
@@ -176,7 +177,7 @@ class Runtime:
                                                  trace_path=cfg.trace,
                                                  ssd_streaming=cfg.ssd_streaming)
             self.scheduler = Scheduler(self.engine, sched_cfg, time.monotonic, self.kvstore)
-            self.write_trace_header(model_dir)
+            self.write_trace_header(str(self.engine.model_dir))
         except Exception as exc:  # any load failure: the server stays up, /health says why
             log.debug("model failed to load", exc_info=True)  # the one-line reason is enough
             self.error = f"{model_dir}: {load_failure(exc)}"
@@ -193,8 +194,9 @@ class Runtime:
     def write_trace_header(self, model_dir: str) -> None:
         """The --trace file's first line: the model's fingerprint and the slots' settings, so
         ds4-replay can refuse another model's trace and rebuild the same slots."""
-        from ds4.jobs.trace import trace_header
+        from ds4.jobs.trace import model_fingerprint, trace_header
 
+        self.model_fingerprint = model_fingerprint(model_dir)  # /health shows it to ds4-replay
         if self.scheduler.trace is not None:
             cfg, sched = self.config, self.scheduler.config
             self.scheduler.trace.write(trace_header(
