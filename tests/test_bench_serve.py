@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_server_support import live_server
+from test_server_support import free_port, live_server
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_serve.py"
 
@@ -60,3 +60,20 @@ def test_a_bad_goodput_is_refused(capsys):
     bench = load_tool()
     with pytest.raises(Exception, match="ttft|tpot|e2el"):
         bench.main(["--goodput", "latency:5"])
+
+
+def test_warm_ups_are_sent_first_and_not_counted(url, capsys):
+    bench = load_tool()
+    assert bench.main(["--base-url", url, "--num-prompts", "2", "--num-warmups", "2",
+                       "--random-input-len", "8", "--random-output-len", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "bench_serve: 2 warm-up request(s), 0 failed" in captured.err
+    got = rows(captured.out)
+    assert got["Successful requests"] == "2" and 2 <= int(got["Total generated tokens"]) <= 6
+
+
+def test_a_server_that_never_comes_up_is_said_after_the_ready_timeout():
+    bench = load_tool()
+    base = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit, match=f"bench_serve: {base} not ready after 1 s"):
+        bench.main(["--base-url", base, "--num-prompts", "1", "--ready-check-timeout-sec", "1"])

@@ -118,8 +118,49 @@ def read_event(backend: str, event: dict, timing: JobTiming, origin: float) -> N
         timing.counted = n_out
 
 
+async def ready(client: httpx.AsyncClient, seconds: float) -> None:
+    """Wait until the server serves: ds4's /health answers 200 (a server without /health:
+    its /v1/models does); SystemExit when its load failed or `seconds` pass first."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            health = await client.get("/health")
+            if health.status_code == 200 or (health.status_code == 404 and
+                                             (await client.get("/v1/models")).is_success):
+                return
+            if health.status_code == 503 and "error" in health.text:  # ds4: the load failed
+                raise SystemExit(f"bench_serve: {base_url_of(client)}: {health.text.strip()}")
+        except httpx.HTTPError:
+            pass  # not listening yet
+        if time.monotonic() >= deadline:
+            raise SystemExit(f"bench_serve: {base_url_of(client)} not ready after {seconds:.0f} s")
+        await asyncio.sleep(0.5)
+
+
+def base_url_of(client: httpx.AsyncClient) -> str:
+    """The server's base URL, for messages."""
+    return str(client.base_url).rstrip("/")
+
+
+async def warm_up(client: httpx.AsyncClient, args: argparse.Namespace,
+                  prompt: tuple[str, int, int]) -> None:
+    """--num-warmups requests of the first prompt, --max-concurrency at a time, not counted
+    (kernel compilation, graph capture and allocator growth stay out of the figures)."""
+    limit = asyncio.Semaphore(args.max_concurrency or args.num_warmups or 1)
+
+    async def one() -> Outcome:
+        async with limit:
+            return await one_request(client, args, time.perf_counter(), prompt)
+
+    done = await asyncio.gather(*(one() for _ in range(args.num_warmups)))
+    failed = [o.error for o in done if not o.ok]
+    print(f"bench_serve: {args.num_warmups} warm-up request(s), {len(failed)} failed",
+          *failed[:1], file=sys.stderr)
+
+
 async def run(args: argparse.Namespace) -> tuple[list[Outcome], float]:
-    """Send every request at Poisson arrivals (bounded by --max-concurrency); wall time."""
+    """Wait for the server, warm it up, then send every request at Poisson arrivals (bounded
+    by --max-concurrency); the outcomes and the wall time."""
     work = prompts(args)
     rng = np.random.default_rng(args.seed)
     limit = asyncio.Semaphore(args.max_concurrency or len(work) or 1)
@@ -127,6 +168,9 @@ async def run(args: argparse.Namespace) -> tuple[list[Outcome], float]:
         if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.base_url, timeout=None, headers=headers,
                                  limits=httpx.Limits(max_connections=None)) as client:
+        await ready(client, args.ready_check_timeout_sec)
+        if args.num_warmups and work:
+            await warm_up(client, args, work[0])
         origin = time.perf_counter()
 
         async def bounded(prompt: tuple[str, int, int]) -> Outcome:
@@ -221,6 +265,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the gaps; 1 is Poisson")
     p.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    p.add_argument("--num-warmups", type=int, default=0,
+                   help="uncounted requests sent first (the first prompt)")
+    p.add_argument("--ready-check-timeout-sec", type=float, default=600,
+                   help="wait this long for the server to serve (/health) before starting")
     p.add_argument("--random-input-len", type=int, default=128)
     p.add_argument("--random-output-len", type=int, default=32)
     p.add_argument("--random-range-ratio", type=float, default=0.0,
