@@ -16,6 +16,7 @@ import pytest
 from test_server_support import GREEDY, live_server
 
 from ds4.cli.replay import recorded_view, replay, returned_view
+from ds4.cli.replay_http import check_server_model
 from ds4.jobs.trace import read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,3 +150,14 @@ def test_a_recorded_call_equals_the_item_a_responses_client_sees():
     want = recorded_view(record)
     assert want.tool_calls == (("custom", "get_weather", "Paris"),)
     assert returned_view("/v1/responses", {}, body) == want
+
+
+def test_a_server_or_trace_that_does_not_say_its_model_is_replayed_with_a_note(capsys):
+    check_server_model({"status": "ok"}, "http://x", "t.jsonl", "a" * 32)
+    assert capsys.readouterr().err == "ds4-replay: the server at http://x does not report its " \
+        "model fingerprint: the model is not checked\n"
+    check_server_model({"model_fingerprint": "a" * 32}, "http://x", "t.jsonl", None)
+    assert capsys.readouterr().err == "ds4-replay: t.jsonl has no header line: the model is " \
+        "not checked\n"
+    check_server_model({"model_fingerprint": "a" * 32}, "http://x", "t.jsonl", "a" * 32)
+    assert capsys.readouterr().err == ""

@@ -161,7 +161,8 @@ def over_http(a: argparse.Namespace, trace: Trace, records: list[dict]
     """Stream the records to the server at --url; rows carry the streams' times."""
     runnable = [r for r in records if replayable(r)]
     with progress(len(runnable)) as bar:
-        rep = replay(runnable, a.url, a.api_key, trace=a.trace, parallel=a.parallel or 1,
+        rep = replay(runnable, a.url, a.api_key, trace=a.trace,
+                     parallel=a.parallel or trace.header.get("parallel", 1),
                      timing=a.timing, on_done=lambda _s: bar.update(),
                      fingerprint=trace.header.get("model_fingerprint"), force=a.force)
     rep.not_sent = len(records) - len(runnable)
