@@ -4,6 +4,7 @@ vLLM-shaped table with every request counted, and a bad --goodput is refused."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -53,7 +54,18 @@ def test_a_short_run_prints_the_table(url, backend, capsys, tmp_path):
     for metric in ("TTFT", "TPOT", "ITL", "E2EL"):
         assert float(got[f"Mean {metric} (ms)"]) > 0
         assert float(got[f"P99 {metric} (ms)"]) >= float(got[f"P90 {metric} (ms)"])
-    assert saved.read_text().startswith("{")
+    assert json.loads(saved.read_text())["table"]["Successful requests"] == 3
+    if backend == "anthropic":
+        return
+    other = tmp_path / "p2.json"  # a second run's file, as the --parallel columns are
+    other.write_text(saved.read_text().replace('"Successful requests": 3', '"x": 0'))
+    assert bench.main(["--compare", str(saved), str(other)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split("|")[1:4] == [f" {'metric':33} ", f" {'result':>12} ",
+                                        f" {'p2':>12} "]
+    mean_ttft = next(row for row in table if row.startswith("| Mean TTFT (ms)"))
+    assert mean_ttft.split("|")[2].strip() == f"{float(got['Mean TTFT (ms)']):.2f}"
+    assert len(table) == 2 + len(json.loads(saved.read_text())["table"]) - 2
 
 
 def test_a_bad_goodput_is_refused(capsys):

@@ -17,6 +17,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -215,39 +216,73 @@ def section(title: str, char: str = "-") -> str:
     return f"{title:{char}^50}"
 
 
-def result_lines(args: argparse.Namespace, outcomes: list[Outcome], wall: float) -> list[str]:
-    """The vLLM-shaped table."""
+Entry = str | tuple[str, object]  # a section title, or a (label, value) row
+
+
+def result_entries(args: argparse.Namespace, outcomes: list[Outcome], wall: float
+                   ) -> list[Entry]:
+    """The rows of vLLM's table, in its order, with its section titles."""
     done = [o.timing for o in outcomes if o.ok]
     s = summary(done)
     limits = slo(args.goodput)
-    out = [section(" Serving Benchmark Result ", "="),
-           line("Successful requests:", len(done)),
-           line("Failed requests:", len(outcomes) - len(done)),
-           line("Maximum request concurrency:", args.max_concurrency),
-           line("Request rate configured (RPS):", float(args.request_rate)),
-           line("Benchmark duration (s):", wall),
-           line("Total input tokens:", s.get("input_tokens", 0)),
-           line("Total generated tokens:", s.get("output_tokens", 0)),
-           line("Request throughput (req/s):", len(done) / wall)]
+    tokens_in, tokens_out = s.get("input_tokens", 0), s.get("output_tokens", 0)
+    out: list[Entry] = [("Successful requests:", len(done)),
+                        ("Failed requests:", len(outcomes) - len(done))]
+    if args.max_concurrency is not None:
+        out.append(("Maximum request concurrency:", args.max_concurrency))
+    out += [("Request rate configured (RPS):", float(args.request_rate)),
+            ("Benchmark duration (s):", wall), ("Total input tokens:", tokens_in),
+            ("Total generated tokens:", tokens_out),
+            ("Request throughput (req/s):", len(done) / wall)]
     if limits:
-        out.append(line("Request goodput (req/s):", sum(good(t, limits) for t in done) / wall))
-    out += [line("Output token throughput (tok/s):", s.get("output_tokens", 0) / wall),
-            line("Total Token throughput (tok/s):",
-                 (s.get("output_tokens", 0) + s.get("input_tokens", 0)) / wall)]
+        out.append(("Request goodput (req/s):", sum(good(t, limits) for t in done) / wall))
+    out += [("Output token throughput (tok/s):", tokens_out / wall),
+            ("Total Token throughput (tok/s):", (tokens_out + tokens_in) / wall)]
     for title, short, key in (("Time to First Token", "TTFT", "ttft_s"),
                               ("Time per Output Token (excl. 1st token)", "TPOT", "tpot_s"),
                               ("Inter-token Latency", "ITL", "itl_s"),
                               ("End-to-end Latency", "E2EL", "e2el_s")):
-        out += metric_lines(title, short, s.get(key) or {}, args.metric_percentiles)
-    return out + ["=" * 50]
+        out += metric_entries(title, short, s.get(key) or {}, args.metric_percentiles)
+    return out
 
 
-def metric_lines(title: str, short: str, stats: dict, percentiles: str) -> list[str]:
+def metric_entries(title: str, short: str, stats: dict, percentiles: str) -> list[Entry]:
     """Mean, median and the asked percentiles of one metric, in milliseconds."""
     ms = lambda key: stats.get(key, 0.0) * 1000.0  # noqa: E731
-    rows = [section(title), line(f"Mean {short} (ms):", ms("mean")),
-            line(f"Median {short} (ms):", ms("p50"))]
-    return rows + [line(f"P{p} {short} (ms):", ms(f"p{p}")) for p in percentiles.split(",")]
+    rows: list[Entry] = [title, (f"Mean {short} (ms):", ms("mean")),
+                         (f"Median {short} (ms):", ms("p50"))]
+    return rows + [(f"P{p} {short} (ms):", ms(f"p{p}")) for p in percentiles.split(",")]
+
+
+def result_lines(entries: list[Entry]) -> list[str]:
+    """The vLLM-shaped table."""
+    body = [section(e) if isinstance(e, str) else line(*e) for e in entries]
+    return [section(" Serving Benchmark Result ", "="), *body, "=" * 50]
+
+
+def table_of(entries: list[Entry]) -> dict[str, object]:
+    """The rows as label → value (the --save-result "table"; --compare reads it)."""
+    return {e[0].rstrip(":"): e[1] for e in entries if not isinstance(e, str)}
+
+
+def compare(paths: list[str]) -> list[str]:
+    """A markdown table of several --save-result files, one column each (docs/PERF.md)."""
+    tables = [json.loads(Path(p).read_text(encoding="utf-8"))["table"] for p in paths]
+    labels = [k for k in tables[0] if k not in ("Successful requests", "Failed requests")]
+    heads = [Path(p).stem for p in paths]
+    out = [f"| {'metric':33} | " + " | ".join(f"{h:>12}" for h in heads) + " |",
+           f"|{'-' * 35}|" + "|".join("-" * 13 + ":" for _ in heads) + "|"]
+    for label in labels:
+        cells = [cell(t.get(label)) for t in tables]
+        out.append(f"| {label:33} | " + " | ".join(f"{c:>12}" for c in cells) + " |")
+    return out
+
+
+def cell(value: object) -> str:
+    """A markdown cell: floats to two decimals, "-" when a file lacks the row."""
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -278,22 +313,31 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--goodput", nargs="*", default=["ttft:2000", "tpot:50"],
                    metavar="KEY:MS", help="SLOs a good request meets: ttft, tpot, e2el in ms")
     p.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
-    p.add_argument("--save-result", metavar="FILE.json", help="write per-request figures")
+    p.add_argument("--save-result", metavar="FILE.json", help="write the table and the "
+                   "per-request figures")
+    p.add_argument("--compare", nargs="+", metavar="FILE.json", help="send nothing: print "
+                   "these --save-result files as one markdown table, a column each")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the load, print the table; exit 1 when any request failed."""
+    """Run the load, print the table; exit 1 when any request failed. With --compare, print
+    the saved results side by side instead."""
     args = parser().parse_args(argv)
+    if args.compare:
+        print("\n".join(compare(args.compare)))
+        return 0
     slo(args.goodput)  # a bad --goodput is said before any request
     outcomes, wall = asyncio.run(run(args))
-    print("\n".join(result_lines(args, outcomes, wall)))
+    entries = result_entries(args, outcomes, wall)
+    print("\n".join(result_lines(entries)))
     for o in outcomes:
         if not o.ok:
             print(f"failed: {o.error}", file=sys.stderr)
     if args.save_result:
         with open(args.save_result, "w", encoding="utf-8") as f:
-            json.dump({"summary": summary([o.timing for o in outcomes if o.ok]),
+            json.dump({"table": table_of(entries),
+                       "summary": summary([o.timing for o in outcomes if o.ok]),
                        "requests": [o.timing.per_job() for o in outcomes]}, f, indent=2)
     return 0 if all(o.ok for o in outcomes) else 1
 
