@@ -192,11 +192,12 @@ class Runtime:
         return True
 
     def write_trace_header(self, model_dir: str) -> None:
-        """The --trace file's first line: the model's fingerprint and the slots' settings, so
-        ds4-replay can refuse another model's trace and rebuild the same slots."""
+        """Note the model's fingerprint (/health shows it) and write the --trace file's first
+        line: the fingerprint and the slots' settings, so ds4-replay can refuse another
+        model's trace and rebuild the same slots."""
         from ds4.jobs.trace import model_fingerprint, trace_header
 
-        self.model_fingerprint = model_fingerprint(model_dir)  # /health shows it to ds4-replay
+        self.model_fingerprint = model_fingerprint(model_dir)
         if self.scheduler.trace is not None:
             cfg, sched = self.config, self.scheduler.config
             self.scheduler.trace.write(trace_header(
