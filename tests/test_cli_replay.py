@@ -73,8 +73,9 @@ def test_a_copy_replays_streamed_with_its_latencies_side_by_side(live, tmp_path)
     report = tmp_path / "report.json"
     result = replay_command(str(copy_of(trace, tmp_path)), "--url", url, "--report", str(report))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.splitlines()[-1] == "ds4-replay: 5 job(s) compared text-exactly, " \
-        "1 timed only (not greedy or seeded), 0 problem(s)"
+    assert result.stdout.splitlines()[-1] == "ds4-replay: 5 job(s) compared, 1 skipped (not " \
+        "greedy or seeded: timed only), 0 problem(s) (compared text-exactly: token ids do not " \
+        "cross HTTP)"
     jobs = json.loads(report.read_text())["jobs"]
     assert [j["outcome"] for j in jobs] == ["text-exact"] * 5 + ["timed"]
     for job in jobs:  # TTFT and ITL come from the stream's chunks, as they did when recorded

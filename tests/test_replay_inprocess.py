@@ -174,8 +174,8 @@ def test_the_same_trace_replays_against_the_live_server(recorded, tmp_path, caps
                                               for j in jobs)
     assert all(j["replayed"]["ttft_s"] > 0 and j["replayed"]["itl_s"] > 0 for j in jobs)
     out = capsys.readouterr().out.splitlines()
-    assert out[-1] == "ds4-replay: 2 job(s) compared text-exactly, 3 timed only (not greedy " \
-        "or seeded), 0 problem(s)"
+    assert out[-1] == "ds4-replay: 2 job(s) compared, 3 skipped (not greedy or seeded: timed " \
+        "only), 0 problem(s) (compared text-exactly: token ids do not cross HTTP)"
     assert any(line.startswith("| E2EL p50 (ms)") for line in out)
 
 

@@ -73,8 +73,9 @@ class Report:
     def summary(self) -> str:
         """The closing line of ds4-replay."""
         unsent = f", {self.not_sent} not sent (failed or cancelled)" if self.not_sent else ""
-        return (f"ds4-replay: {self.compared} job(s) compared text-exactly, {self.skipped} "
-                f"timed only (not greedy or seeded){unsent}, {len(self.problems)} problem(s)")
+        return (f"ds4-replay: {self.compared} job(s) compared, {self.skipped} skipped (not "
+                f"greedy or seeded: timed only){unsent}, {len(self.problems)} problem(s) "
+                "(compared text-exactly: token ids do not cross HTTP)")
 
 
 class OwnTrace(Exception):
