@@ -13,7 +13,7 @@ from ds4.jobs.events import Failed, Finished, Started, TokenEvents, Usage
 from ds4.server import request_fields as rf
 from ds4.server.errors import ANTHROPIC, error_body
 from ds4.server.generation import failure_error, generate
-from ds4.server.openai_chat import cache_written
+from ds4.server.openai_object import cache_written
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sse import Channel, event_frame
 from ds4.server.tools import anthropic_result_ids, forced_prefix

@@ -14,7 +14,7 @@ from ds4.jobs.stop import StopText
 from ds4.server import request_fields as rf
 from ds4.server.errors import OPENAI, ApiError
 from ds4.server.generation import generate
-from ds4.server.openai_chat import OpenAIObject, finish_reason, openai_usage
+from ds4.server.openai_object import OpenAIObject, finish_reason, openai_usage
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sse import Channel, data_frame
 from ds4.server.turn import Turn

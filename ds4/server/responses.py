@@ -11,7 +11,7 @@ from ds4.jobs.events import Failed, Finished, Started, TokenEvents, Usage
 from ds4.server import request_fields as rf
 from ds4.server.errors import OPENAI, ApiError
 from ds4.server.generation import generate
-from ds4.server.openai_chat import cache_written
+from ds4.server.openai_object import cache_written
 from ds4.server.responses_items import OutputItems
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sealed_reasoning import ReasoningSeal
