@@ -97,7 +97,7 @@ def arguments_object(arguments: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-class MessageShape:
+class MessageShape(ev.ParserEvents[list[bytes]]):
     """Message bodies and the message_start … message_stop event sequence of one job."""
 
     def __init__(self, running: Running):
@@ -185,19 +185,35 @@ class MessageShape:
         """Frames for one sampled token's parser events."""
         frames = self.message_start()
         for e in event.events:
-            if isinstance(e, ev.ReasoningDelta):
-                frames += self.text_frames("thinking", self.thinking.push(e.text))
-            elif isinstance(e, ev.TextDelta):
-                frames += self.text_frames("text", self.text.push(e.text))
-            elif isinstance(e, ev.ToolCallStart):
-                self.streamed_calls.add(e.index)
-                frames += self.start_block({"type": "tool_use", "id": e.id, "name": e.name,
-                                            "input": {}})
-            elif isinstance(e, ev.ToolArgsDelta) and e.text:
-                frames.append(self.delta({"type": "input_json_delta", "partial_json": e.text}))
-            elif isinstance(e, ev.ToolCallEnd):
-                frames += self.stop_block()
+            frames += self.on(e)
         return frames
+
+    def ignored(self) -> list[bytes]:
+        """No frame for the event."""
+        return []
+
+    def on_reasoning(self, e: ev.ReasoningDelta) -> list[bytes]:
+        """thinking_delta, once the channel lets the text go."""
+        return self.text_frames("thinking", self.thinking.push(e.text))
+
+    def on_text(self, e: ev.TextDelta) -> list[bytes]:
+        """text_delta, once the channel lets the text go."""
+        return self.text_frames("text", self.text.push(e.text))
+
+    def on_call_start(self, e: ev.ToolCallStart) -> list[bytes]:
+        """A tool_use block opens."""
+        self.streamed_calls.add(e.index)
+        return self.start_block({"type": "tool_use", "id": e.id, "name": e.name, "input": {}})
+
+    def on_call_args(self, e: ev.ToolArgsDelta) -> list[bytes]:
+        """input_json_delta of the open tool_use block."""
+        if not e.text:
+            return []
+        return [self.delta({"type": "input_json_delta", "partial_json": e.text})]
+
+    def on_call_end(self, e: ev.ToolCallEnd) -> list[bytes]:
+        """The tool_use block closes."""
+        return self.stop_block()
 
     def closing(self, finished: Finished) -> list[bytes]:
         """Held-back text, calls not streamed live, message_delta and message_stop."""

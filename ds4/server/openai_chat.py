@@ -62,7 +62,7 @@ def tool_call(call: ev.ToolCall, index: int | None = None) -> dict:
     return out if index is None else {"index": index, **out}
 
 
-class ChatShape(OpenAIObject):
+class ChatShape(OpenAIObject, ev.ParserEvents[list[bytes]]):
     """chat.completion bodies and chat.completion.chunk frames of one job."""
 
     def __init__(self, running: Running):
@@ -88,24 +88,34 @@ class ChatShape(OpenAIObject):
 
     def tokens(self, event: TokenEvents) -> list[bytes]:
         """Deltas for one sampled token's parser events."""
-        return [f for e in event.events if (f := self.delta(e)) is not None]
+        return [f for e in event.events for f in self.on(e)]
 
-    def delta(self, e: object) -> bytes | None:
-        """The chunk of one parser event (None when nothing is sent yet)."""
-        if isinstance(e, ev.ReasoningDelta):
-            text = self.reasoning.push(e.text)
-            return self.chunk({"reasoning_content": text}) if text else None
-        if isinstance(e, ev.TextDelta):
-            text = self.content.push(e.text)
-            return self.chunk({"content": text}) if text else None
-        if isinstance(e, ev.ToolCallStart):
-            self.streamed_calls.add(e.index)
-            call = ev.ToolCall(e.id, e.name, "")
-            return self.chunk({"tool_calls": [tool_call(call, e.index)]})
-        if isinstance(e, ev.ToolArgsDelta) and e.text:
-            return self.chunk({"tool_calls": [{"index": e.index,
-                                               "function": {"arguments": e.text}}]})
-        return None
+    def ignored(self) -> list[bytes]:
+        """Nothing is sent for the event (yet)."""
+        return []
+
+    def on_reasoning(self, e: ev.ReasoningDelta) -> list[bytes]:
+        """reasoning_content, once the channel lets it go."""
+        text = self.reasoning.push(e.text)
+        return [self.chunk({"reasoning_content": text})] if text else []
+
+    def on_text(self, e: ev.TextDelta) -> list[bytes]:
+        """content, once the channel lets it go."""
+        text = self.content.push(e.text)
+        return [self.chunk({"content": text})] if text else []
+
+    def on_call_start(self, e: ev.ToolCallStart) -> list[bytes]:
+        """The call's id and name, with empty arguments."""
+        self.streamed_calls.add(e.index)
+        call = ev.ToolCall(e.id, e.name, "")
+        return [self.chunk({"tool_calls": [tool_call(call, e.index)]})]
+
+    def on_call_args(self, e: ev.ToolArgsDelta) -> list[bytes]:
+        """More of the call's arguments string."""
+        if not e.text:
+            return []
+        return [self.chunk({"tool_calls": [{"index": e.index,
+                                             "function": {"arguments": e.text}}]})]
 
     def closing(self, finished: Finished) -> list[bytes]:
         """Held-back text, calls not streamed live, the finish chunk, usage and [DONE]."""
