@@ -15,11 +15,14 @@ import struct
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ds4.snapshot import is_frontier_array, pack, unpack
+
+if TYPE_CHECKING:
+    from ds4.engine import Engine
 
 FORMAT_VERSION = 1
 MAGIC = b"DS4KVCK\0"
@@ -39,7 +42,7 @@ class InvalidCheckpoint(ValueError):
 # -- model fingerprint -------------------------------------------------------------------
 
 
-def model_fingerprint(engine: Any) -> bytes:
+def model_fingerprint(engine: Engine) -> bytes:
     """sha256 of config.json, the engine's shape fingerprint and a digest of the weight files."""
     h = hashlib.sha256()
     model_dir = Path(engine.model_dir)

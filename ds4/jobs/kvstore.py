@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ds4.jobs.kvfile import (
     HEADER,
@@ -35,6 +35,10 @@ from ds4.jobs.kvfile import (
     token_bytes,
     without_frontier,
 )
+
+if TYPE_CHECKING:
+    from ds4.engine import Engine
+    from ds4.jobs.slot import Slot
 
 log = logging.getLogger("ds4.kvstore")
 HALF_LIFE_S = 6 * 3600.0  # a hit counts half as much for eviction after six hours
@@ -367,7 +371,7 @@ class SlotCheckpoints:
     checkpoints up to it are already stored for the slot's timeline, so none is taken twice.
     """
 
-    def __init__(self, store: KVStore, slot: Any, engine: Any):
+    def __init__(self, store: KVStore, slot: Slot, engine: Engine):
         self.store = store
         self.slot = slot
         self.engine = engine
