@@ -24,29 +24,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("ds4.jobs")
 
 
-class DeferredDecode:
-    """A job's session for one lock-step token: sampling reads the session's own logits; the
-    token the job decodes is only noted, for the batched engine step that follows."""
-
-    def __init__(self, session: Session):
-        self.session = session
-        self.token: int | None = None
-
-    def sample(self, opts: SamplingOptions, rng: np.random.Generator) -> int:
-        """The job's next token, drawn from its session's last logits."""
-        return self.session.sample(opts, rng)
-
-    def decode(self, token_id: int) -> None:
-        """Note the token; its logits come from the batched step."""
-        self.token = int(token_id)
-
-
-def decoding(slot: Slot) -> bool:
-    """True when the slot's job decodes and did not ask to stop."""
-    job = slot.job
-    return job is not None and job.state == "decoding" and not job.cancel_requested.is_set()
-
-
 class LockStepDecode:
     """Runs the decoding jobs' bursts in lock-step; records the size of each engine step."""
 
@@ -126,6 +103,29 @@ class LockStepDecode:
             return
         for session, token in zip(sessions, tokens):
             session.decode(token)
+
+
+class DeferredDecode:
+    """A job's session for one lock-step token: sampling reads the session's own logits; the
+    token the job decodes is only noted, for the batched engine step that follows."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.token: int | None = None
+
+    def sample(self, opts: SamplingOptions, rng: np.random.Generator) -> int:
+        """The job's next token, drawn from its session's last logits."""
+        return self.session.sample(opts, rng)
+
+    def decode(self, token_id: int) -> None:
+        """Note the token; its logits come from the batched step."""
+        self.token = int(token_id)
+
+
+def decoding(slot: Slot) -> bool:
+    """True when the slot's job decodes and did not ask to stop."""
+    job = slot.job
+    return job is not None and job.state == "decoding" and not job.cancel_requested.is_set()
 
 
 class BatchRotation:

@@ -43,15 +43,6 @@ MAX_REDECODES = 2
 log = logging.getLogger("ds4.jobs")
 
 
-@dataclass
-class Timeslice:
-    """What a job needs from the scheduler while on a slot (docs/ARCHITECTURE.md, The scheduler)."""
-
-    prefill_s: float
-    decode_tokens: int
-    others_waiting: Callable[[], bool]
-
-
 class Job:
     """One request's generation state, advanced one machine transition per scheduler turn."""
 
@@ -123,7 +114,7 @@ class Job:
         self.error = Failed(message, status, "server_error")
         self.fail()
 
-    # -- phase work (named in ds4.jobs.machine) ------------------------------------------
+    # -- phase work (ds4/jobs/machine.py:JobPhases) -------------------------------------
 
     def begin_work(self, _event: EventData | None = None) -> None:
         """Decide what the slot's session can reuse, or restore a longer prefix from disk; the
@@ -324,3 +315,12 @@ class Job:
             self.stats.observe_ttft(now - self.arrived)
         self.token_times.append(now)
         self.stats.generated_tokens += 1
+
+
+@dataclass
+class Timeslice:
+    """What a job needs from the scheduler while on a slot (docs/ARCHITECTURE.md, The scheduler)."""
+
+    prefill_s: float
+    decode_tokens: int
+    others_waiting: Callable[[], bool]

@@ -26,6 +26,26 @@ STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_u
 NOT_STOPPED = {"stop_reason": None, "stop_sequence": None}
 
 
+async def handle(request: Request, runtime: Runtime) -> Response:
+    """Serve one message."""
+    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
+    runtime.require_serving()
+    return await generate(request, runtime, parse(body, raw, runtime), MessageShape)
+
+
+async def count_tokens(request: Request, runtime: Runtime) -> Response:
+    """The prompt length a messages body would have, without running it."""
+    body, _ = await rf.read_json(request, runtime.config.max_body_bytes)
+    runtime.require_serving()
+    model, alias = rf.resolve_model(body)
+    thinking = rf.thinking_mode(body, alias, runtime.config.ctx)
+    render, _, _ = render_for(body, runtime, thinking)
+    turn = Turn(endpoint=ENDPOINT + "/count_tokens", protocol=ANTHROPIC, model=model,
+                render=render, thinking=thinking, sampling=rf.sampling({}, "none"), max_tokens=0)
+    prompt = await runtime.tokenize(turn)
+    return json_response({"input_tokens": len(prompt.tokens)})
+
+
 def stop_fields(finished: Finished) -> dict:
     """stop_reason and stop_sequence: a matched stop string is reported as Anthropic does."""
     if finished.stop_sequence is not None:
@@ -242,23 +262,3 @@ class MessageShape(ev.ParserEvents[list[bytes]]):
     def ping(self) -> bytes:
         """Anthropic's own keep-alive event."""
         return event_frame("ping", {"type": "ping"})
-
-
-async def handle(request: Request, runtime: Runtime) -> Response:
-    """Serve one message."""
-    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
-    runtime.require_serving()
-    return await generate(request, runtime, parse(body, raw, runtime), MessageShape)
-
-
-async def count_tokens(request: Request, runtime: Runtime) -> Response:
-    """The prompt length a messages body would have, without running it."""
-    body, _ = await rf.read_json(request, runtime.config.max_body_bytes)
-    runtime.require_serving()
-    model, alias = rf.resolve_model(body)
-    thinking = rf.thinking_mode(body, alias, runtime.config.ctx)
-    render, _, _ = render_for(body, runtime, thinking)
-    turn = Turn(endpoint=ENDPOINT + "/count_tokens", protocol=ANTHROPIC, model=model,
-                render=render, thinking=thinking, sampling=rf.sampling({}, "none"), max_tokens=0)
-    prompt = await runtime.tokenize(turn)
-    return json_response({"input_tokens": len(prompt.tokens)})

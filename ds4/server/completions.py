@@ -24,6 +24,13 @@ ENDPOINT = "/v1/completions"
 TEXT_COMPLETION = "text_completion"
 
 
+async def handle(request: Request, runtime: Runtime) -> Response:
+    """Serve one text completion."""
+    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
+    runtime.require_serving()
+    return await generate(request, runtime, parse(body, raw, runtime), CompletionShape)
+
+
 def bad_prompt(why: str) -> ApiError:
     """A 400 naming the `prompt` field."""
     return ApiError(400, f"invalid JSON request: 'prompt' {why}", param="prompt")
@@ -118,10 +125,3 @@ class CompletionShape(OpenAIObject):
             frames.append(self.chunk(rest))
         frames.append(self.chunk("", finish_reason(finished)))
         return frames + self.ending(TEXT_COMPLETION, finished)
-
-
-async def handle(request: Request, runtime: Runtime) -> Response:
-    """Serve one text completion."""
-    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
-    runtime.require_serving()
-    return await generate(request, runtime, parse(body, raw, runtime), CompletionShape)

@@ -19,6 +19,23 @@ from ds4.server.wire import json_response
 DISCONNECT_POLL_S = 0.5
 
 
+async def generate(request: Request, runtime: Runtime, turn: Turn,
+                   make_shape: Callable[[Running], Shape]) -> Response:
+    """Queue the turn and answer with a JSON body or an SSE stream."""
+    running = await runtime.start(turn)
+    try:
+        shape = make_shape(running)
+        if turn.stream:
+            return await open_stream(runtime, running, shape)
+    except BaseException:
+        running.cancel()  # the job must not outlive a handler that failed to answer
+        raise
+    finished = await collect(request, running)
+    if finished is None:
+        return Response(status_code=499)  # nobody is listening any more
+    return json_response(shape.body(finished))
+
+
 class Shape(Protocol):
     """How one protocol turns job events into a body or SSE frames."""
 
@@ -35,23 +52,6 @@ def failure_error(failed: Failed) -> ApiError:
     """A failed job as an ApiError (a failed generation is never a 200)."""
     code = "context_length_exceeded" if failed.kind == "context_overflow" else None
     return ApiError(failed.status, failed.message, code=code)
-
-
-async def generate(request: Request, runtime: Runtime, turn: Turn,
-                   make_shape: Callable[[Running], Shape]) -> Response:
-    """Queue the turn and answer with a JSON body or an SSE stream."""
-    running = await runtime.start(turn)
-    try:
-        shape = make_shape(running)
-        if turn.stream:
-            return await open_stream(runtime, running, shape)
-    except BaseException:
-        running.cancel()  # the job must not outlive a handler that failed to answer
-        raise
-    finished = await collect(request, running)
-    if finished is None:
-        return Response(status_code=499)  # nobody is listening any more
-    return json_response(shape.body(finished))
 
 
 async def collect(request: Request, running: Running) -> Finished | None:

@@ -21,6 +21,13 @@ ENDPOINT = "/v1/chat/completions"
 CHUNK = "chat.completion.chunk"
 
 
+async def handle(request: Request, runtime: Runtime) -> Response:
+    """Serve one chat completion."""
+    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
+    runtime.require_serving()
+    return await generate(request, runtime, parse(body, raw, runtime), ChatShape)
+
+
 def parse(body: dict, raw: str, runtime: Runtime) -> Turn:
     """A chat request body as a Turn (400 on missing or wrong-typed fields)."""
     cfg = runtime.config
@@ -131,10 +138,3 @@ class ChatShape(OpenAIObject, ev.ParserEvents[list[bytes]]):
             frames.append(self.chunk({"tool_calls": late}))
         frames.append(self.chunk({}, finish_reason(finished)))
         return frames + self.ending(CHUNK, finished)
-
-
-async def handle(request: Request, runtime: Runtime) -> Response:
-    """Serve one chat completion."""
-    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
-    runtime.require_serving()
-    return await generate(request, runtime, parse(body, raw, runtime), ChatShape)

@@ -25,6 +25,14 @@ SUMMARY_OPT_IN = ("auto", "concise", "detailed")
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
+async def handle(request: Request, runtime: Runtime) -> Response:
+    """Serve one response."""
+    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
+    runtime.require_serving()
+    turn, summaries = parse(body, raw, runtime)
+    return await generate(request, runtime, turn, lambda r: ResponseShape(r, summaries, body))
+
+
 def response_usage(u: Usage) -> dict:
     """Responses `usage`."""
     return {"input_tokens": u.prompt_tokens,
@@ -167,12 +175,3 @@ class ResponseShape:
         """Keep-alive as a `response.in_progress` event: clients such as Codex time a stream out
         on parsed events only, so an SSE comment would not keep a queued request alive."""
         return self.event("response.in_progress", {"response": self.response("in_progress")})
-
-
-async def handle(request: Request, runtime: Runtime) -> Response:
-    """Serve one response."""
-    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
-    runtime.require_serving()
-    turn, summaries = parse(body, raw, runtime)
-    return await generate(request, runtime, turn, lambda r: ResponseShape(r, summaries, body))
-
