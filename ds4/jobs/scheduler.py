@@ -22,6 +22,7 @@ from ds4.jobs.events import JobRequest, JobSink, Queued
 from ds4.jobs.job import Job, Timeslice
 from ds4.jobs.kvstore import KVStore, SlotCheckpoints
 from ds4.jobs.slot import Slot
+from ds4.jobs.ssd_streaming import ssd_streaming_refusal
 from ds4.jobs.stats import SchedulerStats
 from ds4.jobs.trace import TraceWriter, job_record
 
@@ -46,9 +47,8 @@ class SchedulerConfig:
             raise ValueError(f"--parallel must be at least 1, got {self.parallel}")
         if self.decode_tokens < 1:
             raise ValueError(f"decode burst must be at least 1 token, got {self.decode_tokens}")
-        if self.ssd_streaming and self.parallel > 1:
-            raise ValueError("--parallel > 1 cannot be used with --ssd-streaming: interleaved "
-                             "sessions would thrash the streamed experts; use --parallel 1")
+        if self.ssd_streaming and (why := ssd_streaming_refusal(parallel=self.parallel)):
+            raise ValueError(why)
 
     @classmethod
     def from_env(cls, env: dict | None = None, **overrides: Any) -> SchedulerConfig:
@@ -67,9 +67,8 @@ def refuse_ssd_streaming_on_gpu(engine: Any, config: SchedulerConfig) -> None:
     """The CuPy backend cannot stream experts from disk yet: say so instead of pretending."""
     backend = getattr(engine, "backend", None)
     name = getattr(backend, "name", backend)
-    if config.ssd_streaming and name == "cupy":
-        raise ValueError("--ssd-streaming is not supported on the CuPy backend yet; "
-                         "use --backend numpy or drop --ssd-streaming")
+    if config.ssd_streaming and name == "cupy":  # the engine's backend is resolved already
+        raise ValueError(ssd_streaming_refusal(backend="cupy"))
 
 
 class PendingQueue:
