@@ -1,6 +1,6 @@
 // What the decode kernel families share: +inf for NVRTC, bf16 widening, packs of eight weights,
-// a row dot product, warp and block reductions, a warp argmax, and the RoPE turn of one channel. Each
-// ds4/kernels/*.cu includes it; NVRTC and nvcc find it through -I<ds4/kernels>.
+// a row dot product, warp and block reductions, a warp argmax, and the RoPE turn of one
+// channel. Each ds4/kernels/*.cu includes it; NVRTC and nvcc find it through -I<ds4/kernels>.
 #pragma once
 
 #ifndef INFINITY  // NVRTC has no math.h
