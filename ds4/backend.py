@@ -5,8 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import cupy
+
+    Array = np.ndarray | cupy.ndarray  # an array of either backend
+else:
+    Array = np.ndarray  # the name only annotates; CuPy need not be importable to run on NumPy
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 

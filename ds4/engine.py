@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import io
-import json
-import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +21,16 @@ from ds4.model.placement import weight_budget
 from ds4.model.state import SessionState, state_bytes
 from ds4.model.weights import load_weights
 from ds4.sampling import sample
+from ds4.snapshot import (
+    FRONTIER_LOGITS,
+    FRONTIER_PREFIX,
+    LOGITS,
+    SNAPSHOT_VERSION,
+    check_compatible,
+    pack,
+    unpack,
+)
 
-SNAPSHOT_VERSION = 1
 MAX_BATCH = 8  # sessions per batched decode step; larger batches run as several steps
 
 
@@ -236,25 +241,19 @@ class Session:
         if self._frontier is not None:  # so a restored session can still regenerate for free
             f = self._frontier
             meta["frontier"] = {"tokens": len(f.tokens), "n": f.n}
-            arrays.update({f"frontier/{k}": self.engine.backend.to_numpy(v)
+            arrays.update({f"{FRONTIER_PREFIX}{k}": self.engine.backend.to_numpy(v)
                            for k, v in f.arrays.items()})
             if f.logits is not None:
-                arrays["__frontier_logits__"] = f.logits
-        arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+                arrays[FRONTIER_LOGITS] = f.logits
         if self.logits is not None:
-            arrays["__logits__"] = self.logits
-        buf = io.BytesIO()
-        np.savez(buf, **arrays)
-        return buf.getvalue()
+            arrays[LOGITS] = self.logits
+        return pack(meta, arrays)
 
     def restore(self, blob: bytes) -> Session:
         """Load a snapshot of a compatible engine's session; returns self
         (ValueError if not one)."""
-        arrays, meta = _read_snapshot(blob)
-        if meta.get("version") != SNAPSHOT_VERSION:
-            raise ValueError(f"snapshot version {meta.get('version')} is not supported")
-        if meta["fingerprint"] != json.loads(json.dumps(self.engine.fingerprint())):
-            raise ValueError("snapshot was taken with a different model configuration")
+        arrays, meta = unpack(blob)
+        check_compatible(meta, self.engine.fingerprint())
         if meta["n"] > self.ctx_size:
             raise ContextOverflow(f"snapshot holds {meta['n']} tokens, more than the context size "
                                   f"{self.ctx_size}")
@@ -268,15 +267,15 @@ class Session:
     def _load(self, arrays: dict, meta: dict) -> None:
         self.state.load(arrays, meta["n"])
         self.tokens = list(meta["tokens"])
-        self.logits, self._device_logits = _read_only(arrays.get("__logits__")), None
+        self.logits, self._device_logits = _read_only(arrays.get(LOGITS)), None
         self._save_frontier()
         if "frontier" in meta:
             f = meta["frontier"]
             copies = self._frontier.arrays
             for name in copies:
-                copies[name][...] = self.engine.backend.asarray(arrays[f"frontier/{name}"])
+                copies[name][...] = self.engine.backend.asarray(arrays[FRONTIER_PREFIX + name])
             self._frontier = Frontier(self.tokens[: f["tokens"]],
-                                      _read_only(arrays.get("__frontier_logits__")),
+                                      _read_only(arrays.get(FRONTIER_LOGITS)),
                                       f["n"], copies)
 
     # ---- internals
@@ -345,20 +344,6 @@ class Session:
         for name, arr in current.items():
             copies[name][...] = arr
         self._frontier = Frontier(list(self.tokens), self.logits, self.state.n, copies)
-
-
-def _read_snapshot(blob: bytes) -> tuple[dict, dict]:
-    """(arrays, meta) of a snapshot blob; ValueError when the bytes are not one."""
-    try:
-        with np.load(io.BytesIO(blob)) as data:
-            arrays = {k: data[k] for k in data.files}
-        meta = json.loads(arrays.pop("__meta__").tobytes())
-        if not isinstance(meta, dict) or not {"version", "fingerprint", "n",
-                                              "tokens"} <= meta.keys():
-            raise ValueError("its metadata lacks version, fingerprint, n or tokens")
-    except (OSError, EOFError, ValueError, KeyError, AttributeError, zipfile.BadZipFile) as err:
-        raise ValueError(f"not a session snapshot ({err})") from None
-    return arrays, meta
 
 
 def _read_only(logits: np.ndarray | None) -> np.ndarray | None:

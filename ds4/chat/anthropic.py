@@ -8,6 +8,38 @@ from ds4.chat.items import Call, ChatError, Item, ItemList
 from ds4.chat.tools_block import function_object, no_parameters
 
 
+def anthropic_items(messages: Any, system: Any = None) -> list[Item]:
+    """Items of an Anthropic request; a final assistant message is left open (prefill)."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatError("messages must be a non-empty list")
+    out = ItemList()
+    text = system_text(system)
+    if text is not None:
+        out.add_system(text)
+    for msg in messages:
+        role = msg.get("role") if isinstance(msg, dict) else None
+        if role == "user":
+            add_user_blocks(out, msg.get("content"))
+        elif role == "assistant":
+            add_assistant_blocks(out, msg.get("content"))
+        elif role == "system":  # Claude Code's mid-conversation system beta: a system item here
+            out.add_system(system_text(msg.get("content")) or "")
+        else:
+            raise ChatError(f"message role {role!r} is not supported")
+    return out.finish(prefill_last=messages[-1].get("role") == "assistant")
+
+
+def anthropic_functions(tools: list[dict] | None) -> list[dict]:
+    """Anthropic tools renamed to function schemas {name, description, parameters}."""
+    functions = []
+    for tool in tools or []:
+        if not isinstance(tool, dict) or not tool.get("name"):
+            raise ChatError("a tool has no name")
+        parameters = tool.get("input_schema", no_parameters())
+        functions.append(function_object(tool["name"], tool, parameters))
+    return functions
+
+
 def system_text(system: Any) -> str | None:
     """`system` as one string: text blocks joined by newlines, x-anthropic- parts dropped."""
     if system is None or isinstance(system, str):
@@ -89,35 +121,3 @@ def add_assistant_blocks(out: ItemList, content: Any) -> None:
         elif kind != "redacted_thinking":
             raise ChatError(f"unsupported assistant content block {kind!r}")
     out.add_assistant("".join(reasoning), "".join(text), calls)
-
-
-def anthropic_items(messages: Any, system: Any = None) -> list[Item]:
-    """Items of an Anthropic request; a final assistant message is left open (prefill)."""
-    if not isinstance(messages, list) or not messages:
-        raise ChatError("messages must be a non-empty list")
-    out = ItemList()
-    text = system_text(system)
-    if text is not None:
-        out.add_system(text)
-    for msg in messages:
-        role = msg.get("role") if isinstance(msg, dict) else None
-        if role == "user":
-            add_user_blocks(out, msg.get("content"))
-        elif role == "assistant":
-            add_assistant_blocks(out, msg.get("content"))
-        elif role == "system":  # Claude Code's mid-conversation system beta: a system item here
-            out.add_system(system_text(msg.get("content")) or "")
-        else:
-            raise ChatError(f"message role {role!r} is not supported")
-    return out.finish(prefill_last=messages[-1].get("role") == "assistant")
-
-
-def anthropic_functions(tools: list[dict] | None) -> list[dict]:
-    """Anthropic tools renamed to function schemas {name, description, parameters}."""
-    functions = []
-    for tool in tools or []:
-        if not isinstance(tool, dict) or not tool.get("name"):
-            raise ChatError("a tool has no name")
-        parameters = tool.get("input_schema", no_parameters())
-        functions.append(function_object(tool["name"], tool, parameters))
-    return functions

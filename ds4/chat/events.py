@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 
 @dataclass(frozen=True)
@@ -71,3 +72,56 @@ class Done:
 
 
 ParserEvent = ReasoningDelta | TextDelta | ToolCallStart | ToolArgsDelta | ToolCallEnd | Done
+
+
+R = TypeVar("R")  # what a protocol answers to one event: frames, (type, fields) pairs
+
+
+class ParserEvents(Generic[R]):
+    """One method per parser event, and `on` routing an event to it: the one dispatch every
+    protocol's stream shares. A method not overridden answers `ignored()`."""
+
+    def on(self, e: ParserEvent) -> R:
+        """The answer to one parser event."""
+        match e:
+            case ReasoningDelta():
+                return self.on_reasoning(e)
+            case TextDelta():
+                return self.on_text(e)
+            case ToolCallStart():
+                return self.on_call_start(e)
+            case ToolArgsDelta():
+                return self.on_call_args(e)
+            case ToolCallEnd():
+                return self.on_call_end(e)
+            case Done():
+                return self.on_done(e)
+        return self.ignored()
+
+    def ignored(self) -> R:
+        """The answer to an event this protocol does not show."""
+        raise NotImplementedError
+
+    def on_reasoning(self, e: ReasoningDelta) -> R:
+        """More reasoning text."""
+        return self.ignored()
+
+    def on_text(self, e: TextDelta) -> R:
+        """More answer text."""
+        return self.ignored()
+
+    def on_call_start(self, e: ToolCallStart) -> R:
+        """A tool call began."""
+        return self.ignored()
+
+    def on_call_args(self, e: ToolArgsDelta) -> R:
+        """More of a call's arguments."""
+        return self.ignored()
+
+    def on_call_end(self, e: ToolCallEnd) -> R:
+        """A tool call is complete."""
+        return self.ignored()
+
+    def on_done(self, e: Done) -> R:
+        """The tool-call block ended."""
+        return self.ignored()

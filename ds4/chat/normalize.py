@@ -9,6 +9,31 @@ from ds4.chat.items import Call, ChatError, Item, ItemList
 TEXT_PART_TYPES = (None, "text", "input_text", "output_text")
 
 
+def openai_items(messages: Any) -> list[Item]:
+    """Items of an OpenAI `messages` list; a final `prefix: true` assistant stays open."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatError("messages must be a non-empty list")
+    out = ItemList()
+    for msg in messages:
+        add_openai_message(out, msg)
+    last = messages[-1]
+    prefill = last.get("role") == "assistant" and bool(last.get("prefix"))
+    return out.finish(prefill_last=prefill)
+
+
+def openai_functions(tools: list[dict] | None) -> list[dict]:
+    """The `function` objects of OpenAI tools (a bare function object is taken as is)."""
+    functions = []
+    for tool in tools or []:
+        if not isinstance(tool, dict):
+            raise ChatError("tools entries must be objects")
+        fn = tool.get("function", tool)
+        if not isinstance(fn, dict) or not fn.get("name"):
+            raise ChatError("a tool has no function name")
+        functions.append(fn)
+    return functions
+
+
 def part_text(part: Any) -> str:
     """Text of one content part; images, audio and files are refused (400)."""
     if isinstance(part, str):
@@ -73,28 +98,3 @@ def add_openai_message(out: ItemList, msg: Any) -> None:
         out.add_assistant(content_text(reasoning), content_text(content), calls)
     else:
         raise ChatError(f"unknown message role {role!r}")
-
-
-def openai_items(messages: Any) -> list[Item]:
-    """Items of an OpenAI `messages` list; a final `prefix: true` assistant stays open."""
-    if not isinstance(messages, list) or not messages:
-        raise ChatError("messages must be a non-empty list")
-    out = ItemList()
-    for msg in messages:
-        add_openai_message(out, msg)
-    last = messages[-1]
-    prefill = last.get("role") == "assistant" and bool(last.get("prefix"))
-    return out.finish(prefill_last=prefill)
-
-
-def openai_functions(tools: list[dict] | None) -> list[dict]:
-    """The `function` objects of OpenAI tools (a bare function object is taken as is)."""
-    functions = []
-    for tool in tools or []:
-        if not isinstance(tool, dict):
-            raise ChatError("tools entries must be objects")
-        fn = tool.get("function", tool)
-        if not isinstance(fn, dict) or not fn.get("name"):
-            raise ChatError("a tool has no function name")
-        functions.append(fn)
-    return functions

@@ -36,6 +36,41 @@ MAX_PREFIX = (
 THINKING_LEVELS = ("none", "high", "max")
 
 
+def render_chat(messages: list[dict], tools: list[dict] | None = None, thinking: str = "high",
+                tool_choice: Any = "auto", tool_memory: ToolMemory | None = None,
+                response_format: Any = None) -> str:
+    """Prompt text of an OpenAI chat request; ChatError for input the server rejects (400)."""
+    functions = active_functions(tools, tool_choice, openai_functions)
+    if isinstance(response_format, dict) and response_format.get("type") == "text":
+        response_format = None  # the default format: nothing for the model to adhere to
+    items = attach_system(openai_items(messages), functions, response_format)
+    return render_items(items, thinking, tool_memory)
+
+
+def render_anthropic(messages: list[dict], system: Any = None, tools: list[dict] | None = None,
+                     thinking: str = "high", tool_choice: Any = None,
+                     tool_memory: ToolMemory | None = None) -> str:
+    """Prompt text of an Anthropic Messages request (a final assistant message is continued)."""
+    functions = active_functions(tools, tool_choice, anthropic_functions)
+    items = attach_system(anthropic_items(messages, system), functions, None)
+    return render_items(items, thinking, tool_memory)
+
+
+def render_responses(input: Any, instructions: str | None = None,
+                     tools: list[dict] | None = None, thinking: str = "high",
+                     tool_choice: Any = "auto", tool_memory: ToolMemory | None = None) -> str:
+    """Prompt text of an OpenAI Responses request (`instructions` lead as system text)."""
+    functions = active_functions(tools, tool_choice, responses_functions)
+    items = attach_system(responses_items(input, instructions), functions, None)
+    return render_items(items, thinking, tool_memory)
+
+
+def render_completion(prompt: str) -> str:
+    """Prompt text of /v1/completions: BOS and the prompt as written, which the model
+    continues (no chat template, no system text, no thinking), as legacy completions do."""
+    return BOS + prompt
+
+
 def check_thinking(thinking: str) -> bool:
     """True for thinking mode; refuses levels other than none/high/max."""
     if thinking not in THINKING_LEVELS:
@@ -127,35 +162,6 @@ def active_functions(tools: list[dict] | None, tool_choice: Any,
     return functions
 
 
-def render_chat(messages: list[dict], tools: list[dict] | None = None, thinking: str = "high",
-                tool_choice: Any = "auto", tool_memory: ToolMemory | None = None,
-                response_format: Any = None) -> str:
-    """Prompt text of an OpenAI chat request; ChatError for input the server rejects (400)."""
-    functions = active_functions(tools, tool_choice, openai_functions)
-    if isinstance(response_format, dict) and response_format.get("type") == "text":
-        response_format = None  # the default format: nothing for the model to adhere to
-    items = attach_system(openai_items(messages), functions, response_format)
-    return render_items(items, thinking, tool_memory)
-
-
-def render_anthropic(messages: list[dict], system: Any = None, tools: list[dict] | None = None,
-                     thinking: str = "high", tool_choice: Any = None,
-                     tool_memory: ToolMemory | None = None) -> str:
-    """Prompt text of an Anthropic Messages request (a final assistant message is continued)."""
-    functions = active_functions(tools, tool_choice, anthropic_functions)
-    items = attach_system(anthropic_items(messages, system), functions, None)
-    return render_items(items, thinking, tool_memory)
-
-
-def render_responses(input: Any, instructions: str | None = None,
-                     tools: list[dict] | None = None, thinking: str = "high",
-                     tool_choice: Any = "auto", tool_memory: ToolMemory | None = None) -> str:
-    """Prompt text of an OpenAI Responses request (`instructions` lead as system text)."""
-    functions = active_functions(tools, tool_choice, responses_functions)
-    items = attach_system(responses_items(input, instructions), functions, None)
-    return render_items(items, thinking, tool_memory)
-
-
 def prompt_opens_reasoning(prompt: str) -> bool:
     """Whether generation after this prompt starts inside <think> (the parser's `thinking`).
 
@@ -163,9 +169,3 @@ def prompt_opens_reasoning(prompt: str) -> bool:
     on with the answer even when thinking is enabled.
     """
     return prompt.endswith(ASSISTANT + THINK)
-
-
-def render_completion(prompt: str) -> str:
-    """Prompt text of /v1/completions: BOS and the prompt as written, which the model
-    continues (no chat template, no system text, no thinking), as legacy completions do."""
-    return BOS + prompt

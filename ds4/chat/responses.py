@@ -31,6 +31,52 @@ SKIPPED = ("compaction", "context_compaction")
 MEDIA_PARTS = ("input_image", "input_file", "input_audio")  # call-output parts with no text
 
 
+def responses_items(input: Any, instructions: str | None = None) -> list[Item]:
+    """Items of a Responses request: instructions first, then the input items."""
+    reader = ResponsesReader()
+    if instructions:
+        reader.out.add_system(instructions)
+    if isinstance(input, str):
+        reader.out.add_user_text(input)
+    elif isinstance(input, list) and input:
+        for item in input:
+            reader.read(item)
+        reader.flush_reasoning()
+    else:
+        raise ChatError("input must be a string or a non-empty list of items")
+    return reader.out.finish()
+
+
+def responses_functions(tools: list[dict] | None) -> list[dict]:
+    """Function schemas of Responses tools; namespaces flattened, hosted tools skipped."""
+    functions: list[dict] = []
+    for tool in tools or []:
+        if not isinstance(tool, dict):
+            raise ChatError("tools entries must be objects")
+        kind = tool.get("type", "function")
+        if kind == "function":
+            functions.append(function_schema(tool, ""))
+        elif kind == "namespace":
+            functions += namespace_schemas(tool)
+        elif kind == "custom":
+            functions.append(custom_schema(tool))
+        elif kind == LOCAL_SHELL:
+            functions.append(LOCAL_SHELL_SCHEMA)
+    return functions
+
+
+def responses_call_kinds(tools: list[dict] | None) -> dict[str, str]:
+    """Rendered function name → "custom" or "local_shell" for tools whose calls are not
+    `function_call` items; plain functions are absent."""
+    kinds: dict[str, str] = {}
+    for tool in tools or []:
+        if isinstance(tool, dict) and tool.get("type") == "custom" and tool.get("name"):
+            kinds[tool["name"]] = "custom"
+        elif isinstance(tool, dict) and tool.get("type") == LOCAL_SHELL:
+            kinds[LOCAL_SHELL] = LOCAL_SHELL
+    return kinds
+
+
 def output_part(part: dict) -> str:
     """One part of a call output: its text, or a placeholder for media the model cannot see."""
     if part.get("type") in MEDIA_PARTS:
@@ -137,52 +183,6 @@ class ResponsesReader:
             self.out.add_tool_result(call_id, output_text(item.get("output")))
         else:
             raise ChatError(f"unsupported input item type {kind!r}")
-
-
-def responses_items(input: Any, instructions: str | None = None) -> list[Item]:
-    """Items of a Responses request: instructions first, then the input items."""
-    reader = ResponsesReader()
-    if instructions:
-        reader.out.add_system(instructions)
-    if isinstance(input, str):
-        reader.out.add_user_text(input)
-    elif isinstance(input, list) and input:
-        for item in input:
-            reader.read(item)
-        reader.flush_reasoning()
-    else:
-        raise ChatError("input must be a string or a non-empty list of items")
-    return reader.out.finish()
-
-
-def responses_functions(tools: list[dict] | None) -> list[dict]:
-    """Function schemas of Responses tools; namespaces flattened, hosted tools skipped."""
-    functions: list[dict] = []
-    for tool in tools or []:
-        if not isinstance(tool, dict):
-            raise ChatError("tools entries must be objects")
-        kind = tool.get("type", "function")
-        if kind == "function":
-            functions.append(function_schema(tool, ""))
-        elif kind == "namespace":
-            functions += namespace_schemas(tool)
-        elif kind == "custom":
-            functions.append(custom_schema(tool))
-        elif kind == LOCAL_SHELL:
-            functions.append(LOCAL_SHELL_SCHEMA)
-    return functions
-
-
-def responses_call_kinds(tools: list[dict] | None) -> dict[str, str]:
-    """Rendered function name → "custom" or "local_shell" for tools whose calls are not
-    `function_call` items; plain functions are absent."""
-    kinds: dict[str, str] = {}
-    for tool in tools or []:
-        if isinstance(tool, dict) and tool.get("type") == "custom" and tool.get("name"):
-            kinds[tool["name"]] = "custom"
-        elif isinstance(tool, dict) and tool.get("type") == LOCAL_SHELL:
-            kinds[LOCAL_SHELL] = LOCAL_SHELL
-    return kinds
 
 
 def namespace_name(name: Any) -> str:

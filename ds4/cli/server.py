@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from ds4.cli.flags import ShowDefaults, add_version
-from ds4.engine import cuda_available
+from ds4.jobs.ssd_streaming import ssd_streaming_refusal
 from ds4.server.config import DEFAULT_MAX_TOKENS, ServerConfig
 
 if TYPE_CHECKING:
@@ -109,14 +109,8 @@ def config_from(argv: list[str] | None) -> ServerConfig:
     """Parse flags into the config; bad combinations exit with status 2."""
     p = parser()
     a = p.parse_args(argv)
-    if a.parallel > 1 and a.ssd_streaming:
-        p.error("--parallel > 1 cannot be combined with --ssd-streaming: interleaved sessions "
-                "would thrash the streamed expert cache; use --parallel 1")
-    if a.ssd_streaming and a.load_format == "dummy":
-        p.error("--ssd-streaming reads experts from checkpoint files; --load-format dummy has none")
-    if a.ssd_streaming and (a.backend == "cupy" or (a.backend == "auto" and cuda_available())):
-        p.error("--ssd-streaming is not supported on the CuPy backend yet; "
-                "use --backend numpy or drop --ssd-streaming")
+    if a.ssd_streaming and (why := ssd_streaming_refusal(a.parallel, a.backend, a.load_format)):
+        p.error(why)
     return ServerConfig(model_dir=a.model, host=a.host, port=a.port, parallel=a.parallel,
                         ctx=a.ctx, prefill_chunk=a.prefill_chunk, backend=a.backend,
                         cors=a.cors, api_key=a.api_key, trace=a.trace,

@@ -10,40 +10,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from ds4.jobs.events import SamplingOptions
 from ds4.jobs.slot import Slot
 
+if TYPE_CHECKING:
+    from ds4.engine import Engine, Session
+    from ds4.jobs.job import Job
+
 log = logging.getLogger("ds4.jobs")
-
-
-class DeferredDecode:
-    """A job's session for one lock-step token: sampling reads the session's own logits; the
-    token the job decodes is only noted, for the batched engine step that follows."""
-
-    def __init__(self, session: Any):
-        self.session = session
-        self.token: int | None = None
-
-    def sample(self, opts: Any, rng: Any) -> int:
-        """The job's next token, drawn from its session's last logits."""
-        return self.session.sample(opts, rng)
-
-    def decode(self, token_id: int) -> None:
-        """Note the token; its logits come from the batched step."""
-        self.token = int(token_id)
-
-
-def decoding(slot: Slot) -> bool:
-    """True when the slot's job decodes and did not ask to stop."""
-    job = slot.job
-    return job is not None and job.state == "decoding" and not job.cancel_requested.is_set()
 
 
 class LockStepDecode:
     """Runs the decoding jobs' bursts in lock-step; records the size of each engine step."""
 
-    def __init__(self, engine: Any, burst: int):
+    def __init__(self, engine: Engine, burst: int):
         self.engine = engine
         self.burst = burst
         self.observers: list[Callable[[int], None]] = []  # called with each step's batch size
@@ -54,9 +38,9 @@ class LockStepDecode:
             return []
         return [s for s in slots if decoding(s)]
 
-    def run(self, slots: list[Slot]) -> dict[Any, Exception]:
+    def run(self, slots: list[Slot]) -> dict[Job, Exception]:
         """One burst for the slots' jobs; the jobs that failed on the way, with why."""
-        failed: dict[Any, Exception] = {}
+        failed: dict[Job, Exception] = {}
         live = list(slots)
         for _ in range(self.burst):
             stepping = self._choose(live, failed)
@@ -119,6 +103,29 @@ class LockStepDecode:
             return
         for session, token in zip(sessions, tokens):
             session.decode(token)
+
+
+class DeferredDecode:
+    """A job's session for one lock-step token: sampling reads the session's own logits; the
+    token the job decodes is only noted, for the batched engine step that follows."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.token: int | None = None
+
+    def sample(self, opts: SamplingOptions, rng: np.random.Generator) -> int:
+        """The job's next token, drawn from its session's last logits."""
+        return self.session.sample(opts, rng)
+
+    def decode(self, token_id: int) -> None:
+        """Note the token; its logits come from the batched step."""
+        self.token = int(token_id)
+
+
+def decoding(slot: Slot) -> bool:
+    """True when the slot's job decodes and did not ask to stop."""
+    job = slot.job
+    return job is not None and job.state == "decoding" and not job.cancel_requested.is_set()
 
 
 class BatchRotation:

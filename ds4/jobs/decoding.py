@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
 
 from ds4.chat import OutputParser
 from ds4.chat.events import ParsedOutput, ParserEvent
@@ -13,7 +15,18 @@ from ds4.jobs.events import JobRequest, SamplingOptions, TokenEvents
 from ds4.jobs.stop import StopText
 from ds4.tokenizer import EOS_ID
 
+if TYPE_CHECKING:
+    from ds4.tokenizer import Tokenizer
+
 GREEDY = SamplingOptions(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
+
+
+class DecodeTarget(Protocol):
+    """What an attempt steps through: a `ds4.engine.Session`, or a lock-step turn's
+    `ds4.jobs.decode_batch.DeferredDecode` standing in for one."""
+
+    def sample(self, opts: SamplingOptions, rng: np.random.Generator) -> int: ...
+    def decode(self, token_id: int) -> object: ...
 
 
 class DecodeAttempt:
@@ -23,7 +36,8 @@ class DecodeAttempt:
     or "malformed" when the parser rejected the DSML block (recovery decides what follows).
     """
 
-    def __init__(self, request: JobRequest, tokenizer: Any, rng: Any, cap: int,
+    def __init__(self, request: JobRequest, tokenizer: Tokenizer,
+                 rng: np.random.Generator, cap: int,
                  greedy: bool = False, id_seed: str = ""):
         self.request = request
         self.tokenizer = tokenizer
@@ -64,7 +78,7 @@ class DecodeAttempt:
             return self._end("length", [])
         return []
 
-    def step(self, session: Any) -> list[TokenEvents]:
+    def step(self, session: DecodeTarget) -> list[TokenEvents]:
         """One token: choose, evaluate, parse; returns what the sink should get."""
         tok = self.forced.popleft() if self.forced else self._sample(session)
         if tok == EOS_ID:
@@ -125,7 +139,7 @@ class DecodeAttempt:
             text = text[:at] if at >= 0 else text
         return text
 
-    def _sample(self, session: Any) -> int:
+    def _sample(self, session: DecodeTarget) -> int:
         greedy = self.greedy or self.parser.in_dsml_structure
         opts = GREEDY if greedy else self.request.sampling
         return int(session.sample(opts, self.rng))  # where its logits live (host or device)

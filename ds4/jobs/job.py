@@ -8,11 +8,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from ds4.chat.events import ParsedOutput, ToolCallStart
 from ds4.engine import ContextOverflow
-from ds4.jobs.decoding import DecodeAttempt
+from ds4.jobs.decoding import DecodeAttempt, DecodeTarget
 from ds4.jobs.events import (
     Failed,
     Finished,
@@ -29,17 +31,16 @@ from ds4.jobs.stats import SchedulerStats
 from ds4.sampling import make_rng
 from ds4.tokenizer import EOS_ID
 
+if TYPE_CHECKING:
+    from transitions import EventData
+
+    from ds4.engine import Session
+    from ds4.jobs.kvstore import SlotCheckpoints
+    from ds4.jobs.slot import Slot
+    from ds4.tokenizer import Tokenizer
+
 MAX_REDECODES = 2
 log = logging.getLogger("ds4.jobs")
-
-
-@dataclass
-class Timeslice:
-    """What a job needs from the scheduler while on a slot (docs/ARCHITECTURE.md, The scheduler)."""
-
-    prefill_s: float
-    decode_tokens: int
-    others_waiting: Callable[[], bool]
 
 
 class Job:
@@ -63,10 +64,10 @@ class Job:
         seed = request.sampling.seed
         self.seed = seed if seed is not None else secrets.randbits(63)  # recorded for replay
         self.id_seed = secrets.token_hex(8)  # tool-call ids unique per job, stable on redecode
-        self.slot: Any = None
-        self.tokenizer: Any = None
+        self.slot: Slot | None = None
+        self.tokenizer: Tokenizer | None = None
         self.timeslice: Timeslice | None = None
-        self.checkpoints: Any = None  # ds4.jobs.kvstore.SlotCheckpoints when a disk store is on
+        self.checkpoints: SlotCheckpoints | None = None  # when a disk store is on
         self.cached = 0
         self.reached = 0  # prompt tokens the session holds after the last slice
         self.prompt_complete = False
@@ -85,8 +86,8 @@ class Job:
         """True once the job is done, failed or cancelled."""
         return self.state in TERMINAL
 
-    def bind(self, slot: Any, tokenizer: Any, timeslice: Timeslice,
-             checkpoints: Any = None) -> None:
+    def bind(self, slot: Slot, tokenizer: Tokenizer, timeslice: Timeslice,
+             checkpoints: SlotCheckpoints | None = None) -> None:
         """Give the job its slot (and the disk checkpoints); its next turn fires `begin`."""
         self.slot = slot
         self.tokenizer = tokenizer
@@ -113,9 +114,9 @@ class Job:
         self.error = Failed(message, status, "server_error")
         self.fail()
 
-    # -- phase work (named in ds4.jobs.machine) ------------------------------------------
+    # -- phase work (ds4/jobs/machine.py:JobPhases) -------------------------------------
 
-    def begin_work(self, _event: Any = None) -> None:
+    def begin_work(self, _event: EventData | None = None) -> None:
         """Decide what the slot's session can reuse, or restore a longer prefix from disk; the
         timeline's old bindings go away."""
         prompt = self.request.prompt_tokens
@@ -132,7 +133,7 @@ class Job:
         self.stats.prompt_tokens_reused += self.cached
         self._emit(Started(self.slot.index, len(prompt), self.cached))
 
-    def prefill_slice(self, _event: Any = None) -> None:
+    def prefill_slice(self, _event: EventData | None = None) -> None:
         """Evaluate prompt chunks until done, or until the slice is over and others wait."""
         prompt = self.request.prompt_tokens
         session = self.slot.session
@@ -150,7 +151,7 @@ class Job:
         self.reached = max(self.reached, reached)
         self._emit(Progress(reached, len(prompt)))
 
-    def _sync_prompt(self, session: Any, prompt: list[int],
+    def _sync_prompt(self, session: Session, prompt: list[int],
                      should_stop: Callable[[], bool]) -> bool:
         """Sync toward the whole prompt, pausing at each checkpoint frontier; True when done."""
         kv = self.checkpoints
@@ -168,16 +169,16 @@ class Job:
             if should_stop():
                 return False
 
-    def prompt_done(self, _event: Any = None) -> bool:
+    def prompt_done(self, _event: EventData | None = None) -> bool:
         """True once the whole prompt is evaluated."""
         return self.prompt_complete
 
-    def start_decode_work(self, _event: Any = None) -> None:
+    def start_decode_work(self, _event: EventData | None = None) -> None:
         """Open the first decode attempt: rng from the seed, cap from max_tokens and ctx room."""
         self.attempt = self._new_attempt(make_rng(self.seed), greedy=False)
         self._emit_all(self.attempt.start())
 
-    def decode_burst(self, _event: Any = None) -> None:
+    def decode_burst(self, _event: EventData | None = None) -> None:
         """Up to decode_tokens tokens; a cancel request ends the burst at a token boundary."""
         if self.burst_ran:  # the scheduler ran this burst in lock-step with other jobs
             self.burst_ran = False
@@ -186,7 +187,7 @@ class Job:
             if not self.burst_token(self.slot.session):
                 break
 
-    def burst_token(self, session: Any) -> bool:
+    def burst_token(self, session: DecodeTarget) -> bool:
         """One token of a burst through `session`; False (nothing done) once it must end."""
         if self.attempt.over or self.cancel_requested.is_set():
             return False
@@ -195,15 +196,15 @@ class Job:
         self._emit_all(self.attempt.step(session))
         return True
 
-    def decode_over(self, _event: Any = None) -> bool:
+    def decode_over(self, _event: EventData | None = None) -> bool:
         """True once the attempt stopped decoding."""
         return self.attempt.over
 
-    def needs_redecode(self, _event: Any = None) -> bool:
+    def needs_redecode(self, _event: EventData | None = None) -> bool:
         """True when the DSML block failed and recovery attempts remain."""
         return self.redecodes < MAX_REDECODES and self.attempt.recoverable()
 
-    def redecode_work(self, _event: Any = None) -> None:
+    def redecode_work(self, _event: EventData | None = None) -> None:
         """Roll the session back to the last valid DSML token and decode greedily from there."""
         self.redecodes += 1
         old = self.attempt
@@ -213,7 +214,7 @@ class Job:
         self.attempt.replay(kept)
         self._emit_all(self.attempt.start())
 
-    def finish_work(self, _event: Any = None) -> None:
+    def finish_work(self, _event: EventData | None = None) -> None:
         """Settle the finish reason; a closed tool-call turn binds its ids to the slot."""
         out = self.attempt.result()
         reason = self.attempt.finish_reason
@@ -226,7 +227,7 @@ class Job:
             self.finish_reason = "tool_calls"
             self.slot.bind_call_ids([c.id for c in out.tool_calls])
 
-    def unterminated(self, _event: Any = None) -> bool:
+    def unterminated(self, _event: EventData | None = None) -> bool:
         """True when a tool-call block never closed (docs/PROTOCOLS.md, Malformed DSML), or a
         streamed turn announced a call that its final parse lacks: a client that saw the call
         begin cannot take it back, so success would be a lie."""
@@ -240,19 +241,19 @@ class Job:
 
     # -- reports (state entry callbacks) -------------------------------------------------
 
-    def report_finished(self, _event: Any = None) -> None:
+    def report_finished(self, _event: EventData | None = None) -> None:
         """Done: the parsed turn, the raw text and usage go to the sink."""
         self._emit(Finished(self.finish_reason, self.output(), self.text(), self.usage(),
                             stop_sequence=self.stop_hit()))
 
-    def report_failed(self, _event: Any = None) -> None:
+    def report_failed(self, _event: EventData | None = None) -> None:
         """Failed: the slot's bindings can no longer be trusted; the sink gets the error."""
         self.finish_reason = "error"
         if self.slot is not None:
             self.slot.clear_bindings()
         self._emit(self.error or Failed("job failed"))
 
-    def report_cancelled(self, _event: Any = None) -> None:
+    def report_cancelled(self, _event: EventData | None = None) -> None:
         """Cancelled: the session keeps only evaluated tokens; the sink hears it ended."""
         self.finish_reason = "cancelled"
         if self.slot is not None:
@@ -289,7 +290,7 @@ class Job:
 
     # -- plumbing ------------------------------------------------------------------------
 
-    def _new_attempt(self, rng: Any, greedy: bool) -> DecodeAttempt:
+    def _new_attempt(self, rng: np.random.Generator, greedy: bool) -> DecodeAttempt:
         room = self.slot.session.ctx_size - len(self.request.prompt_tokens)
         cap = max(0, min(self.request.max_tokens, room))
         return DecodeAttempt(self.request, self.tokenizer, rng, cap, greedy=greedy,
@@ -314,3 +315,12 @@ class Job:
             self.stats.observe_ttft(now - self.arrived)
         self.token_times.append(now)
         self.stats.generated_tokens += 1
+
+
+@dataclass
+class Timeslice:
+    """What a job needs from the scheduler while on a slot (docs/ARCHITECTURE.md, The scheduler)."""
+
+    prefill_s: float
+    decode_tokens: int
+    others_waiting: Callable[[], bool]

@@ -10,16 +10,19 @@ token ids and the payload), the prefix's token ids (uint32), then the payload: a
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import struct
 import time
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from ds4.snapshot import is_frontier_array, pack, unpack
+
+if TYPE_CHECKING:
+    from ds4.engine import Engine
 
 FORMAT_VERSION = 1
 MAGIC = b"DS4KVCK\0"
@@ -39,7 +42,7 @@ class InvalidCheckpoint(ValueError):
 # -- model fingerprint -------------------------------------------------------------------
 
 
-def model_fingerprint(engine: Any) -> bytes:
+def model_fingerprint(engine: Engine) -> bytes:
     """sha256 of config.json, the engine's shape fingerprint and a digest of the weight files."""
     h = hashlib.sha256()
     model_dir = Path(engine.model_dir)
@@ -86,17 +89,11 @@ def without_frontier(snapshot: bytes) -> bytes:
     only cost bytes: at Flash dimensions about 23 MB a file, half of a 2048-token checkpoint.
     """
     try:
-        with np.load(io.BytesIO(snapshot)) as data:
-            arrays = {k: data[k] for k in data.files
-                      if not k.startswith("frontier/") and k != "__frontier_logits__"}
-        meta = json.loads(arrays["__meta__"].tobytes())
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        arrays, meta = unpack(snapshot)
+    except ValueError:
         return snapshot  # not a snapshot: stored as given (restore will refuse it)
     meta.pop("frontier", None)
-    arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    out = io.BytesIO()
-    np.savez(out, **arrays)
-    return out.getvalue()
+    return pack(meta, {k: v for k, v in arrays.items() if not is_frontier_array(k)})
 
 
 def encode_checkpoint(fingerprint: bytes, tokens: Sequence[int], payload: bytes,

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ds4.jobs.kvfile import (
     HEADER,
@@ -36,72 +36,13 @@ from ds4.jobs.kvfile import (
     without_frontier,
 )
 
+if TYPE_CHECKING:
+    from ds4.engine import Engine
+    from ds4.jobs.slot import Slot
+
 log = logging.getLogger("ds4.kvstore")
 HALF_LIFE_S = 6 * 3600.0  # a hit counts half as much for eviction after six hours
 LOCK_NAME = "ds4-kvstore.lock"
-
-class KVStoreBusy(RuntimeError):
-    """Another server holds the checkpoint directory."""
-
-
-@dataclass
-class Entry:
-    """One stored checkpoint as the index knows it."""
-
-    name: str
-    tokens: int
-    size: int
-    hits: int
-    last_used: float
-    created: float
-
-    def keep_score(self, now: float) -> float:
-        """Higher is kept longer: recent hits per byte, times the tokens it saves."""
-        eff_hits = self.hits * 2.0 ** (-(now - self.last_used) / HALF_LIFE_S)
-        eff_hits = 0.0 if eff_hits < 0.01 else eff_hits
-        return (eff_hits + 1.0) * self.tokens / max(1, self.size)
-
-
-# -- the store ---------------------------------------------------------------------------
-
-
-@dataclass
-class KVDiskStats:
-    """Counters for /metrics (written by the scheduler and writer threads; plain ints)."""
-
-    hits: int = 0
-    misses: int = 0
-    restored_tokens: int = 0
-    stores: int = 0
-    evictions: int = 0
-    removed_invalid: int = 0
-    bytes: int = 0
-    files: int = 0
-
-
-class DirectoryLock:
-    """An exclusive flock on the directory's lock file, held while the store is open."""
-
-    def __init__(self, directory: Path):
-        self.path = directory / LOCK_NAME
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self.fd)
-            raise KVStoreBusy(f"--kv-disk-dir {directory} is in use by another ds4-server "
-                              f"(pid {holder}); give each server its own directory") from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
-
-    def release(self) -> None:
-        """Unlock (the file stays; the lock, not the file, says who owns the directory)."""
-        if self.fd >= 0:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = -1
-
 
 class KVStore:
     """Checkpoint files of one directory under a byte budget; one writer thread."""
@@ -334,6 +275,69 @@ class KVStore:
             self.stats.files -= 1
 
 
+class KVStoreBusy(RuntimeError):
+    """Another server holds the checkpoint directory."""
+
+
+@dataclass
+class Entry:
+    """One stored checkpoint as the index knows it."""
+
+    name: str
+    tokens: int
+    size: int
+    hits: int
+    last_used: float
+    created: float
+
+    def keep_score(self, now: float) -> float:
+        """Higher is kept longer: recent hits per byte, times the tokens it saves."""
+        eff_hits = self.hits * 2.0 ** (-(now - self.last_used) / HALF_LIFE_S)
+        eff_hits = 0.0 if eff_hits < 0.01 else eff_hits
+        return (eff_hits + 1.0) * self.tokens / max(1, self.size)
+
+
+# -- the store ---------------------------------------------------------------------------
+
+
+@dataclass
+class KVDiskStats:
+    """Counters for /metrics (written by the scheduler and writer threads; plain ints)."""
+
+    hits: int = 0
+    misses: int = 0
+    restored_tokens: int = 0
+    stores: int = 0
+    evictions: int = 0
+    removed_invalid: int = 0
+    bytes: int = 0
+    files: int = 0
+
+
+class DirectoryLock:
+    """An exclusive flock on the directory's lock file, held while the store is open."""
+
+    def __init__(self, directory: Path):
+        self.path = directory / LOCK_NAME
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self.fd)
+            raise KVStoreBusy(f"--kv-disk-dir {directory} is in use by another ds4-server "
+                              f"(pid {holder}); give each server its own directory") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        """Unlock (the file stays; the lock, not the file, says who owns the directory)."""
+        if self.fd >= 0:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = -1
+
+
 def _prefix_names(prompt: Sequence[int], counts: list[int]) -> dict[int, str]:
     """checkpoint_name(prompt[:n]) for each n of the ascending counts, hashing once."""
     h = hashlib.sha256()
@@ -367,7 +371,7 @@ class SlotCheckpoints:
     checkpoints up to it are already stored for the slot's timeline, so none is taken twice.
     """
 
-    def __init__(self, store: KVStore, slot: Any, engine: Any):
+    def __init__(self, store: KVStore, slot: Slot, engine: Engine):
         self.store = store
         self.slot = slot
         self.engine = engine

@@ -15,19 +15,24 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ds4.jobs.decode_batch import BatchRotation, LockStepDecode
 from ds4.jobs.events import JobRequest, JobSink, Queued
 from ds4.jobs.job import Job, Timeslice
 from ds4.jobs.kvstore import KVStore, SlotCheckpoints
 from ds4.jobs.slot import Slot
+from ds4.jobs.ssd_streaming import ssd_streaming_refusal
 from ds4.jobs.stats import SchedulerStats
 from ds4.jobs.trace import TraceWriter, job_record
+
+if TYPE_CHECKING:
+    from ds4.engine import Engine
 
 log = logging.getLogger("ds4.jobs")
 
 IDLE_WAIT_S = 0.5  # the thread re-checks for stop this often when nothing arrives
+Setting = int | float | str | bool | None  # the value of one SchedulerConfig field
 
 
 @dataclass(frozen=True)
@@ -46,15 +51,14 @@ class SchedulerConfig:
             raise ValueError(f"--parallel must be at least 1, got {self.parallel}")
         if self.decode_tokens < 1:
             raise ValueError(f"decode burst must be at least 1 token, got {self.decode_tokens}")
-        if self.ssd_streaming and self.parallel > 1:
-            raise ValueError("--parallel > 1 cannot be used with --ssd-streaming: interleaved "
-                             "sessions would thrash the streamed experts; use --parallel 1")
+        if self.ssd_streaming and (why := ssd_streaming_refusal(parallel=self.parallel)):
+            raise ValueError(why)
 
     @classmethod
-    def from_env(cls, env: dict | None = None, **overrides: Any) -> SchedulerConfig:
+    def from_env(cls, env: dict | None = None, **overrides: Setting) -> SchedulerConfig:
         """Defaults, then DS4_SERVER_SCHED_PREFILL_MS / _DECODE_TOKENS, then overrides."""
         env = os.environ if env is None else env
-        values: dict[str, Any] = {}
+        values: dict[str, Setting] = {}
         if env.get("DS4_SERVER_SCHED_PREFILL_MS"):
             values["prefill_ms"] = float(env["DS4_SERVER_SCHED_PREFILL_MS"])
         if env.get("DS4_SERVER_SCHED_DECODE_TOKENS"):
@@ -63,13 +67,12 @@ class SchedulerConfig:
         return cls(**values)
 
 
-def refuse_ssd_streaming_on_gpu(engine: Any, config: SchedulerConfig) -> None:
+def refuse_ssd_streaming_on_gpu(engine: Engine, config: SchedulerConfig) -> None:
     """The CuPy backend cannot stream experts from disk yet: say so instead of pretending."""
     backend = getattr(engine, "backend", None)
     name = getattr(backend, "name", backend)
-    if config.ssd_streaming and name == "cupy":
-        raise ValueError("--ssd-streaming is not supported on the CuPy backend yet; "
-                         "use --backend numpy or drop --ssd-streaming")
+    if config.ssd_streaming and name == "cupy":  # the engine's backend is resolved already
+        raise ValueError(ssd_streaming_refusal(backend="cupy"))
 
 
 class PendingQueue:
@@ -135,7 +138,7 @@ class SlotPicker:
 class Scheduler:
     """Owns the engine; runs jobs on N slots, one transition per turn."""
 
-    def __init__(self, engine: Any, config: SchedulerConfig | None = None,
+    def __init__(self, engine: Engine, config: SchedulerConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, kvstore: KVStore | None = None):
         self.engine = engine
         self.kvstore = kvstore  # disk checkpoints; its owner opens and closes it
@@ -252,13 +255,13 @@ class Scheduler:
         self.stats.queue_depth = len(self.pending)
         return acted
 
-    def _end_queued(self, job: Job, end: Callable[[], Any]) -> None:
+    def _end_queued(self, job: Job, end: Callable[[], object]) -> None:
         """End a job that never got a slot."""
         self.pending.remove(job)
         self._reporting(job, end)
         self._record_end(job)
 
-    def _reporting(self, job: Job, end: Callable[[], Any]) -> None:
+    def _reporting(self, job: Job, end: Callable[[], object]) -> None:
         """Fire a terminal trigger; a sink that raises on the report cannot stop the loop."""
         try:
             end()

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ds4.engine import Session
+    from ds4.jobs.job import Job
 
 
 @dataclass
@@ -18,9 +22,9 @@ class Slot:
     """
 
     index: int
-    session: Any  # ds4.engine.Session; only the scheduler thread touches it
+    session: Session  # only the scheduler thread touches it
     last_used: float = 0.0
-    job: Any = None  # the Job running here, None when idle
+    job: Job | None = None  # the Job running here, None when idle
     call_ids: frozenset[str] = field(default_factory=frozenset)
     bound_tokens: int = -1
     kv_frontier: int = 0

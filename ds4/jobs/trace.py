@@ -10,8 +10,12 @@ import struct
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from ds4.jobs.job import Job
+
+JsonValue = str | int | float | bool | None | list | dict  # what a trace line's fields hold
 FORMAT = 1  # the header's "ds4_trace": bumped when a record's meaning changes
 NEEDED = ("seq", "endpoint", "sampling", "seed", "prompt_token_ids", "generated_tokens",
           "finish_reason", "token_times_s")  # what a replay reads of every record
@@ -42,12 +46,12 @@ def model_fingerprint(model_dir: str | Path) -> str:
     return digest.hexdigest()[:32]
 
 
-def trace_header(model_dir: str | Path, **settings: Any) -> dict:
+def trace_header(model_dir: str | Path, **settings: JsonValue) -> dict:
     """The first line of a trace: format version, model fingerprint, the server's settings."""
     return {"ds4_trace": FORMAT, "model_fingerprint": model_fingerprint(model_dir), **settings}
 
 
-def job_record(job: Any) -> dict:
+def job_record(job: Job) -> dict:
     """Everything a replay needs of one ended job; times in seconds after its arrival."""
     req = job.request
     times = [round(t - job.arrived, 6) for t in job.token_times]

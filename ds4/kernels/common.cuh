@@ -1,6 +1,6 @@
 // What the decode kernel families share: +inf for NVRTC, bf16 widening, packs of eight weights,
-// a row dot product, warp and block reductions, and the RoPE turn of one channel. Each
-// ds4/kernels/*.cu includes it; NVRTC and nvcc find it through -I<ds4/kernels>.
+// a row dot product, warp and block reductions, a warp argmax, and the RoPE turn of one
+// channel. Each ds4/kernels/*.cu includes it; NVRTC and nvcc find it through -I<ds4/kernels>.
 #pragma once
 
 #ifndef INFINITY  // NVRTC has no math.h
@@ -42,6 +42,14 @@ template <> struct Pack<float> {
     }
 };
 
+// Pack i of row w dotted with x: the tail of every row loop, one 16-byte load at a time.
+template <typename W>
+__device__ __forceinline__ float pack_dot(const W* w, const float4* xv, int i) {
+    Pack<W> a;
+    a.load(w, i);
+    return a.dot(xv + 2 * i);
+}
+
 // Adds this lane's share of one row's n8 packs dotted with x to acc[0..3] (one warp per row;
 // four independent 16-byte loads in flight per lane before the first use).
 template <typename W>
@@ -55,16 +63,39 @@ __device__ __forceinline__ void row_dot_partial(const W* w, const float4* xv, in
         acc[2] += c.dot(xv + 2 * (i + 64));
         acc[3] += d.dot(xv + 2 * (i + 96));
     }
-    for (; i < n8; i += 32) {
-        Pack<W> a;
-        a.load(w, i);
-        acc[0] += a.dot(xv + 2 * i);
-    }
+    for (; i < n8; i += 32) acc[0] += pack_dot(w, xv, i);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
+}
+
+// The warp's total of row_dot_partial's four accumulators, added in this order (the rounding
+// every kernel and its NumPy twin agree on).
+__device__ __forceinline__ float warp_sum4(const float* acc) {
+    return warp_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+}
+
+// Dot product of one row's n8 packs with x, by one warp; every lane gets the sum.
+template <typename W>
+__device__ __forceinline__ float row_dot(const W* w, const float4* xv, int n8) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    row_dot_partial(w, xv, n8, acc);
+    return warp_sum4(acc);
+}
+
+// The larger of (v, i) over the warp, ties to the lower index; every lane gets both.
+__device__ __forceinline__ void warp_argmax(float& value, int& index) {
+    float v = value;
+    int i = index;
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+    }
+    value = v;
+    index = i;
 }
 
 __device__ __forceinline__ float warp_max(float v) {

@@ -4,14 +4,6 @@
 
 #include "common.cuh"
 
-// Dot product of one row's n8 packs with x, by one warp; every lane gets the sum.
-template <typename W>
-__device__ __forceinline__ float row_dot(const W* w, const float4* xv, int n8) {
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    row_dot_partial(w, xv, n8, acc);
-    return warp_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
-}
-
 // One warp per row; grid.y splits the columns into `splits` equal spans (then y must be zeroed
 // first and partial sums are added atomically). Row r reads x + (r / rows_per_group) * cols, which
 // serves the grouped output projection (8 groups, each with its own input slice).
@@ -56,10 +48,8 @@ __device__ void gemv2(const W* __restrict__ Wm, const float* __restrict__ x, flo
         b1 += s.dot(x1 + 2 * (i + 32));
     }
     for (; i < n8; i += 32) {
-        Pack<W> p, r;
-        p.load(w0, i); r.load(w1, i);
-        a0 += p.dot(x0 + 2 * i);
-        b0 += r.dot(x1 + 2 * i);
+        a0 += pack_dot(w0, x0, i);
+        b0 += pack_dot(w1, x1, i);
     }
     float a = warp_sum(a0 + a1), b = warp_sum(b0 + b1);
     if (lane == 0) {

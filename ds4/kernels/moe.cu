@@ -33,11 +33,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits,
         }
         float v = choice[e];
         int i = e;
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, v, o);
-            int oi = __shfl_xor_sync(0xffffffffu, i, o);
-            if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
-        }
+        warp_argmax(v, i);
         if (lane == 0) { bv[warp] = v; bi[warp] = i; }
         __syncthreads();
         if (e == 0) {
@@ -89,10 +85,8 @@ __device__ void gate_up(const W* gate_base, const W* up_base, long long expert_s
         ub += u1.dot(xv + 2 * (i + 32)) + u3.dot(xv + 2 * (i + 96));
     }
     for (; i < n8; i += 32) {
-        Pack<W> g0, u0;
-        g0.load(g, i); u0.load(u, i);
-        ga += g0.dot(xv + 2 * i);
-        ua += u0.dot(xv + 2 * i);
+        ga += pack_dot(g, xv, i);
+        ua += pack_dot(u, xv, i);
     }
     float gs = warp_sum(ga + gb), us = warp_sum(ua + ub);
     if (lane == 0) {
@@ -121,7 +115,7 @@ __device__ void down(const W* down_base, long long expert_stride, const int* idx
                      + (size_t)r * inter;
         row_dot_partial(w, (const float4*)(act + (size_t)k * inter), n8, acc);
     }
-    float sum = warp_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    float sum = warp_sum4(acc);
     if (lane == 0) y[r] = accumulate ? y[r] + sum : sum;
 }
 

@@ -18,11 +18,7 @@ extern "C" __global__ void argmax(const float* __restrict__ x, int n, int* out) 
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         if (x[i] > v) { v = x[i]; idx = i; }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
-    }
+    warp_argmax(v, idx);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) { bv[warp] = v; bi[warp] = idx; }
     __syncthreads();
@@ -30,11 +26,7 @@ extern "C" __global__ void argmax(const float* __restrict__ x, int n, int* out) 
         int nw = blockDim.x >> 5;
         v = lane < nw ? bv[lane] : -INFINITY;
         idx = lane < nw ? bi[lane] : 0x7fffffff;
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, v, o);
-            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-            if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
-        }
+        warp_argmax(v, idx);
         if (lane == 0) out[0] = idx;
     }
 }

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from functools import partial
 
+from ds4.backend import Array
 from ds4.kernels import widen
 from ds4.model import quant
 from ds4.model.attention import attention, attention_rows, window_bias
@@ -25,10 +26,10 @@ class Step:
     """What every layer needs to know about the chunk being run."""
 
     start: int
-    positions: object  # xp int64 [S]
-    token_ids: object  # xp int64 [S]
-    cos_sin: dict  # rope kind -> (cos, sin) at the chunk's positions
-    window_bias: object  # xp f32 [S, window + S]: raw-row mask, the same for every layer
+    positions: Array  # xp int64 [S]
+    token_ids: Array  # xp int64 [S]
+    cos_sin: dict[str, tuple[Array, Array]]  # rope kind -> (cos, sin) at the chunk's positions
+    window_bias: Array  # xp f32 [S, window + S]: raw-row mask, the same for every layer
 
 
 class Model:

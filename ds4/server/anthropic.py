@@ -13,7 +13,7 @@ from ds4.jobs.events import Failed, Finished, Started, TokenEvents, Usage
 from ds4.server import request_fields as rf
 from ds4.server.errors import ANTHROPIC, error_body
 from ds4.server.generation import failure_error, generate
-from ds4.server.openai_chat import cache_written
+from ds4.server.openai_object import cache_written
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sse import Channel, event_frame
 from ds4.server.tools import anthropic_result_ids, forced_prefix
@@ -24,6 +24,26 @@ ENDPOINT = "/v1/messages"
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                "cancelled": "end_turn"}
 NOT_STOPPED = {"stop_reason": None, "stop_sequence": None}
+
+
+async def handle(request: Request, runtime: Runtime) -> Response:
+    """Serve one message."""
+    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
+    runtime.require_serving()
+    return await generate(request, runtime, parse(body, raw, runtime), MessageShape)
+
+
+async def count_tokens(request: Request, runtime: Runtime) -> Response:
+    """The prompt length a messages body would have, without running it."""
+    body, _ = await rf.read_json(request, runtime.config.max_body_bytes)
+    runtime.require_serving()
+    model, alias = rf.resolve_model(body)
+    thinking = rf.thinking_mode(body, alias, runtime.config.ctx)
+    render, _, _ = render_for(body, runtime, thinking)
+    turn = Turn(endpoint=ENDPOINT + "/count_tokens", protocol=ANTHROPIC, model=model,
+                render=render, thinking=thinking, sampling=rf.sampling({}, "none"), max_tokens=0)
+    prompt = await runtime.tokenize(turn)
+    return json_response({"input_tokens": len(prompt.tokens)})
 
 
 def stop_fields(finished: Finished) -> dict:
@@ -97,7 +117,7 @@ def arguments_object(arguments: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-class MessageShape:
+class MessageShape(ev.ParserEvents[list[bytes]]):
     """Message bodies and the message_start … message_stop event sequence of one job."""
 
     def __init__(self, running: Running):
@@ -185,19 +205,35 @@ class MessageShape:
         """Frames for one sampled token's parser events."""
         frames = self.message_start()
         for e in event.events:
-            if isinstance(e, ev.ReasoningDelta):
-                frames += self.text_frames("thinking", self.thinking.push(e.text))
-            elif isinstance(e, ev.TextDelta):
-                frames += self.text_frames("text", self.text.push(e.text))
-            elif isinstance(e, ev.ToolCallStart):
-                self.streamed_calls.add(e.index)
-                frames += self.start_block({"type": "tool_use", "id": e.id, "name": e.name,
-                                            "input": {}})
-            elif isinstance(e, ev.ToolArgsDelta) and e.text:
-                frames.append(self.delta({"type": "input_json_delta", "partial_json": e.text}))
-            elif isinstance(e, ev.ToolCallEnd):
-                frames += self.stop_block()
+            frames += self.on(e)
         return frames
+
+    def ignored(self) -> list[bytes]:
+        """No frame for the event."""
+        return []
+
+    def on_reasoning(self, e: ev.ReasoningDelta) -> list[bytes]:
+        """thinking_delta, once the channel lets the text go."""
+        return self.text_frames("thinking", self.thinking.push(e.text))
+
+    def on_text(self, e: ev.TextDelta) -> list[bytes]:
+        """text_delta, once the channel lets the text go."""
+        return self.text_frames("text", self.text.push(e.text))
+
+    def on_call_start(self, e: ev.ToolCallStart) -> list[bytes]:
+        """A tool_use block opens."""
+        self.streamed_calls.add(e.index)
+        return self.start_block({"type": "tool_use", "id": e.id, "name": e.name, "input": {}})
+
+    def on_call_args(self, e: ev.ToolArgsDelta) -> list[bytes]:
+        """input_json_delta of the open tool_use block."""
+        if not e.text:
+            return []
+        return [self.delta({"type": "input_json_delta", "partial_json": e.text})]
+
+    def on_call_end(self, e: ev.ToolCallEnd) -> list[bytes]:
+        """The tool_use block closes."""
+        return self.stop_block()
 
     def closing(self, finished: Finished) -> list[bytes]:
         """Held-back text, calls not streamed live, message_delta and message_stop."""
@@ -226,23 +262,3 @@ class MessageShape:
     def ping(self) -> bytes:
         """Anthropic's own keep-alive event."""
         return event_frame("ping", {"type": "ping"})
-
-
-async def handle(request: Request, runtime: Runtime) -> Response:
-    """Serve one message."""
-    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
-    runtime.require_serving()
-    return await generate(request, runtime, parse(body, raw, runtime), MessageShape)
-
-
-async def count_tokens(request: Request, runtime: Runtime) -> Response:
-    """The prompt length a messages body would have, without running it."""
-    body, _ = await rf.read_json(request, runtime.config.max_body_bytes)
-    runtime.require_serving()
-    model, alias = rf.resolve_model(body)
-    thinking = rf.thinking_mode(body, alias, runtime.config.ctx)
-    render, _, _ = render_for(body, runtime, thinking)
-    turn = Turn(endpoint=ENDPOINT + "/count_tokens", protocol=ANTHROPIC, model=model,
-                render=render, thinking=thinking, sampling=rf.sampling({}, "none"), max_tokens=0)
-    prompt = await runtime.tokenize(turn)
-    return json_response({"input_tokens": len(prompt.tokens)})

@@ -14,7 +14,7 @@ from ds4.jobs.stop import StopText
 from ds4.server import request_fields as rf
 from ds4.server.errors import OPENAI, ApiError
 from ds4.server.generation import generate
-from ds4.server.openai_chat import OpenAIObject, finish_reason, openai_usage
+from ds4.server.openai_object import OpenAIObject, finish_reason, openai_usage
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sse import Channel, data_frame
 from ds4.server.turn import Turn
@@ -22,6 +22,13 @@ from ds4.tokenizer import BOS_ID, EOS_ID
 
 ENDPOINT = "/v1/completions"
 TEXT_COMPLETION = "text_completion"
+
+
+async def handle(request: Request, runtime: Runtime) -> Response:
+    """Serve one text completion."""
+    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
+    runtime.require_serving()
+    return await generate(request, runtime, parse(body, raw, runtime), CompletionShape)
 
 
 def bad_prompt(why: str) -> ApiError:
@@ -118,10 +125,3 @@ class CompletionShape(OpenAIObject):
             frames.append(self.chunk(rest))
         frames.append(self.chunk("", finish_reason(finished)))
         return frames + self.ending(TEXT_COMPLETION, finished)
-
-
-async def handle(request: Request, runtime: Runtime) -> Response:
-    """Serve one text completion."""
-    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
-    runtime.require_serving()
-    return await generate(request, runtime, parse(body, raw, runtime), CompletionShape)

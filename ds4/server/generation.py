@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ds4.jobs.events import Failed, Finished, Started, TokenEvents
+from ds4.jobs.events import Failed, Finished, JobEvent, Started, TokenEvents
 from ds4.server.errors import ApiError
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sse import SSE_HEADERS
@@ -17,6 +17,23 @@ from ds4.server.turn import Turn
 from ds4.server.wire import json_response
 
 DISCONNECT_POLL_S = 0.5
+
+
+async def generate(request: Request, runtime: Runtime, turn: Turn,
+                   make_shape: Callable[[Running], Shape]) -> Response:
+    """Queue the turn and answer with a JSON body or an SSE stream."""
+    running = await runtime.start(turn)
+    try:
+        shape = make_shape(running)
+        if turn.stream:
+            return await open_stream(runtime, running, shape)
+    except BaseException:
+        running.cancel()  # the job must not outlive a handler that failed to answer
+        raise
+    finished = await collect(request, running)
+    if finished is None:
+        return Response(status_code=499)  # nobody is listening any more
+    return json_response(shape.body(finished))
 
 
 class Shape(Protocol):
@@ -35,22 +52,6 @@ def failure_error(failed: Failed) -> ApiError:
     """A failed job as an ApiError (a failed generation is never a 200)."""
     code = "context_length_exceeded" if failed.kind == "context_overflow" else None
     return ApiError(failed.status, failed.message, code=code)
-
-
-async def generate(request: Request, runtime: Runtime, turn: Turn, make_shape) -> Response:
-    """Queue the turn and answer with a JSON body or an SSE stream."""
-    running = await runtime.start(turn)
-    try:
-        shape = make_shape(running)
-        if turn.stream:
-            return await open_stream(runtime, running, shape)
-    except BaseException:
-        running.cancel()  # the job must not outlive a handler that failed to answer
-        raise
-    finished = await collect(request, running)
-    if finished is None:
-        return Response(status_code=499)  # nobody is listening any more
-    return json_response(shape.body(finished))
 
 
 async def collect(request: Request, running: Running) -> Finished | None:
@@ -78,7 +79,7 @@ async def cancel_on_disconnect(request: Request, running: Running) -> None:
 
 async def open_stream(runtime: Runtime, running: Running, shape: Shape) -> Response:
     """Hold headers until the first token, a failure, or one ping interval (then stream)."""
-    early: list[object] = []
+    early: list[JobEvent] = []
     loop = asyncio.get_running_loop()
     deadline = loop.time() + runtime.config.ping_interval_s
     while (left := deadline - loop.time()) > 0:
@@ -95,7 +96,7 @@ async def open_stream(runtime: Runtime, running: Running, shape: Shape) -> Respo
 
 
 async def stream_frames(runtime: Runtime, running: Running, shape: Shape,
-                        early: list[object]) -> AsyncIterator[bytes]:
+                        early: list[JobEvent]) -> AsyncIterator[bytes]:
     """SSE frames of a job; a ping after each interval with no frame sent (queued, prefilling
     or descheduled, whatever events the job sends meanwhile); disconnect cancels the job."""
     loop = asyncio.get_running_loop()
@@ -121,7 +122,7 @@ async def stream_frames(runtime: Runtime, running: Running, shape: Shape,
         running.cancel()
 
 
-def frames_of(shape: Shape, event: object) -> tuple[list[bytes], bool]:
+def frames_of(shape: Shape, event: JobEvent) -> tuple[list[bytes], bool]:
     """Frames for one job event and whether the stream ends with it."""
     if isinstance(event, TokenEvents):
         return shape.tokens(event), False

@@ -7,77 +7,25 @@ from starlette.responses import Response
 
 from ds4.chat import events as ev
 from ds4.chat import render_chat
-from ds4.jobs.events import Failed, Finished, Started, TokenEvents, Usage
+from ds4.jobs.events import Finished, TokenEvents
 from ds4.server import request_fields as rf
-from ds4.server.errors import OPENAI, error_body
-from ds4.server.generation import failure_error, generate
+from ds4.server.errors import OPENAI
+from ds4.server.generation import generate
+from ds4.server.openai_object import OpenAIObject, finish_reason, openai_usage
 from ds4.server.runtime import Running, Runtime
-from ds4.server.sse import COMMENT_PING, DONE, Channel, data_frame
+from ds4.server.sse import Channel, data_frame
 from ds4.server.tools import forced_prefix, tool_result_ids
 from ds4.server.turn import Turn
-from ds4.server.wire import new_id, now
 
 ENDPOINT = "/v1/chat/completions"
-FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "cancelled": "stop"}
 CHUNK = "chat.completion.chunk"
 
 
-def cache_written(usage: Usage) -> int:
-    """Prompt tokens computed and kept by the slot for the next turn (the cache's written
-    share): every prompt token that was not reused. Each protocol reports this same split."""
-    return usage.prompt_tokens - usage.cached_tokens
-
-
-def openai_usage(usage: Usage) -> dict:
-    """OpenAI `usage`: the cache split in prompt_tokens_details, reasoning tokens in
-    completion_tokens_details."""
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens,
-                                  "cache_write_tokens": cache_written(usage)},
-        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
-    }
-
-
-def finish_reason(finished: Finished) -> str:
-    """The OpenAI finish_reason of a finished job."""
-    return FINISH.get(finished.finish_reason, finished.finish_reason)
-
-
-class OpenAIObject:
-    """What chat and text completions share: the object envelope, the usage chunk and [DONE]
-    that end a stream, the in-stream error and comment pings."""
-
-    def __init__(self, running: Running, id_prefix: str):
-        self.turn = running.turn
-        self.id = new_id(id_prefix)
-        self.created = now()
-
-    def envelope(self, kind: str, choices: list, **extra: object) -> dict:
-        """Fields every object of this job shares; `kind` is its `object`."""
-        return {"id": self.id, "object": kind, "created": self.created,
-                "model": self.turn.model, "choices": choices, **extra}
-
-    def ending(self, kind: str, finished: Finished) -> list[bytes]:
-        """The usage chunk when the client asked for it, then [DONE]."""
-        if not self.turn.include_usage:
-            return [DONE]
-        return [data_frame(self.envelope(kind, [], usage=openai_usage(finished.usage))), DONE]
-
-    def started(self, event: Started) -> list[bytes]:
-        """Nothing to send when the job gets its slot."""
-        return []
-
-    def failure(self, failed: Failed) -> list[bytes]:
-        """An OpenAI error object in a data frame, then [DONE] (as OpenAI ends a failed
-        stream; a chunk's finish_reason has no "error" value)."""
-        return [data_frame(error_body(failure_error(failed), OPENAI)), DONE]
-
-    def ping(self) -> bytes:
-        """SSE comment keep-alive."""
-        return COMMENT_PING
+async def handle(request: Request, runtime: Runtime) -> Response:
+    """Serve one chat completion."""
+    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
+    runtime.require_serving()
+    return await generate(request, runtime, parse(body, raw, runtime), ChatShape)
 
 
 def parse(body: dict, raw: str, runtime: Runtime) -> Turn:
@@ -121,7 +69,7 @@ def tool_call(call: ev.ToolCall, index: int | None = None) -> dict:
     return out if index is None else {"index": index, **out}
 
 
-class ChatShape(OpenAIObject):
+class ChatShape(OpenAIObject, ev.ParserEvents[list[bytes]]):
     """chat.completion bodies and chat.completion.chunk frames of one job."""
 
     def __init__(self, running: Running):
@@ -147,24 +95,34 @@ class ChatShape(OpenAIObject):
 
     def tokens(self, event: TokenEvents) -> list[bytes]:
         """Deltas for one sampled token's parser events."""
-        return [f for e in event.events if (f := self.delta(e)) is not None]
+        return [f for e in event.events for f in self.on(e)]
 
-    def delta(self, e: object) -> bytes | None:
-        """The chunk of one parser event (None when nothing is sent yet)."""
-        if isinstance(e, ev.ReasoningDelta):
-            text = self.reasoning.push(e.text)
-            return self.chunk({"reasoning_content": text}) if text else None
-        if isinstance(e, ev.TextDelta):
-            text = self.content.push(e.text)
-            return self.chunk({"content": text}) if text else None
-        if isinstance(e, ev.ToolCallStart):
-            self.streamed_calls.add(e.index)
-            call = ev.ToolCall(e.id, e.name, "")
-            return self.chunk({"tool_calls": [tool_call(call, e.index)]})
-        if isinstance(e, ev.ToolArgsDelta) and e.text:
-            return self.chunk({"tool_calls": [{"index": e.index,
-                                               "function": {"arguments": e.text}}]})
-        return None
+    def ignored(self) -> list[bytes]:
+        """Nothing is sent for the event (yet)."""
+        return []
+
+    def on_reasoning(self, e: ev.ReasoningDelta) -> list[bytes]:
+        """reasoning_content, once the channel lets it go."""
+        text = self.reasoning.push(e.text)
+        return [self.chunk({"reasoning_content": text})] if text else []
+
+    def on_text(self, e: ev.TextDelta) -> list[bytes]:
+        """content, once the channel lets it go."""
+        text = self.content.push(e.text)
+        return [self.chunk({"content": text})] if text else []
+
+    def on_call_start(self, e: ev.ToolCallStart) -> list[bytes]:
+        """The call's id and name, with empty arguments."""
+        self.streamed_calls.add(e.index)
+        call = ev.ToolCall(e.id, e.name, "")
+        return [self.chunk({"tool_calls": [tool_call(call, e.index)]})]
+
+    def on_call_args(self, e: ev.ToolArgsDelta) -> list[bytes]:
+        """More of the call's arguments string."""
+        if not e.text:
+            return []
+        return [self.chunk({"tool_calls": [{"index": e.index,
+                                             "function": {"arguments": e.text}}]})]
 
     def closing(self, finished: Finished) -> list[bytes]:
         """Held-back text, calls not streamed live, the finish chunk, usage and [DONE]."""
@@ -180,10 +138,3 @@ class ChatShape(OpenAIObject):
             frames.append(self.chunk({"tool_calls": late}))
         frames.append(self.chunk({}, finish_reason(finished)))
         return frames + self.ending(CHUNK, finished)
-
-
-async def handle(request: Request, runtime: Runtime) -> Response:
-    """Serve one chat completion."""
-    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
-    runtime.require_serving()
-    return await generate(request, runtime, parse(body, raw, runtime), ChatShape)

@@ -11,7 +11,7 @@ from ds4.jobs.events import Failed, Finished, Started, TokenEvents, Usage
 from ds4.server import request_fields as rf
 from ds4.server.errors import OPENAI, ApiError
 from ds4.server.generation import generate
-from ds4.server.openai_chat import cache_written
+from ds4.server.openai_object import cache_written
 from ds4.server.responses_items import OutputItems
 from ds4.server.runtime import Running, Runtime
 from ds4.server.sealed_reasoning import ReasoningSeal
@@ -23,6 +23,14 @@ from ds4.server.wire import new_id, now
 ENDPOINT = "/v1/responses"
 SUMMARY_OPT_IN = ("auto", "concise", "detailed")
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
+
+
+async def handle(request: Request, runtime: Runtime) -> Response:
+    """Serve one response."""
+    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
+    runtime.require_serving()
+    turn, summaries = parse(body, raw, runtime)
+    return await generate(request, runtime, turn, lambda r: ResponseShape(r, summaries, body))
 
 
 def response_usage(u: Usage) -> dict:
@@ -167,12 +175,3 @@ class ResponseShape:
         """Keep-alive as a `response.in_progress` event: clients such as Codex time a stream out
         on parsed events only, so an SSE comment would not keep a queued request alive."""
         return self.event("response.in_progress", {"response": self.response("in_progress")})
-
-
-async def handle(request: Request, runtime: Runtime) -> Response:
-    """Serve one response."""
-    body, raw = await rf.read_json(request, runtime.config.max_body_bytes)
-    runtime.require_serving()
-    turn, summaries = parse(body, raw, runtime)
-    return await generate(request, runtime, turn, lambda r: ResponseShape(r, summaries, body))
-

@@ -42,7 +42,7 @@ class CustomInput:
         return json.loads(f'"{piece}"') if piece else ""
 
 
-class OutputItems:
+class OutputItems(ev.ParserEvents[Pairs]):
     """Builds output items from parser events, as (event type, fields) pairs to stream."""
 
     def __init__(self, summaries: bool, kinds: dict[str, str] | None = None,
@@ -63,19 +63,33 @@ class OutputItems:
         """The items as they stand."""
         return copy.deepcopy(self.items)
 
-    def on(self, e: object) -> Pairs:
-        """Pairs for one parser event."""
-        if isinstance(e, ev.ReasoningDelta):
-            return self.reasoning_delta(self.reasoning.push(e.text))
-        if isinstance(e, ev.TextDelta):
-            return self.text_delta(self.text.push(e.text))
-        if isinstance(e, ev.ToolCallStart):
-            return self.start_call(e.index, e.id, e.name)
-        if isinstance(e, ev.ToolArgsDelta) and e.text and e.index in self.calls:
-            return self.call_delta(e.index, e.text)
-        if isinstance(e, ev.ToolCallEnd) and (e.index in self.calls or e.index in self.shells):
-            return self.end_call(e.index, e.arguments)
+    def ignored(self) -> Pairs:
+        """No event for it."""
         return []
+
+    def on_reasoning(self, e: ev.ReasoningDelta) -> Pairs:
+        """Reasoning text, once the channel lets it go."""
+        return self.reasoning_delta(self.reasoning.push(e.text))
+
+    def on_text(self, e: ev.TextDelta) -> Pairs:
+        """Output text, once the channel lets it go."""
+        return self.text_delta(self.text.push(e.text))
+
+    def on_call_start(self, e: ev.ToolCallStart) -> Pairs:
+        """A call item (or a shell call held until its arguments are known)."""
+        return self.start_call(e.index, e.id, e.name)
+
+    def on_call_args(self, e: ev.ToolArgsDelta) -> Pairs:
+        """More arguments of a call item already announced."""
+        if not (e.text and e.index in self.calls):
+            return []
+        return self.call_delta(e.index, e.text)
+
+    def on_call_end(self, e: ev.ToolCallEnd) -> Pairs:
+        """A call that was started is complete."""
+        if not (e.index in self.calls or e.index in self.shells):
+            return []
+        return self.end_call(e.index, e.arguments)
 
     def add(self, item: dict) -> Pairs:
         """Close the open item and add a new one."""

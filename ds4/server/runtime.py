@@ -10,11 +10,12 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
 
 from ds4.chat import ChatError, ToolMemory
-from ds4.jobs.events import Failed, Finished, JobRequest
+from ds4.jobs.events import Failed, Finished, JobEvent, JobRequest
 from ds4.server.config import ServerConfig
 from ds4.server.errors import ApiError
 from ds4.server.exchange import note_tokens
@@ -24,6 +25,9 @@ from ds4.server.request_fields import lone_surrogate, lone_surrogate_error
 from ds4.server.sealed_reasoning import ReasoningSeal
 from ds4.server.sse import JobEvents
 from ds4.server.turn import Prompt, Turn
+
+if TYPE_CHECKING:
+    from ds4.engine import Engine
 
 LOADING, SERVING, BROKEN = "loading", "serving", "broken"
 log = logging.getLogger("ds4.server")
@@ -51,7 +55,7 @@ def check_model_dir(model_dir: str) -> None:
         raise LoadError(f"{config.name} cannot be read as JSON: {exc}") from exc
 
 
-def check_vocabulary(engine: object) -> None:
+def check_vocabulary(engine: Engine) -> None:
     """Every id the tokenizer can produce must have a row in the model's embedding: checked
     at load, so no request meets an out-of-range id."""
     tokenizer, rows = engine.tokenizer, engine.config.vocab_size
@@ -70,7 +74,7 @@ def trace_file_id(path: str | Path) -> str | None:
     return hashlib.sha256(f"{st.st_dev}:{st.st_ino}".encode()).hexdigest()[:32]
 
 
-def open_engine(model_dir: str, cfg: ServerConfig):
+def open_engine(model_dir: str, cfg: ServerConfig) -> Engine:
     """The checked engine of a model directory."""
     from ds4.engine import Engine, model_path
 
@@ -103,7 +107,7 @@ class Running:
         self.ended = False
         self.cancelled = False
 
-    async def next(self, timeout: float) -> object | None:
+    async def next(self, timeout: float) -> JobEvent | None:
         """The next job event (None on timeout), with counters and tool memory kept up to date."""
         event = await self.events.next(timeout)
         if isinstance(event, (Finished, Failed)):
@@ -117,7 +121,7 @@ class Running:
             self.runtime.metrics.requests.labels(self.turn.endpoint, "cancelled").inc()
             self.runtime.scheduler.cancel(self.job)
 
-    def _end(self, event: object) -> None:
+    def _end(self, event: Finished | Failed) -> None:
         self.ended = True
         metrics = self.runtime.metrics
         if isinstance(event, Failed):

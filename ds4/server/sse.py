@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+from ds4.jobs.events import JobEvent
+
 PING_INTERVAL_S = 5.0
 COMMENT_PING = b": ping\n\n"
 DONE = b"data: [DONE]\n\n"
@@ -31,16 +33,16 @@ class JobEvents:
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue[JobEvent] = asyncio.Queue()
 
-    def sink(self, event: object) -> None:
+    def sink(self, event: JobEvent) -> None:
         """Called on the scheduler thread: hand the event to the event loop."""
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
-    async def next(self, timeout: float) -> object | None:
+    async def next(self, timeout: float) -> JobEvent | None:
         """The next event, or None when `timeout` seconds pass without one."""
         try:
             return await asyncio.wait_for(self.queue.get(), timeout)
