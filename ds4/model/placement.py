@@ -266,18 +266,44 @@ def _size(n: int) -> str:
 
 
 class ExpertPlacement:
-    """The placed expert banks of a model, their routing counts, and re-placement."""
+    """The placed expert banks of a model, their routing counts, and re-placement.
+
+    Decode steps count picks per expert into the banks' device counters; `observe()` folds
+    them into `heat`, a decayed count (the scheduler decays it by the tokens since its last
+    look, so the placement follows the workload), and zeroes the counters in place.
+    """
 
     def __init__(self, banks: list, budget: int):
         self.banks, self.budget = banks, budget
+        self.heat = np.zeros((len(banks), banks[0].count if banks else 0))
+        self.replacements = 0  # re-placements done
+        self.moved = 0  # experts that changed memory, over all of them
+
+    def pending(self) -> np.ndarray:
+        """Picks [L, E] counted by the banks since the last observe()."""
+        return np.stack([np.asarray(b.pick_counts()) for b in self.banks])
 
     def counts(self) -> np.ndarray:
-        """Routing picks [L, E] counted since load (decode steps)."""
-        return np.stack([np.asarray(b.pick_counts()) for b in self.banks])
+        """Routing picks [L, E]: the decayed heat plus the picks not yet folded in."""
+        return self.heat + self.pending()
+
+    def observe(self, decay: float = 1.0) -> None:
+        """heat = heat * decay + the new picks; the banks' counters restart at zero (written
+        in place: captured decode graphs hold their addresses)."""
+        self.heat = self.heat * decay + self.pending()
+        for bank in self.banks:
+            if bank.placed_stacks:
+                bank.counts.fill(0)
 
     def resident(self) -> np.ndarray:
         """Resident mask [L, E] now."""
-        return np.stack([b.placed_stacks[0].resident for b in self.banks])
+        return np.stack([b.placed_stacks[0].resident if b.placed_stacks
+                         else np.ones(b.count, dtype=bool) for b in self.banks])
+
+    def host_read_share(self) -> float:
+        """Share of the counted picks that read a host expert (0 before any pick)."""
+        heat, total = self.counts(), self.counts().sum()
+        return float(heat[~self.resident()].sum() / total) if total else 0.0
 
     def split(self) -> Split:
         """Bytes per memory and host experts per layer."""
@@ -285,17 +311,53 @@ class ExpertPlacement:
         host = sum(s.host_nbytes for b in self.banks for s in b.placed_stacks)
         return Split(dev, host, [int((~m).sum()) for m in self.resident()])
 
-    def replace(self) -> int:
-        """Move the hottest experts of each layer onto the device (each layer keeps its number
-        of device slots); returns how many experts changed memory. Call between steps."""
-        now = self.resident()
-        want = choose_within_layers(now.sum(axis=1), self.counts())
-        moved = 0
-        for bank, have, need in zip(self.banks, now, want):
-            going = np.nonzero(have & ~need)[0].tolist()
-            coming = np.nonzero(need & ~have)[0].tolist()
-            for g, c in zip(going, coming):
+    def plan(self, margin: float = 0.0) -> list[list[tuple[int, int]]]:
+        """Per layer, (going, coming) swaps: the hottest host experts take the device slots of
+        the coldest resident ones while more than (1 + margin) times as hot (equal heat never
+        moves: uniform routing keeps the placement it has)."""
+        heat, resident = self.counts(), self.resident()
+        return [_layer_swaps(h, m, margin) for h, m in zip(heat, resident)]
+
+    def cut(self, plan: list) -> float:
+        """Share of the expected host reads a plan removes."""
+        heat, resident = self.counts(), self.resident()
+        host = heat[~resident].sum()
+        gain = sum(heat[l, c] - heat[l, g] for l, swaps in enumerate(plan) for g, c in swaps)
+        return float(gain / host) if host else 0.0
+
+    def replace(self, min_cut: float = 0.0, margin: float = 0.0, decay: float = 1.0) -> int:
+        """Fold in the new picks (decaying the old by `decay`); when moving the hottest experts
+        of each layer onto the device (each layer keeps its number of device slots) would cut
+        the expected host reads by more than `min_cut`, move them. Returns how many experts
+        changed memory. Call between steps."""
+        self.observe(decay)
+        plan = self.plan(margin)
+        if not any(plan) or self.cut(plan) <= min_cut:
+            return 0
+        for bank, swaps in zip(self.banks, plan):
+            for going, coming in swaps:
                 for stack in bank.placed_stacks:
-                    stack.swap(g, c)
-            moved += 2 * len(going)
+                    stack.swap(going, coming)
+        moved = 2 * sum(len(swaps) for swaps in plan)
+        self.replacements += 1
+        self.moved += moved
         return moved
+
+    def stats(self) -> dict:
+        """Re-placements done, experts moved, and the host-read share of the counted picks."""
+        return {"replacements": self.replacements, "moved": self.moved,
+                "host_read_share": self.host_read_share()}
+
+
+def _layer_swaps(heat: np.ndarray, resident: np.ndarray, margin: float) -> list[tuple[int, int]]:
+    """(going, coming) pairs of one layer: hottest host expert against coldest resident one
+    (lower id first on ties), while the host one is hotter by more than the margin."""
+    ids = np.arange(heat.size)
+    host = ids[~resident][np.lexsort((ids[~resident], -heat[~resident]))]
+    dev = ids[resident][np.lexsort((-ids[resident], heat[resident]))]
+    swaps = []
+    for coming, going in zip(host.tolist(), dev.tolist()):
+        if heat[coming] <= heat[going] * (1 + margin):
+            break
+        swaps.append((going, coming))
+    return swaps

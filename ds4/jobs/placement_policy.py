@@ -1,0 +1,37 @@
+"""When the scheduler re-places routed experts: every `every_tokens` generated tokens it asks
+the engine to fold the routing counts (decayed by those tokens, half-life `half_life_tokens`)
+and to move the hot experts onto the GPU if that cuts the expected host reads by more than
+`min_cut`. It runs between turns, so never inside an engine step (docs/PERF.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ds4.jobs.stats import SchedulerStats
+
+
+class ReplacementPolicy:
+    """The scheduler's clock for expert re-placement, and its figures for /metrics."""
+
+    def __init__(self, engine: Any, every_tokens: int = 256, half_life_tokens: float = 4096,
+                 min_cut: float = 0.1, margin: float = 0.25):
+        self.engine = engine
+        self.every_tokens, self.half_life_tokens = every_tokens, half_life_tokens
+        self.min_cut, self.margin = min_cut, margin
+        stats = getattr(engine, "expert_placement_stats", lambda: None)
+        self.enabled = stats() is not None  # no experts in host memory: nothing to move
+        self.seen = 0  # generated tokens at the last look
+
+    def after_turn(self, stats: SchedulerStats) -> int:
+        """Re-place when due (experts moved, else 0); the placement's figures go to stats."""
+        done = stats.generated_tokens - self.seen
+        if not self.enabled or done < self.every_tokens:
+            return 0
+        self.seen = stats.generated_tokens
+        moved = self.engine.replace_experts(self.min_cut, self.margin,
+                                            0.5 ** (done / self.half_life_tokens))
+        figures = self.engine.expert_placement_stats()
+        stats.expert_replacements = figures["replacements"]
+        stats.experts_moved = figures["moved"]
+        stats.expert_host_read_share = figures["host_read_share"]
+        return moved
