@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds4.jobs.decode_batch import BatchRotation, LockStepDecode
-from ds4.jobs.placement_policy import ReplacementPolicy
 from ds4.jobs.events import JobRequest, JobSink, Queued
 from ds4.jobs.job import Job, Timeslice
 from ds4.jobs.kvstore import KVStore, SlotCheckpoints
+from ds4.jobs.placement_policy import ReplacementPolicy
 from ds4.jobs.slot import Slot
 from ds4.jobs.stats import SchedulerStats
 from ds4.jobs.trace import TraceWriter, job_record
