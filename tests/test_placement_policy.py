@@ -70,6 +70,21 @@ def test_uniform_counts_never_re_place(model: Path) -> None:
     assert stats.expert_host_read_share == pytest.approx((~before).sum() / before.size)
 
 
+def test_the_spread_of_uniform_routing_moves_nothing(model: Path) -> None:
+    """Routing drawn uniformly (2 of 8 experts per token, 256 tokens): the counts differ by
+    chance only, and the default policy keeps the placement."""
+    engine = placed(model)
+    placement = engine.model.weights.placement
+    before = placement.resident().copy()
+    rng = np.random.default_rng(0)
+    L, E = before.shape
+    picks = np.array([[rng.choice(E, 2, replace=False) for _ in range(256)] for _ in range(L)])
+    set_counts(engine, np.stack([np.bincount(p.ravel(), minlength=E) for p in picks]))
+    policy = ReplacementPolicy(engine, every_tokens=256)
+    assert policy.after_turn(due(policy)) == 0
+    assert (placement.resident() == before).all()
+
+
 def test_a_small_gain_stays_under_the_threshold(model: Path) -> None:
     engine = placed(model)
     resident = engine.model.weights.placement.resident()
@@ -106,7 +121,7 @@ def test_the_scheduler_re_places_while_serving_and_the_tokens_stay(model: Path) 
         sched = Scheduler(engine, SchedulerConfig(parallel=1, ctx_size=256),
                           clock=StepClock(0.001))
         sched.replacement.every_tokens = 8
-        sched.replacement.min_cut = 0.0
+        sched.replacement.min_cut = sched.replacement.evidence = 0.0
         rec = Recorder()
         sched.submit(JobRequest(prompt_tokens=[0, 3, 9, 27, 81], max_tokens=48,
                                 sampling=SamplingOptions(temperature=0.0)), rec)

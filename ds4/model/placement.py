@@ -311,12 +311,13 @@ class ExpertPlacement:
         host = sum(s.host_nbytes for b in self.banks for s in b.placed_stacks)
         return Split(dev, host, [int((~m).sum()) for m in self.resident()])
 
-    def plan(self, margin: float = 0.0) -> list[list[tuple[int, int]]]:
+    def plan(self, margin: float = 0.0, evidence: float = 0.0) -> list[list[tuple[int, int]]]:
         """Per layer, (going, coming) swaps: the hottest host experts take the device slots of
-        the coldest resident ones while more than (1 + margin) times as hot (equal heat never
-        moves: uniform routing keeps the placement it has)."""
+        the coldest resident ones while hotter by more than `margin` of the resident one's
+        heat plus `evidence` standard deviations of count noise (picks are Poisson-like: the
+        spread of uniform routing must not look like hot experts; equal heat never moves)."""
         heat, resident = self.counts(), self.resident()
-        return [_layer_swaps(h, m, margin) for h, m in zip(heat, resident)]
+        return [_layer_swaps(h, m, margin, evidence) for h, m in zip(heat, resident)]
 
     def cut(self, plan: list) -> float:
         """Share of the expected host reads a plan removes."""
@@ -325,13 +326,14 @@ class ExpertPlacement:
         gain = sum(heat[l, c] - heat[l, g] for l, swaps in enumerate(plan) for g, c in swaps)
         return float(gain / host) if host else 0.0
 
-    def replace(self, min_cut: float = 0.0, margin: float = 0.0, decay: float = 1.0) -> int:
+    def replace(self, min_cut: float = 0.0, margin: float = 0.0, decay: float = 1.0,
+                evidence: float = 0.0) -> int:
         """Fold in the new picks (decaying the old by `decay`); when moving the hottest experts
         of each layer onto the device (each layer keeps its number of device slots) would cut
         the expected host reads by more than `min_cut`, move them. Returns how many experts
         changed memory. Call between steps."""
         self.observe(decay)
-        plan = self.plan(margin)
+        plan = self.plan(margin, evidence)
         if not any(plan) or self.cut(plan) <= min_cut:
             return 0
         for bank, swaps in zip(self.banks, plan):
@@ -349,15 +351,18 @@ class ExpertPlacement:
                 "host_read_share": self.host_read_share()}
 
 
-def _layer_swaps(heat: np.ndarray, resident: np.ndarray, margin: float) -> list[tuple[int, int]]:
+def _layer_swaps(heat: np.ndarray, resident: np.ndarray, margin: float,
+                 evidence: float) -> list[tuple[int, int]]:
     """(going, coming) pairs of one layer: hottest host expert against coldest resident one
-    (lower id first on ties), while the host one is hotter by more than the margin."""
+    (lower id first on ties), while the host one is hotter by more than the margin and the
+    noise allowance."""
     ids = np.arange(heat.size)
     host = ids[~resident][np.lexsort((ids[~resident], -heat[~resident]))]
     dev = ids[resident][np.lexsort((-ids[resident], heat[resident]))]
     swaps = []
     for coming, going in zip(host.tolist(), dev.tolist()):
-        if heat[coming] <= heat[going] * (1 + margin):
+        noise = evidence * np.sqrt(heat[coming] + heat[going])
+        if heat[coming] <= heat[going] * (1 + margin) + noise:
             break
         swaps.append((going, coming))
     return swaps
