@@ -16,7 +16,7 @@ class ReplacementPolicy:
     """The scheduler's clock for expert re-placement, and its figures for /metrics."""
 
     def __init__(self, engine: Any, every_tokens: int = 256, half_life_tokens: float = 4096,
-                 min_cut: float = 0.1, margin: float = 0.25, evidence: float = 3.0):
+                 min_cut: float = 0.1, margin: float = 0.25, evidence: float = 4.0):
         self.engine = engine
         self.every_tokens, self.half_life_tokens = every_tokens, half_life_tokens
         self.min_cut, self.margin, self.evidence = min_cut, margin, evidence
