@@ -13,6 +13,7 @@ and its bookkeeping run in CI.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -345,10 +346,38 @@ class ExpertPlacement:
         self.moved += moved
         return moved
 
+    @contextmanager
+    def host_reads_off(self):
+        """For benchmarks: while open, each host expert's table entries point at a resident
+        expert's memory (other values, device-only reads), so a replayed decode graph costs
+        what it would with everything resident; the tables are restored on exit. Yields False
+        on NumPy (no tables)."""
+        stacks = [s for b in self.banks for s in b.placed_stacks if s.code_ptrs is not None]
+        saved = [(s.code_ptrs.copy(), s.scale_ptrs.copy()) for s in stacks]
+        try:
+            for stack in stacks:
+                _alias_host_to_resident(stack)
+            yield bool(stacks)
+        finally:
+            for stack, (codes, scales) in zip(stacks, saved):
+                stack.code_ptrs[...], stack.scale_ptrs[...] = codes, scales
+
     def stats(self) -> dict:
         """Re-placements done, experts moved, and the host-read share of the counted picks."""
         return {"replacements": self.replacements, "moved": self.moved,
                 "host_read_share": self.host_read_share()}
+
+
+def _alias_host_to_resident(stack: PlacedStack) -> None:
+    """Point host experts' table entries at distinct resident experts (round robin)."""
+    host, dev = np.nonzero(~stack.resident)[0], np.nonzero(stack.resident)[0]
+    if host.size == 0 or dev.size == 0:
+        return
+    xp = stack.xp
+    take = xp.asarray(dev[np.arange(host.size) % dev.size])
+    ids = xp.asarray(host)
+    stack.code_ptrs[ids] = stack.code_ptrs[take]
+    stack.scale_ptrs[ids] = stack.scale_ptrs[take]
 
 
 def _layer_swaps(heat: np.ndarray, resident: np.ndarray, margin: float,
