@@ -56,7 +56,10 @@ def test_replacement_between_graph_replays_keeps_the_logits(model: Path) -> None
                                rtol=1e-4, atol=1e-4)
 
 
-def test_the_placed_kernel_matches_its_numpy_twin(model: Path) -> None:
+@pytest.mark.parametrize("picks", [[0, 7], [7, 0], [6, 7], [1, 0]])
+def test_the_placed_kernel_matches_its_numpy_twin(model: Path, picks: list[int]) -> None:
+    """Picks with a host expert last, first, both on the host, both resident: the kernels walk
+    host experts first (ds4/kernels/placed.cu) and give the twin's sum."""
     import cupy as cp
 
     from ds4.kernels import placed as kernels
@@ -69,7 +72,8 @@ def test_the_placed_kernel_matches_its_numpy_twin(model: Path) -> None:
     gate_up, down = bank.placed_stacks
     I, D, k = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts_per_tok
     rng = np.random.default_rng(0)
-    idx = np.array([0, 7], dtype=np.int32)[:k]
+    assert k == 2 and gate_up.resident[[0, 1]].all() and not gate_up.resident[[6, 7]].any()
+    idx = np.array(picks, dtype=np.int32)
     wts = rng.random(k).astype(np.float32)
     x = rng.standard_normal(D).astype(np.float32)
     y, act = cp.zeros(D, cp.float32), cp.zeros((k, I), cp.float32)
@@ -87,7 +91,7 @@ class _on_host:
     """A PlacedStack read back to NumPy expert by expert (for the twin)."""
 
     def __init__(self, stack):
-        self.stack = stack
+        self.stack, self.resident = stack, stack.resident
 
     def __getitem__(self, e):
         from ds4.model.packed import PackedMatrix

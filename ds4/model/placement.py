@@ -149,10 +149,11 @@ class PlacedStack:
         self.slot[~self.resident] = np.arange(int((~self.resident).sum()))
         self.shape = (self.resident.size, *device[0].shape[1:-1], cols)
         self.scratch = None
-        self.code_ptrs = self.scale_ptrs = None
+        self.code_ptrs = self.scale_ptrs = self.on_host = None
         if xp is not np:
             self.code_ptrs = xp.zeros(self.resident.size, dtype=xp.int64)
             self.scale_ptrs = xp.zeros(self.resident.size, dtype=xp.int64)
+            self.on_host = xp.zeros(self.resident.size, dtype=xp.int32)  # kernels: host first
             self._write_tables(range(self.resident.size))
 
     @classmethod
@@ -237,13 +238,15 @@ class PlacedStack:
             self._write_tables([going, coming])
 
     def _write_tables(self, experts) -> None:
-        """Device addresses of the given experts' codes and scales (the kernels' tables)."""
+        """Device addresses of the given experts' codes and scales, and whether each lives in
+        host memory (the kernels' tables)."""
         experts = list(experts)
         codes = [self.memory_of(e)[0].data.ptr for e in experts]
         scales = [self.memory_of(e)[1].data.ptr for e in experts]
         ids = self.xp.asarray(np.array(experts, dtype=np.int64))
         self.code_ptrs[ids] = self.xp.asarray(np.array(codes, dtype=np.int64))
         self.scale_ptrs[ids] = self.xp.asarray(np.array(scales, dtype=np.int64))
+        self.on_host[ids] = self.xp.asarray((~self.resident[experts]).astype(np.int32))
 
 
 @dataclass
