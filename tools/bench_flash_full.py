@@ -168,12 +168,15 @@ def step_split(engine: Engine, cp, session, step_ms: float) -> dict:
     host-read time, launch overhead of its node count, and the Python step around it."""
     decoder = engine.model.kernel_decoder.decoder
     graph, stream = decoder.graphs[session.state], decoder.stream
-    placed_ms = replay_ms(cp, graph, stream)
-    resident_ms = placed_ms
     placement = engine.model.weights.placement
+    banks = [b for b in placement.banks if b.placed_stacks] if placement is not None else []
+    counted = [b.counts.copy() for b in banks]  # replays of one token must not count as picks
+    placed_ms = resident_ms = replay_ms(cp, graph, stream)
     if placement is not None:
         with placement.host_reads_off():
             resident_ms = replay_ms(cp, graph, stream)
+    for bank, counts in zip(banks, counted):
+        bank.counts[...] = counts
     nodes = graph_nodes(graph)
     launch_ms = empty_graph_ms(cp, nodes) if nodes else float("nan")
     return {"graph_ms": placed_ms, "resident_ms": resident_ms,
