@@ -195,7 +195,7 @@ def run(args) -> dict:
     ctx_size = max(max(args.contexts), args.ttft_tokens) + args.decode_tokens + 2
     kept: list = []  # the first context's session: its graph is split, then it goes
     res["decode"] = [decode_at(engine, args.contexts[0], args.decode_tokens, ctx_size, kept)]
-    if cp is not None:
+    if cp is not None and engine.model.kernel_decoder is not None:
         res["split"] = step_split(engine, cp, kept[0], res["decode"][0]["ms_per_token"])
     kept.clear()
     res["decode"] += [decode_at(engine, c, args.decode_tokens, ctx_size) for c in args.contexts[1:]]
