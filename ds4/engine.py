@@ -104,15 +104,12 @@ class Engine:
             report["expert_placement"] = weights.placement.split().describe()
         return report
 
-    def replace_experts(self, min_cut: float = 0.0, margin: float = 0.0, decay: float = 1.0,
-                        evidence: float = 0.0) -> int:
-        """Re-place routed experts by their (decayed) routing counts, hot ones on the GPU,
-        when that cuts the expected host reads by more than min_cut (ds4/model/placement.py);
-        the number of experts moved. Call between steps (the scheduler's thread)."""
+    def replace_experts(self, rule=None, decay: float = 1.0) -> int:
+        """Re-place routed experts by their (decayed) routing counts, hot ones on the GPU, as
+        far as `rule` (a ds4.model.placement.ReplacementRule; default: whenever it helps)
+        allows; the number of experts moved. Call between steps (the scheduler's thread)."""
         placement = self.model.weights.placement
-        if placement is None:
-            return 0
-        return placement.replace(min_cut, margin, decay, evidence)
+        return placement.replace(rule, decay) if placement is not None else 0
 
     def expert_placement_stats(self) -> dict | None:
         """Re-placements, experts moved and host-read share; None when every expert is

@@ -16,6 +16,7 @@ from ds4.jobs.events import JobRequest, SamplingOptions
 from ds4.jobs.placement_policy import ReplacementPolicy
 from ds4.jobs.scheduler import Scheduler, SchedulerConfig
 from ds4.jobs.stats import SchedulerStats
+from ds4.model.placement import ReplacementRule
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +59,33 @@ def test_skewed_counts_move_the_hot_experts_onto_the_device(model: Path) -> None
     assert (placement.pending() == 0).all()  # the counters restart for the next window
 
 
+def test_one_look_moves_at_most_max_swaps_the_largest_gains_first(model: Path) -> None:
+    """A bounded pause: with max_swaps 2 only the two hottest host experts move this look
+    (the others at the next one)."""
+    engine = placed(model)
+    placement = engine.model.weights.placement
+    before = placement.resident().copy()
+    L, E = before.shape
+    counts = np.zeros((L, E), dtype=np.int64)
+    host0 = np.nonzero(~before[0])[0]
+    counts[0, host0[:3]] = [30, 90, 60]  # layer 0: three hot host experts
+    counts[1, np.nonzero(~before[1])[0][0]] = 10
+    set_counts(engine, counts)
+    policy = ReplacementPolicy(engine, every_tokens=8, rule=ReplacementRule(max_swaps=2))
+    assert policy.after_turn(due(policy)) == 4
+    now = placement.resident()
+    assert now[0, host0[1]] and now[0, host0[2]] and not now[0, host0[0]]
+    assert (now[1:] == before[1:]).all()
+    assert policy.after_turn(due(policy)) == 4  # the next look: layer 0's third, layer 1's one
+    assert placement.resident()[0, host0[:3]].all()
+
+
 def test_uniform_counts_never_re_place(model: Path) -> None:
     engine = placed(model)
     placement = engine.model.weights.placement
     before = placement.resident().copy()
     set_counts(engine, np.full(before.shape, 7))
-    policy = ReplacementPolicy(engine, every_tokens=8, margin=0.0, min_cut=0.0)
+    policy = ReplacementPolicy(engine, every_tokens=8, rule=ReplacementRule())  # any gain
     stats = due(policy)
     assert policy.after_turn(stats) == 0
     assert (placement.resident() == before).all() and stats.expert_replacements == 0
@@ -91,7 +113,8 @@ def test_a_small_gain_stays_under_the_threshold(model: Path) -> None:
     counts = np.full(resident.shape, 10)
     counts[0, np.nonzero(~resident[0])[0][0]] = 14  # one host expert a bit hotter
     set_counts(engine, counts)
-    policy = ReplacementPolicy(engine, every_tokens=8, min_cut=0.2, margin=0.25)
+    policy = ReplacementPolicy(engine, every_tokens=8,
+                               rule=ReplacementRule(min_cut=0.2, margin=0.25))
     assert policy.after_turn(due(policy)) == 0
 
 
@@ -121,7 +144,7 @@ def test_the_scheduler_re_places_while_serving_and_the_tokens_stay(model: Path) 
         sched = Scheduler(engine, SchedulerConfig(parallel=1, ctx_size=256),
                           clock=StepClock(0.001))
         sched.replacement.every_tokens = 8
-        sched.replacement.min_cut = sched.replacement.evidence = 0.0
+        sched.replacement.rule = ReplacementRule()
         rec = Recorder()
         sched.submit(JobRequest(prompt_tokens=[0, 3, 9, 27, 81], max_tokens=48,
                                 sampling=SamplingOptions(temperature=0.0)), rec)

@@ -1,8 +1,9 @@
 """When the scheduler re-places routed experts: every `every_tokens` generated tokens it asks
 the engine to fold the routing counts (decayed by those tokens, half-life `half_life_tokens`)
 and to move the hot experts onto the GPU if that cuts the expected host reads by more than
-`min_cut` (a swap needs the host expert hotter than the resident one by `margin` and by
-`evidence` standard deviations of count noise, so uniform routing's spread moves nothing).
+the rule's `min_cut` (a swap needs the host expert hotter than the resident one by `margin` and
+by `evidence` standard deviations of count noise, so uniform routing's spread moves nothing;
+at most `max_swaps` experts cross PCIe per look, bounding the pause).
 It runs between turns, so never inside an engine step (docs/PERF.md)."""
 
 from __future__ import annotations
@@ -10,16 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 from ds4.jobs.stats import SchedulerStats
+from ds4.model.placement import ReplacementRule
 
 
 class ReplacementPolicy:
     """The scheduler's clock for expert re-placement, and its figures for /metrics."""
 
     def __init__(self, engine: Any, every_tokens: int = 256, half_life_tokens: float = 4096,
-                 min_cut: float = 0.1, margin: float = 0.25, evidence: float = 4.0):
+                 rule: ReplacementRule | None = None):
         self.engine = engine
         self.every_tokens, self.half_life_tokens = every_tokens, half_life_tokens
-        self.min_cut, self.margin, self.evidence = min_cut, margin, evidence
+        self.rule = rule or ReplacementRule(min_cut=0.1, margin=0.25, evidence=4.0,
+                                            max_swaps=32)
         stats = getattr(engine, "expert_placement_stats", lambda: None)
         self.enabled = stats() is not None  # no experts in host memory: nothing to move
         self.seen = 0  # generated tokens at the last look
@@ -30,8 +33,7 @@ class ReplacementPolicy:
         if not self.enabled or done < self.every_tokens:
             return 0
         self.seen = stats.generated_tokens
-        decay = 0.5 ** (done / self.half_life_tokens)
-        moved = self.engine.replace_experts(self.min_cut, self.margin, decay, self.evidence)
+        moved = self.engine.replace_experts(self.rule, 0.5 ** (done / self.half_life_tokens))
         figures = self.engine.expert_placement_stats()
         stats.expert_replacements = figures["replacements"]
         stats.experts_moved = figures["moved"]

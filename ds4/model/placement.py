@@ -269,6 +269,19 @@ def _size(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.2f} MiB"
 
 
+@dataclass
+class ReplacementRule:
+    """When a re-placement moves experts: the cut of expected host reads it must reach, how
+    much hotter (relative, and in standard deviations of count noise) a host expert must be
+    than the resident one it displaces, and the most swaps one re-placement makes (each
+    copies an expert both ways over PCIe, ~1 ms at full size, while the step waits)."""
+
+    min_cut: float = 0.0
+    margin: float = 0.0
+    evidence: float = 0.0
+    max_swaps: int | None = None
+
+
 class ExpertPlacement:
     """The placed expert banks of a model, their routing counts, and re-placement.
 
@@ -315,13 +328,14 @@ class ExpertPlacement:
         host = sum(s.host_nbytes for b in self.banks for s in b.placed_stacks)
         return Split(dev, host, [int((~m).sum()) for m in self.resident()])
 
-    def plan(self, margin: float = 0.0, evidence: float = 0.0) -> list[list[tuple[int, int]]]:
+    def plan(self, rule: ReplacementRule) -> list[list[tuple[int, int]]]:
         """Per layer, (going, coming) swaps: the hottest host experts take the device slots of
-        the coldest resident ones while hotter by more than `margin` of the resident one's
-        heat plus `evidence` standard deviations of count noise (picks are Poisson-like: the
-        spread of uniform routing must not look like hot experts; equal heat never moves)."""
+        the coldest resident ones while hotter by more than `rule.margin` of the resident one's
+        heat plus `rule.evidence` standard deviations of count noise (picks are Poisson-like:
+        the spread of uniform routing must not look like hot experts; equal heat never
+        moves)."""
         heat, resident = self.counts(), self.resident()
-        return [_layer_swaps(h, m, margin, evidence) for h, m in zip(heat, resident)]
+        return [_layer_swaps(h, m, rule.margin, rule.evidence) for h, m in zip(heat, resident)]
 
     def cut(self, plan: list) -> float:
         """Share of the expected host reads a plan removes."""
@@ -330,16 +344,18 @@ class ExpertPlacement:
         gain = sum(heat[l, c] - heat[l, g] for l, swaps in enumerate(plan) for g, c in swaps)
         return float(gain / host) if host else 0.0
 
-    def replace(self, min_cut: float = 0.0, margin: float = 0.0, decay: float = 1.0,
-                evidence: float = 0.0) -> int:
+    def replace(self, rule: ReplacementRule | None = None, decay: float = 1.0) -> int:
         """Fold in the new picks (decaying the old by `decay`); when moving the hottest experts
         of each layer onto the device (each layer keeps its number of device slots) would cut
-        the expected host reads by more than `min_cut`, move them. Returns how many experts
-        changed memory. Call between steps."""
+        the expected host reads by more than `rule.min_cut`, move them, at most
+        `rule.max_swaps` of the largest gains (the rest wait for the next look). Returns how
+        many experts changed memory. Call between steps."""
+        rule = rule or ReplacementRule()
         self.observe(decay)
-        plan = self.plan(margin, evidence)
-        if not any(plan) or self.cut(plan) <= min_cut:
+        plan = self.plan(rule)
+        if not any(plan) or self.cut(plan) <= rule.min_cut:
             return 0
+        plan = self._largest(plan, rule.max_swaps)
         for bank, swaps in zip(self.banks, plan):
             for going, coming in swaps:
                 for stack in bank.placed_stacks:
@@ -348,6 +364,18 @@ class ExpertPlacement:
         self.replacements += 1
         self.moved += moved
         return moved
+
+    def _largest(self, plan: list, limit: int | None) -> list[list[tuple[int, int]]]:
+        """The plan cut to its `limit` largest-gain swaps (per layer a prefix: gains fall
+        along a layer's swaps)."""
+        if limit is None or sum(len(s) for s in plan) <= limit:
+            return plan
+        heat = self.counts()
+        ranked = sorted(((heat[l, c] - heat[l, g], l, j) for l, swaps in enumerate(plan)
+                         for j, (g, c) in enumerate(swaps)), key=lambda t: -t[0])
+        keep = {(l, j) for _, l, j in ranked[:limit]}
+        return [[sw for j, sw in enumerate(swaps) if (l, j) in keep]
+                for l, swaps in enumerate(plan)]
 
     @contextmanager
     def host_reads_off(self):
