@@ -4,7 +4,7 @@ and to move the hot experts onto the GPU if that cuts the expected host reads by
 the rule's `min_cut` (a swap needs the host expert hotter than the resident one by `margin` and
 by `evidence` standard deviations of count noise, so uniform routing's spread moves nothing;
 at most `max_swaps` experts cross PCIe per look, bounding the pause).
-It runs between turns, so never inside an engine step (docs/PERF.md)."""
+It runs between turns, so never inside an engine step."""
 
 from __future__ import annotations
 
