@@ -115,9 +115,10 @@ def byte_floor(engine: Engine, hbm_gbs: float, pcie_gbs: float,
     if host_share is not None:
         host_reads = k * cfg.num_hidden_layers * host_share * per_expert
     device_reads = dense + k * cfg.num_hidden_layers * per_expert - host_reads
-    seconds = device_reads / (hbm_gbs * 1e9) + host_reads / (pcie_gbs * 1e9)
+    device_s, host_s = device_reads / (hbm_gbs * 1e9), host_reads / (pcie_gbs * 1e9)
     return {"device_bytes_per_token": device_reads, "host_bytes_per_token": host_reads,
-            "floor_ms_per_token": 1e3 * seconds, "floor_tok_s": 1 / seconds}
+            "floor_ms_per_token": 1e3 * (device_s + host_s), "floor_tok_s": 1 / (device_s + host_s),
+            "device_floor_ms": 1e3 * device_s, "host_floor_ms": 1e3 * host_s}
 
 
 EMPTY_NODE = 'extern "C" __global__ void empty_node() {}'
@@ -229,6 +230,10 @@ def report(res: dict) -> None:
               f"= {sp['resident_ms']:.2f} ms resident + {sp['host_read_ms']:.2f} ms host reads; "
               f"launch overhead of its {sp['nodes']} nodes {sp['launch_ms']:.2f} ms (inside the "
               f"resident time); Python around the step {sp['python_ms']:.2f} ms")
+        floor = res.get("floor_counted", res["floor"])
+        print(f"  against the floor of this placement: {floor['device_floor_ms']:.2f} ms "
+              f"resident + {floor['host_floor_ms']:.2f} ms host reads "
+              f"({'counted' if 'floor_counted' in res else 'uniform'} host share)")
     for d in res["decode"] + res.get("decode_after_replace", []):
         print(f"decode at context {d['context']}: {d['tok_s']:.1f} tok/s "
               f"({d['ms_per_token']:.2f} ms/token, finite logits: {d['finite']})")
