@@ -20,7 +20,7 @@ from ds4.builtin_model import make_tiny as make_tiny
 from ds4.model.config import ModelConfig
 from ds4.model.dummy import CONFIG_DIR, LOAD_FORMATS, dummy_weights, model_path
 from ds4.model.forward import Model
-from ds4.model.placement import weight_budget
+from ds4.model.placement import ReplacementRule, weight_budget
 from ds4.model.state import SessionState, state_bytes
 from ds4.model.weights import load_weights
 from ds4.sampling import sample
@@ -104,10 +104,10 @@ class Engine:
             report["expert_placement"] = weights.placement.split().describe()
         return report
 
-    def replace_experts(self, rule=None, decay: float = 1.0) -> int:
+    def replace_experts(self, rule: ReplacementRule | None = None, decay: float = 1.0) -> int:
         """Re-place routed experts by their (decayed) routing counts, hot ones on the GPU, as
-        far as `rule` (a ds4.model.placement.ReplacementRule; default: whenever it helps)
-        allows; the number of experts moved. Call between steps (the scheduler's thread)."""
+        far as `rule` allows (default: whenever it helps); the number of experts moved. Call
+        between steps (the scheduler's thread)."""
         placement = self.model.weights.placement
         return placement.replace(rule, decay) if placement is not None else 0
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ds4.engine import ReplacementRule
 from ds4.jobs.stats import SchedulerStats
-from ds4.model.placement import ReplacementRule
 
 
 class ReplacementPolicy:
