@@ -17,7 +17,7 @@ from ds4.builtin_model import make_tiny as make_tiny
 from ds4.model.config import ModelConfig
 from ds4.model.dummy import CONFIG_DIR, LOAD_FORMATS, dummy_weights, model_path
 from ds4.model.forward import Model
-from ds4.model.placement import weight_budget
+from ds4.model.placement import ReplacementRule, weight_budget
 from ds4.model.state import SessionState, state_bytes
 from ds4.model.weights import load_weights
 from ds4.sampling import sample
@@ -109,11 +109,18 @@ class Engine:
             report["expert_placement"] = weights.placement.split().describe()
         return report
 
-    def replace_experts(self) -> int:
-        """Re-place routed experts by their routing counts (hot ones on the GPU); the number
-        of experts moved. Call between steps (the scheduler's thread)."""
+    def replace_experts(self, rule: ReplacementRule | None = None, decay: float = 1.0) -> int:
+        """Re-place routed experts by their (decayed) routing counts, hot ones on the GPU, as
+        far as `rule` allows (default: whenever it helps); the number of experts moved. Call
+        between steps (the scheduler's thread)."""
         placement = self.model.weights.placement
-        return placement.replace() if placement is not None else 0
+        return placement.replace(rule, decay) if placement is not None else 0
+
+    def expert_placement_stats(self) -> dict | None:
+        """Re-placements, experts moved and host-read share; None when every expert is
+        resident."""
+        placement = self.model.weights.placement
+        return placement.stats() if placement is not None else None
 
     def decode_batch(self, sessions: Sequence[Session],
                      tokens: Sequence[int]) -> list[np.ndarray]:

@@ -16,21 +16,29 @@ def load_tool():
     return module
 
 
-def test_bench_prints_settings_and_a_row_per_measure(capsys):
+def test_bench_prints_settings_a_row_per_measure_and_the_goals(capsys):
+    """One server after the other (as at full size), then the table and the two goals."""
     bench = load_tool()
     assert bench.main(["--tokens-a", "24", "--b-after", "4", "--prompt-b-tokens", "300",
-                       "--tokens-b", "3", "--prefill-ms", "20", "--repeat", "1"]) == 0
+                       "--tokens-b", "3", "--prefill-ms", "20", "--repeat", "1",
+                       "--sequential"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "300-token prompt sent at A's token 4" in lines[0]
     assert "DS4_SERVER_SCHED_PREFILL_MS=20" in lines[0] and "load average" in lines[0]
     rows = {cells[0]: cells[1:] for cells in
-            ([c.strip() for c in line.strip("|").split("|")] for line in lines[3:])}
+            ([c.strip() for c in line.strip("|").split("|")] for line in lines[3:]
+             if line.startswith("|"))}
     assert rows["A tokens"] == ["24", "24", "1.00x"]
     assert rows["B tokens"] == ["3", "3", "1.00x"]
     assert set(rows) == {"B TTFT (s)", "B total (s)", "A worst gap during B prefill (s)",
-                         "A total (s)", "A tokens", "A decode tok/s", "B tokens",
-                         "B decode tok/s"}
+                         "A gap before B (s)", "A total (s)", "A tokens", "A decode tok/s",
+                         "B tokens", "B decode tok/s"}
     assert all(float(v) > 0 for v in rows["B TTFT (s)"][:2])
+    ttft, gap = lines[-2:]
+    assert ttft.startswith(f"goal at --parallel 2: B's TTFT {rows['B TTFT (s)'][1]} s <= 1 s: ")
+    burst = bench.SchedulerConfig.from_env().decode_tokens
+    assert f"<= prefill slice 0.020 s + decode burst {burst} x " in gap
+    assert gap.endswith((": met", ": missed"))
 
 
 def test_model_backend_and_load_format_pass_through_to_the_server():

@@ -229,6 +229,11 @@ def test_the_full_flash_bench_runs_on_a_shrunken_config(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert figures["decode"][0]["finite"] and figures["decode"][0]["tok_s"] > 0
     assert figures["ttft"]["tokens"] == 24 and figures["floor"]["host_bytes_per_token"] > 0
+    share = figures["counted"]["host_read_share"]  # the picks the steps counted
+    assert 0 < share < 1 and "floor at the counted host share" in done.stdout
+    counted = figures["floor_counted"]["host_bytes_per_token"]
+    assert counted == pytest.approx(4 * 4 * share * expert_bytes(ModelConfig.from_dict(
+        shrunken_flash())))  # k picks x 4 layers at that share
 
 
 def test_the_server_refuses_a_shipped_name_without_dummy_and_dummy_with_streaming() -> None:

@@ -114,6 +114,14 @@ def test_the_placed_kernels_twin_computes_the_routed_experts(small_model: Path) 
     np.testing.assert_allclose(y, _routed_one(np, cfg, bank, x, idx, wts), rtol=1e-5, atol=1e-6)
 
 
+def test_the_kernels_walk_host_experts_first() -> None:
+    from ds4.kernels.placed import host_first_order
+
+    resident = np.array([True, True, False, True, False])
+    assert host_first_order([0, 2, 3, 4], resident) == [1, 3, 0, 2]
+    assert host_first_order([1, 0], resident) == [0, 1]  # all resident: as picked
+
+
 def test_a_bf16_checkpoint_under_a_budget_loads_whole_or_says_why() -> None:
     """Only packed experts can live in host memory: a bf16 model that fits the budget is held
     whole (same logits), one that does not is a load error naming both sizes."""

@@ -56,7 +56,54 @@ def test_replacement_between_graph_replays_keeps_the_logits(model: Path) -> None
                                rtol=1e-4, atol=1e-4)
 
 
-def test_the_placed_kernel_matches_its_numpy_twin(model: Path) -> None:
+def test_the_policy_re_places_from_graph_counted_picks_and_keeps_the_logits(model: Path) -> None:
+    """The scheduler's policy on picks the decode graph counted (skewed by hand on top):
+    the hot experts move to the device, the counters restart in place, and the same
+    session's captured graph keeps giving the resident logits."""
+    from ds4.jobs.placement_policy import ReplacementPolicy
+    from ds4.jobs.stats import SchedulerStats
+
+    resident, placed = engines(model)
+    a, b = resident.new_session(256), placed.new_session(256)
+    a.sync(PROMPT), b.sync(PROMPT)
+    decode_logits(a, STEPS), decode_logits(b, STEPS)
+    placement = placed.model.weights.placement
+    start = placement.resident().copy()
+    hot = np.nonzero(~start[0])[0][:2]
+    for bank in placement.banks:
+        bank.counts[hot.tolist()] += 100
+    policy = ReplacementPolicy(placed, every_tokens=1)
+    stats = SchedulerStats(generated_tokens=1)
+    assert policy.after_turn(stats) > 0 and stats.expert_replacements == 1
+    assert placement.resident()[:, hot].all() and (placement.pending() == 0).all()
+    more = [21, 22, 23, 24]
+    np.testing.assert_allclose(decode_logits(b, more), decode_logits(a, more),
+                               rtol=1e-4, atol=1e-4)
+    assert placement.pending().sum() == len(more) * 2 * 6  # the graph counts into them again
+
+
+def test_host_reads_off_reads_other_experts_and_restores_the_tables(model: Path) -> None:
+    """The benchmark's resident-time switch: while open, host experts' entries point at
+    resident ones (other logits); on exit the tables are back and so are the logits."""
+    _, placed = engines(model)
+
+    def run() -> np.ndarray:
+        s = placed.new_session(256)
+        s.sync(PROMPT)
+        return decode_logits(s, STEPS[:4])  # eager, captured, replays
+
+    want = run()
+    with placed.model.weights.placement.host_reads_off() as on:
+        assert on
+        other = run()
+    np.testing.assert_allclose(run(), want, rtol=1e-5, atol=1e-5)
+    assert np.abs(other[1:] - want[1:]).max() > 1e-3
+
+
+@pytest.mark.parametrize("picks", [[0, 7], [7, 0], [6, 7], [1, 0]])
+def test_the_placed_kernel_matches_its_numpy_twin(model: Path, picks: list[int]) -> None:
+    """Picks with a host expert last, first, both on the host, both resident: the kernels walk
+    host experts first (ds4/kernels/placed.cu) and give the twin's sum."""
     import cupy as cp
 
     from ds4.kernels import placed as kernels
@@ -69,7 +116,8 @@ def test_the_placed_kernel_matches_its_numpy_twin(model: Path) -> None:
     gate_up, down = bank.placed_stacks
     I, D, k = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts_per_tok
     rng = np.random.default_rng(0)
-    idx = np.array([0, 7], dtype=np.int32)[:k]
+    assert k == 2 and gate_up.resident[[0, 1]].all() and not gate_up.resident[[6, 7]].any()
+    idx = np.array(picks, dtype=np.int32)
     wts = rng.random(k).astype(np.float32)
     x = rng.standard_normal(D).astype(np.float32)
     y, act = cp.zeros(D, cp.float32), cp.zeros((k, I), cp.float32)
@@ -87,7 +135,7 @@ class _on_host:
     """A PlacedStack read back to NumPy expert by expert (for the twin)."""
 
     def __init__(self, stack):
-        self.stack = stack
+        self.stack, self.resident = stack, stack.resident
 
     def __getitem__(self, e):
         from ds4.model.packed import PackedMatrix

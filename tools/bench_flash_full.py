@@ -9,7 +9,12 @@ what is free less the sessions and scratch), prints the expert split, then measu
   first sampled token);
 - the bytes-read floor of the placement used: per token, every dense matrix once (the
   embedding only its row), plus k experts per layer, the resident share at `--hbm-gbs` and the
-  share expected in host memory (uniform routing) at `--pcie-gbs`.
+  share expected in host memory (uniform routing) at `--pcie-gbs`, and the same floor with the
+  host share the decode steps actually counted;
+- on the GPU, the split of one decode step (its CUDA graph replayed alone, after the first
+  context): the placed graph, the same graph with every host expert's table entry pointed at a
+  resident expert (resident time), their difference (host-read time), and a graph of empty
+  kernels with the same node count (launch overhead); what the Python step adds on top.
 
     python3 tools/bench_flash_full.py --backend cupy --json flash_full.json
     python3 tools/bench_flash_full.py --backend numpy --config small/config.json \\
@@ -61,9 +66,10 @@ def sync_time(cp, fn) -> float:
     return time.perf_counter() - start
 
 
-def decode_at(engine: Engine, ctx: int, steps: int, ctx_size: int) -> dict:
+def decode_at(engine: Engine, ctx: int, steps: int, ctx_size: int, keep: list | None = None
+              ) -> dict:
     """Greedy decode tok/s of one stream after a ctx-token prompt (first step not timed: it
-    compiles and captures)."""
+    compiles and captures); the session is appended to `keep` when given."""
     session = engine.new_session(ctx_size)
     logits = session.sync(prompt(engine, ctx, ctx))
     token = int(np.argmax(logits))
@@ -74,6 +80,8 @@ def decode_at(engine: Engine, ctx: int, steps: int, ctx_size: int) -> dict:
         start = time.perf_counter()
         logits = session.decode(token)
         seconds += time.perf_counter() - start
+    if keep is not None:
+        keep.append(session)
     return {"context": ctx, "tokens": steps, "tok_s": steps / seconds,
             "ms_per_token": 1e3 * seconds / steps, "finite": bool(np.isfinite(logits).all())}
 
@@ -87,8 +95,10 @@ def ttft(engine: Engine, cp, n: int, ctx_size: int) -> dict:
             "chunk": engine.prefill_chunk}
 
 
-def byte_floor(engine: Engine, hbm_gbs: float, pcie_gbs: float) -> dict:
-    """Bytes a decode step must read, split by memory, and the time that takes at least."""
+def byte_floor(engine: Engine, hbm_gbs: float, pcie_gbs: float,
+               host_share: float | None = None) -> dict:
+    """Bytes a decode step must read, split by memory, and the time that takes at least: host
+    reads as uniform routing expects them, or at `host_share` of the picks (counted)."""
     cfg, weights = engine.config, engine.model.weights
     per_expert = expert_bytes(cfg)
     resident_experts = sum(bank.nbytes for bank in weights.experts)
@@ -102,10 +112,77 @@ def byte_floor(engine: Engine, hbm_gbs: float, pcie_gbs: float) -> dict:
     if weights.placement is not None:
         host = weights.placement.split().host_experts
     host_reads = sum(k * h / E for h in host) * per_expert
-    device_reads = dense + sum(k * (E - h) / E for h in host) * per_expert
-    seconds = device_reads / (hbm_gbs * 1e9) + host_reads / (pcie_gbs * 1e9)
+    if host_share is not None:
+        host_reads = k * cfg.num_hidden_layers * host_share * per_expert
+    device_reads = dense + k * cfg.num_hidden_layers * per_expert - host_reads
+    device_s, host_s = device_reads / (hbm_gbs * 1e9), host_reads / (pcie_gbs * 1e9)
     return {"device_bytes_per_token": device_reads, "host_bytes_per_token": host_reads,
-            "floor_ms_per_token": 1e3 * seconds, "floor_tok_s": 1 / seconds}
+            "floor_ms_per_token": 1e3 * (device_s + host_s), "floor_tok_s": 1 / (device_s + host_s),
+            "device_floor_ms": 1e3 * device_s, "host_floor_ms": 1e3 * host_s}
+
+
+EMPTY_NODE = 'extern "C" __global__ void empty_node() {}'
+
+
+def replay_ms(cp, graph, stream, n: int = 20) -> float:
+    """Milliseconds one replay of a captured graph takes (device time, n replays averaged)."""
+    graph.launch(stream)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(stream)
+    for _ in range(n):
+        graph.launch(stream)
+    end.record(stream)
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / n
+
+
+def graph_nodes(graph) -> int | None:
+    """Nodes (kernels, copies, memsets) of a captured graph, through the driver API."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    n = ctypes.c_size_t(0)
+    if driver.cuGraphGetNodes(ctypes.c_void_p(graph.graph), None, ctypes.byref(n)) != 0:
+        return None
+    return int(n.value)
+
+
+def empty_graph_ms(cp, nodes: int) -> float:
+    """Replay time of a chain of `nodes` empty one-block kernels: the launch overhead a graph
+    of that many nodes pays before any work."""
+    kernel = cp.RawKernel(EMPTY_NODE, "empty_node")
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        kernel((1,), (32,), ())  # loads the module outside the capture
+        stream.begin_capture()
+        for _ in range(nodes):
+            kernel((1,), (32,), ())
+        graph = stream.end_capture()
+    return replay_ms(cp, graph, stream)
+
+
+def step_split(engine: Engine, cp, session, step_ms: float) -> dict:
+    """One decode step's device time split: placed graph, host reads off (resident time),
+    host-read time, launch overhead of its node count, and the Python step around it."""
+    decoder = engine.model.kernel_decoder.decoder
+    graph, stream = decoder.graphs[session.state], decoder.stream
+    placement = engine.model.weights.placement
+    banks = [b for b in placement.banks if b.placed_stacks] if placement is not None else []
+    counted = [b.counts.copy() for b in banks]  # replays of one token must not count as picks
+    placed_ms = resident_ms = replay_ms(cp, graph, stream)
+    if placement is not None:
+        with placement.host_reads_off():
+            resident_ms = replay_ms(cp, graph, stream)
+    for bank, counts in zip(banks, counted):
+        bank.counts[...] = counts
+    nodes = graph_nodes(graph)
+    launch_ms = empty_graph_ms(cp, nodes) if nodes else float("nan")
+    return {"graph_ms": placed_ms, "resident_ms": resident_ms,
+            "host_read_ms": placed_ms - resident_ms, "nodes": nodes, "launch_ms": launch_ms,
+            "python_ms": step_ms - placed_ms}
 
 
 def run(args) -> dict:
@@ -117,7 +194,17 @@ def run(args) -> dict:
     split = res["memory"].get("expert_placement", "routed experts: all resident")
     print(f"loaded in {res['load_s']:.1f} s; {split}", flush=True)
     ctx_size = max(max(args.contexts), args.ttft_tokens) + args.decode_tokens + 2
-    res["decode"] = [decode_at(engine, c, args.decode_tokens, ctx_size) for c in args.contexts]
+    kept: list = []  # the first context's session: its graph is split, then it goes
+    res["decode"] = [decode_at(engine, args.contexts[0], args.decode_tokens, ctx_size, kept)]
+    if cp is not None and engine.model.kernel_decoder is not None:
+        res["split"] = step_split(engine, cp, kept[0], res["decode"][0]["ms_per_token"])
+    kept.clear()
+    res["decode"] += [decode_at(engine, c, args.decode_tokens, ctx_size) for c in args.contexts[1:]]
+    placement = engine.model.weights.placement
+    if placement is not None:
+        res["counted"] = placement.stats()
+        res["floor_counted"] = byte_floor(engine, args.hbm_gbs, args.pcie_gbs,
+                                          res["counted"]["host_read_share"])
     if args.replace:
         res["replaced_experts"] = engine.replace_experts()
         res["decode_after_replace"] = [decode_at(engine, c, args.decode_tokens, ctx_size)
@@ -133,6 +220,20 @@ def report(res: dict) -> None:
     print(f"bytes-read floor: {floor['floor_ms_per_token']:.2f} ms/token "
           f"({floor['floor_tok_s']:.0f} tok/s; {floor['device_bytes_per_token'] / 1e9:.2f} GB "
           f"device + {floor['host_bytes_per_token'] / 1e9:.3f} GB host per token)")
+    if "floor_counted" in res:
+        counted = res["floor_counted"]
+        print(f"floor at the counted host share {res['counted']['host_read_share']:.3f}: "
+              f"{counted['floor_ms_per_token']:.2f} ms/token ({counted['floor_tok_s']:.0f} tok/s)")
+    if "split" in res:
+        sp = res["split"]
+        print(f"decode step split (graph replayed alone): {sp['graph_ms']:.2f} ms on the device "
+              f"= {sp['resident_ms']:.2f} ms resident + {sp['host_read_ms']:.2f} ms host reads; "
+              f"launch overhead of its {sp['nodes']} nodes {sp['launch_ms']:.2f} ms (inside the "
+              f"resident time); Python around the step {sp['python_ms']:.2f} ms")
+        floor = res.get("floor_counted", res["floor"])
+        print(f"  against the floor of this placement: {floor['device_floor_ms']:.2f} ms "
+              f"resident + {floor['host_floor_ms']:.2f} ms host reads "
+              f"({'counted' if 'floor_counted' in res else 'uniform'} host share)")
     for d in res["decode"] + res.get("decode_after_replace", []):
         print(f"decode at context {d['context']}: {d['tok_s']:.1f} tok/s "
               f"({d['ms_per_token']:.2f} ms/token, finite logits: {d['finite']})")

@@ -5,6 +5,14 @@ server (same model, backend, prompts and env) are measured alike and the medians
     python3 tools/bench_parallel.py --tokens-a 400 --prompt-b-tokens 3000 --prefill-ms 200 \\
         --repeat 3
     python3 tools/bench_parallel.py --model /models/DeepSeek-V4-Flash --backend cupy  # on a GPU
+    python3 tools/bench_parallel.py --model deepseek-v4-flash --load-format dummy --backend cupy \
+        --tokens-a 350 --prompt-b-tokens 3000 --repeat 1   # the whole V4-Flash on one GPU
+
+With --model (or --sequential) the --parallel 1 server runs its repeats and stops before the
+--parallel 2 one starts (two full-size servers cannot share one GPU). After the table come the
+goals: B's TTFT at --parallel 2 against 1 s, and A's worst gap against one prefill slice plus
+one decode burst (DS4_SERVER_SCHED_PREFILL_MS + decode-burst tokens x A's own per-token gap
+before B arrived).
 
 --streams 1,2,4,8 measures instead the aggregate decode tok/s of N concurrent greedy streams on
 one server of --parallel max(N) (see concurrent_streams).
@@ -52,7 +60,7 @@ def server(parallel: int, args: argparse.Namespace):
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, proc, log)
+            wait_healthy(url, proc, log, args.load_timeout)
             stream(url, "Say hi", 4)  # warm-up: first-request costs stay out of the numbers
             yield url
         finally:
@@ -68,9 +76,9 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     return flags + (["--gpu-memory-gib", str(args.gpu_memory_gib)] if args.gpu_memory_gib else [])
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, log) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, log, timeout: float = 120) -> None:
     """Poll GET /health until 200; fail with the server's output if it exits or stalls."""
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url + "/health", timeout=2).status_code == 200:
@@ -125,8 +133,11 @@ def measures(a: dict, b: dict) -> dict:
     b_first = b["times"][0]
     window = [t for t in a["times"] if b["sent"] <= t <= b_first]
     gaps = [y - x for x, y in zip([b["sent"]] + window, window)]
+    before = [t for t in a["times"] if t < b["sent"]]
+    steady = [y - x for x, y in zip(before[1:], before[2:])]  # the first gap holds A's TTFT
     return {"B TTFT (s)": b_first - b["sent"], "B total (s)": b["times"][-1] - b["sent"],
             "A worst gap during B prefill (s)": max(gaps, default=0.0),
+            "A gap before B (s)": statistics.median(steady) if steady else 0.0,
             "A total (s)": a["times"][-1] - a["sent"],
             "A tokens": a["tokens"], "A decode tok/s": rate(a), "B tokens": b["tokens"],
             "B decode tok/s": rate(b)}
@@ -156,7 +167,8 @@ FLAGS = (("--tokens-a", int, 400, "A's generation length"),
          ("--b-after", int, 50, "A's tokens before B is sent"),
          ("--prefill-ms", float, 200, "DS4_SERVER_SCHED_PREFILL_MS"),
          ("--prefill-chunk", int, 64, "ds4-server --prefill-chunk"),
-         ("--repeat", int, 3, "runs per server; medians are shown"))
+         ("--repeat", int, 3, "runs per server; medians are shown"),
+         ("--load-timeout", float, 900, "seconds a server may take to load"))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -169,6 +181,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
     p.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="numpy")
     p.add_argument("--gpu-memory-gib", type=float, default=None)
+    p.add_argument("--sequential", action="store_true", help="run the --parallel 1 server, "
+                   "then the --parallel 2 one (implied by --model)")
     return p
 
 
@@ -176,7 +190,7 @@ def medians(args: argparse.Namespace) -> dict[int, dict]:
     """Start both servers, alternate the repeats between them, return each one's medians."""
     tokenizer = Tokenizer.for_model(args.model or default_model_dir())  # builds the tiny one
     runs: dict[int, list[dict]] = {1: [], 2: []}
-    if args.model:  # two full-size servers cannot share one GPU: one after the other
+    if args.model or args.sequential:  # two full-size servers cannot share one GPU
         for parallel in (1, 2):
             with server(parallel, args) as url:
                 for i in range(args.repeat):
@@ -216,7 +230,21 @@ def main(argv: list[str] | None = None) -> int:
     med = medians(args)
     print(settings(args, load))
     print(table(med))
+    print(goals(med[2], args.prefill_ms, SchedulerConfig.from_env().decode_tokens))
     return 0
+
+
+def goals(two: dict, prefill_ms: float, burst: int) -> str:
+    """The --parallel 2 figures against the goals: B's TTFT <= 1 s; A's worst gap <= one
+    prefill slice + one decode burst (burst tokens at A's own gap before B arrived)."""
+    bound = prefill_ms / 1000 + burst * two["A gap before B (s)"]
+    ttft, gap = two["B TTFT (s)"], two["A worst gap during B prefill (s)"]
+    return (f"goal at --parallel 2: B's TTFT {ttft:.2f} s <= 1 s: "
+            f"{'met' if ttft <= 1 else 'missed'}\n"
+            f"goal at --parallel 2: A's worst gap {gap:.3f} s <= prefill slice "
+            f"{prefill_ms / 1000:.3f} s + decode burst {burst} x "
+            f"{two['A gap before B (s)']:.4f} s = {bound:.3f} s: "
+            f"{'met' if gap <= bound else 'missed'}")
 
 
 STREAM_PROMPTS = ("Tell me a long story about a fox who learns to sail.",

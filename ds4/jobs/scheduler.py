@@ -21,6 +21,7 @@ from ds4.jobs.decode_batch import BatchRotation, LockStepDecode
 from ds4.jobs.events import JobRequest, JobSink, Queued
 from ds4.jobs.job import Job, Timeslice
 from ds4.jobs.kvstore import KVStore, SlotCheckpoints
+from ds4.jobs.placement_policy import ReplacementPolicy
 from ds4.jobs.slot import Slot
 from ds4.jobs.ssd_streaming import ssd_streaming_refusal
 from ds4.jobs.stats import SchedulerStats
@@ -152,6 +153,7 @@ class Scheduler:
         self.picker = SlotPicker()
         self.rotation = BatchRotation()  # a lock-step decode of every decoding job is one turn
         self.lockstep = LockStepDecode(engine, self.config.decode_tokens)
+        self.replacement = ReplacementPolicy(engine)  # experts follow the routing counts
         self.trace = TraceWriter(self.config.trace_path) if self.config.trace_path else None
         self.turns = 0
         self._seq = 0
@@ -224,6 +226,7 @@ class Scheduler:
                 self.lockstep.single(slot, self._advance)
             self.turns += 1
             acted = True
+            self.replacement.after_turn(self.stats)  # between steps, never inside one
         self.stats.busy_slots = sum(s.busy for s in self.slots)
         return acted
 

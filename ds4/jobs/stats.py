@@ -25,6 +25,9 @@ class SchedulerStats:
     jobs_finished: int = 0
     jobs_failed: int = 0
     jobs_cancelled: int = 0
+    expert_replacements: int = 0  # re-placements of routed experts (ds4/jobs/placement_policy)
+    experts_moved: int = 0
+    expert_host_read_share: float = 0.0  # share of counted expert picks read from host memory
     ttft: deque = field(default_factory=lambda: deque(maxlen=1024))
     inter_token: deque = field(default_factory=lambda: deque(maxlen=4096))
     ttft_observers: list[Observer] = field(default_factory=list)

@@ -4,25 +4,47 @@
 // memory and be read in place (a mapped host expert travels over PCIe as it is read). A
 // re-placement rewrites the tables between steps, so a captured decode graph stays valid.
 // The row math (decoding, x staging, dot products) is packed.cu's own.
+//
+// Host reads are slow (~51 GB/s over PCIe against ~4 TB/s resident), so the kernels start them
+// first: a block orders the picks host experts first (host_first) and walks them in that order,
+// so the host experts' gate_up items are in the first wave of the persistent grid and resident
+// items fill the GPU around them, and each down warp issues its host rows' loads before the
+// resident ones. The sum over picks is the same; only its order changes.
 
 #include "common.cuh"
 #include "packed.cu"
 
+// order[0..n) = the pick positions k, those whose expert is in host memory first (each group
+// in k order); n <= 32 (the launchers check).
+__device__ void host_first(const int* idx, const int* on_host, int n, int* order) {
+    if (threadIdx.x == 0) {
+        int j = 0;
+        for (int k = 0; k < n; k++)
+            if (on_host[idx[k]]) order[j++] = k;
+        for (int k = 0; k < n; k++)
+            if (!on_host[idx[k]]) order[j++] = k;
+    }
+    __syncthreads();
+}
+
 // gate_up: act[k, j] = silu(min(g_j, limit)) * clamp(u_j, +-limit) * wts[k] for expert idx[k];
 // expert e's gate rows start at codes[e] (scales at scales[e]), its up rows up_w (up_s) bytes
-// further on. Work item = (k, tile of WARPS * R rows j), a persistent grid.
+// further on. Work item = (order[n], tile of WARPS * R rows j), a persistent grid whose first
+// items are the host experts' (see host_first).
 template <class F, int R>
-__device__ void placed_gate_up(const long long* codes, const long long* scales, long long up_w,
-                               long long up_s, const int* idx, const float* wts,
-                               const float* x, float* act, int inter, int cols, int sc_ld,
-                               int shift, float limit, int n_rows) {
+__device__ void placed_gate_up(const long long* codes, const long long* scales,
+                               const int* on_host, long long up_w, long long up_s,
+                               const int* idx, const float* wts, const float* x, float* act,
+                               int inter, int cols, int sc_ld, int shift, float limit,
+                               int n_rows) {
     extern __shared__ float4 sx[];
+    __shared__ int order[32];
     int chunks = cols / F::CODES, warp = threadIdx.x >> 5;
     stage_x<F>(x, 0, chunks, sx);
-    __syncthreads();
+    host_first(idx, on_host, n_rows, order);  // its sync covers the staging too
     int tiles = (inter + WARPS * R - 1) / (WARPS * R);
     for (int item = blockIdx.x; item < n_rows * tiles; item += gridDim.x) {
-        int k = item / tiles, j0 = ((item - k * tiles) * WARPS + warp) * R;
+        int n = item / tiles, k = order[n], j0 = ((item - n * tiles) * WARPS + warp) * R;
         if (j0 >= inter) continue;
         int e = idx[k];
         const u8* gate = (const u8*)codes[e];
@@ -51,15 +73,17 @@ __device__ void placed_gate_up(const long long* codes, const long long* scales, 
 }
 
 // down: y[r] (+)= sum_k down_{idx[k]}[r] . act[k] over the n_sel experts in one warp, as
-// packed_down does, with expert e's rows at codes[e] and scales at scales[e].
+// packed_down does, with expert e's rows at codes[e] and scales at scales[e]; a warp walks the
+// picks host experts first (their loads go out before the resident ones').
 template <class F, int R>
-__device__ void placed_down(const long long* codes, const long long* scales, const int* idx,
-                            const float* act, float* y, int rows, int inter, int sc_ld,
-                            int shift, int n_sel, int accumulate) {
+__device__ void placed_down(const long long* codes, const long long* scales, const int* on_host,
+                            const int* idx, const float* act, float* y, int rows, int inter,
+                            int sc_ld, int shift, int n_sel, int accumulate) {
     extern __shared__ float4 sx[];
+    __shared__ int order[32];
     int chunks = inter / F::CODES, warp = threadIdx.x >> 5;
     stage_x<F>(act, 0, n_sel * chunks, sx);
-    __syncthreads();
+    host_first(idx, on_host, n_sel, order);
     int tiles = (rows + WARPS * R - 1) / (WARPS * R);
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int r0 = (tile * WARPS + warp) * R;
@@ -71,7 +95,7 @@ __device__ void placed_down(const long long* codes, const long long* scales, con
         SharedX xs{sx, 0};
 #pragma unroll 4
         for (int f = lane; f < n_sel * chunks; f += 32) {
-            int e = idx[k];
+            int kk = order[k], e = idx[kk];
             const u8* w_e = (const u8*)codes[e];
             const u8* s_e = (const u8*)scales[e];
             uint4 w[R];
@@ -85,7 +109,7 @@ __device__ void placed_down(const long long* codes, const long long* scales, con
                         * F::UNIT;
             }
             float xr[F::CODES];
-            xs.template load<F>(f, xr);
+            xs.template load<F>(kk * chunks + i, xr);
 #pragma unroll
             for (int j = 0; j < R; j++) acc[j] = fmaf(dot_chunk<F>(w[j], xr), sc[j], acc[j]);
             for (i += 32; i >= chunks; i -= chunks) k++;
@@ -100,19 +124,21 @@ extern "C" __global__ void count_picks(const int* __restrict__ idx, int k, int* 
 }
 
 #define PLACED_GATE_UP_ARGS const long long* __restrict__ codes, \
-    const long long* __restrict__ scales, long long up_w, long long up_s, \
+    const long long* __restrict__ scales, const int* __restrict__ on_host, long long up_w, \
+    long long up_s, \
     const int* __restrict__ idx, const float* __restrict__ wts, const float* __restrict__ x, \
     float* act, int inter, int cols, int sc_ld, int shift, float limit, int n_rows
 #define PLACED_DOWN_ARGS const long long* __restrict__ codes, \
-    const long long* __restrict__ scales, const int* __restrict__ idx, \
+    const long long* __restrict__ scales, const int* __restrict__ on_host, \
+    const int* __restrict__ idx, \
     const float* __restrict__ act, float* y, int rows, int inter, int sc_ld, int shift, \
     int n_sel, int accumulate
 #define PLACED(fmt, F, R) \
     extern "C" __global__ void placed_gate_up_##fmt##_r##R(PLACED_GATE_UP_ARGS) { \
-        placed_gate_up<F, R>(codes, scales, up_w, up_s, idx, wts, x, act, inter, cols, sc_ld, \
-                             shift, limit, n_rows); } \
+        placed_gate_up<F, R>(codes, scales, on_host, up_w, up_s, idx, wts, x, act, inter, cols, \
+                             sc_ld, shift, limit, n_rows); } \
     extern "C" __global__ void placed_down_##fmt##_r##R(PLACED_DOWN_ARGS) { \
-        placed_down<F, R>(codes, scales, idx, act, y, rows, inter, sc_ld, shift, n_sel, \
+        placed_down<F, R>(codes, scales, on_host, idx, act, y, rows, inter, sc_ld, shift, n_sel, \
                           accumulate); }
 
 PLACED(fp8, Fp8, 1)

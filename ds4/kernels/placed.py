@@ -2,8 +2,9 @@
 
 A PlacedStack (ds4.model.placement) keeps per expert the device address of its codes and of
 its scales, wherever they live; these launchers read the picked experts through those tables
-with packed.cu's row math. Like every decode launcher they allocate nothing, so they can be
-captured in a CUDA graph. `moe_placed_numpy` is the twin with the same signature.
+with packed.cu's row math, host experts' work first (host_first_order: their PCIe reads start
+before the resident work that hides them). Like every decode launcher they allocate nothing,
+so they can be captured in a CUDA graph. `moe_placed_numpy` is the twin with the same signature.
 """
 
 from __future__ import annotations
@@ -75,24 +76,37 @@ def moe_placed(gate_up, down, inter: int, idx, wts, x, act, y, limit: float, cou
     name = f"placed_gate_up_{fmt}_r1"
     shared = x_bytes(fmt, cols // CHUNK_CODES[fmt])
     tiles = -(-inter // WARPS_PER_BLOCK)
-    args = (ptr(gate_up.code_ptrs), ptr(gate_up.scale_ptrs), np.int64(inter * row_bytes),
-            np.int64(up_rows * sc_ld), ptr(idx), ptr(wts), ptr(x), ptr(act), i32(inter),
-            i32(cols), i32(sc_ld), i32(shift), f32(limit), i32(k))
+    args = (ptr(gate_up.code_ptrs), ptr(gate_up.scale_ptrs), ptr(gate_up.on_host),
+            np.int64(inter * row_bytes), np.int64(up_rows * sc_ld), ptr(idx), ptr(wts), ptr(x),
+            ptr(act), i32(inter), i32(cols), i32(sc_ld), i32(shift), f32(limit), i32(k))
     _launch(name, min(k * tiles, _resident_blocks(name, shared)), args, shared)
     shift, sc_ld, _ = _layout(down)
     rows, name = y.shape[0], f"placed_down_{fmt}_r1"
     shared = x_bytes(fmt, k * inter // CHUNK_CODES[fmt])
-    args = (ptr(down.code_ptrs), ptr(down.scale_ptrs), ptr(idx), ptr(act), ptr(y), i32(rows),
-            i32(inter), i32(sc_ld), i32(shift), i32(k), i32(0))
+    args = (ptr(down.code_ptrs), ptr(down.scale_ptrs), ptr(down.on_host), ptr(idx), ptr(act),
+            ptr(y), i32(rows), i32(inter), i32(sc_ld), i32(shift), i32(k), i32(0))
     _launch(name, min(-(-rows // WARPS_PER_BLOCK), _resident_blocks(name, shared)), args, shared)
     return y
 
 
+def host_first_order(idx, resident) -> list[int]:
+    """Pick positions k, those whose expert idx[k] lives in host memory first (each group in k
+    order): the order the kernels walk the picks in."""
+    ids = np.asarray(idx).reshape(-1).tolist()
+    resident = np.asarray(resident)
+    return ([k for k, e in enumerate(ids) if not resident[e]]
+            + [k for k, e in enumerate(ids) if resident[e]])
+
+
 def moe_placed_numpy(gate_up, down, inter: int, idx, wts, x, act, y, limit: float,
                      counts=None):
-    """NumPy twin of moe_placed (experts widened from wherever they live)."""
+    """NumPy twin of moe_placed (experts widened from wherever they live, summed host experts
+    first as the kernels do)."""
     y[...] = 0
-    for j, e in enumerate(np.asarray(idx).reshape(-1).tolist()):
+    ids = np.asarray(idx).reshape(-1).tolist()
+    resident = getattr(gate_up, "resident", np.ones(max(ids) + 1, dtype=bool))
+    for j in host_first_order(ids, resident):
+        e = ids[j]
         gu = gate_up[e].dense(np)
         g, u = gu[:inter] @ x, gu[inter:] @ x
         if limit > 0:

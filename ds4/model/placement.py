@@ -13,6 +13,7 @@ and its bookkeeping run in CI.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,10 +149,11 @@ class PlacedStack:
         self.slot[~self.resident] = np.arange(int((~self.resident).sum()))
         self.shape = (self.resident.size, *device[0].shape[1:-1], cols)
         self.scratch = None
-        self.code_ptrs = self.scale_ptrs = None
+        self.code_ptrs = self.scale_ptrs = self.on_host = None
         if xp is not np:
             self.code_ptrs = xp.zeros(self.resident.size, dtype=xp.int64)
             self.scale_ptrs = xp.zeros(self.resident.size, dtype=xp.int64)
+            self.on_host = xp.zeros(self.resident.size, dtype=xp.int32)  # kernels: host first
             self._write_tables(range(self.resident.size))
 
     @classmethod
@@ -236,13 +238,15 @@ class PlacedStack:
             self._write_tables([going, coming])
 
     def _write_tables(self, experts) -> None:
-        """Device addresses of the given experts' codes and scales (the kernels' tables)."""
+        """Device addresses of the given experts' codes and scales, and whether each lives in
+        host memory (the kernels' tables)."""
         experts = list(experts)
         codes = [self.memory_of(e)[0].data.ptr for e in experts]
         scales = [self.memory_of(e)[1].data.ptr for e in experts]
         ids = self.xp.asarray(np.array(experts, dtype=np.int64))
         self.code_ptrs[ids] = self.xp.asarray(np.array(codes, dtype=np.int64))
         self.scale_ptrs[ids] = self.xp.asarray(np.array(scales, dtype=np.int64))
+        self.on_host[ids] = self.xp.asarray((~self.resident[experts]).astype(np.int32))
 
 
 @dataclass
@@ -265,19 +269,58 @@ def _size(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.2f} MiB"
 
 
+@dataclass
+class ReplacementRule:
+    """When a re-placement moves experts: the cut of expected host reads it must reach, how
+    much hotter (relative, and in standard deviations of count noise) a host expert must be
+    than the resident one it displaces, and the most swaps one re-placement makes (each
+    copies an expert both ways over PCIe, ~1 ms at full size, while the step waits)."""
+
+    min_cut: float = 0.0
+    margin: float = 0.0
+    evidence: float = 0.0
+    max_swaps: int | None = None
+
+
 class ExpertPlacement:
-    """The placed expert banks of a model, their routing counts, and re-placement."""
+    """The placed expert banks of a model, their routing counts, and re-placement.
+
+    Decode steps count picks per expert into the banks' device counters; `observe()` folds
+    them into `heat`, a decayed count (the scheduler decays it by the tokens since its last
+    look, so the placement follows the workload), and zeroes the counters in place.
+    """
 
     def __init__(self, banks: list, budget: int):
         self.banks, self.budget = banks, budget
+        self.heat = np.zeros((len(banks), banks[0].count if banks else 0))
+        self.replacements = 0  # re-placements done
+        self.moved = 0  # experts that changed memory, over all of them
+
+    def pending(self) -> np.ndarray:
+        """Picks [L, E] counted by the banks since the last observe()."""
+        return np.stack([np.asarray(b.pick_counts()) for b in self.banks])
 
     def counts(self) -> np.ndarray:
-        """Routing picks [L, E] counted since load (decode steps)."""
-        return np.stack([np.asarray(b.pick_counts()) for b in self.banks])
+        """Routing picks [L, E]: the decayed heat plus the picks not yet folded in."""
+        return self.heat + self.pending()
+
+    def observe(self, decay: float = 1.0) -> None:
+        """heat = heat * decay + the new picks; the banks' counters restart at zero (written
+        in place: captured decode graphs hold their addresses)."""
+        self.heat = self.heat * decay + self.pending()
+        for bank in self.banks:
+            if bank.placed_stacks:
+                bank.counts.fill(0)
 
     def resident(self) -> np.ndarray:
         """Resident mask [L, E] now."""
-        return np.stack([b.placed_stacks[0].resident for b in self.banks])
+        return np.stack([b.placed_stacks[0].resident if b.placed_stacks
+                         else np.ones(b.count, dtype=bool) for b in self.banks])
+
+    def host_read_share(self) -> float:
+        """Share of the counted picks that read a host expert (0 before any pick)."""
+        heat, total = self.counts(), self.counts().sum()
+        return float(heat[~self.resident()].sum() / total) if total else 0.0
 
     def split(self) -> Split:
         """Bytes per memory and host experts per layer."""
@@ -285,17 +328,101 @@ class ExpertPlacement:
         host = sum(s.host_nbytes for b in self.banks for s in b.placed_stacks)
         return Split(dev, host, [int((~m).sum()) for m in self.resident()])
 
-    def replace(self) -> int:
-        """Move the hottest experts of each layer onto the device (each layer keeps its number
-        of device slots); returns how many experts changed memory. Call between steps."""
-        now = self.resident()
-        want = choose_within_layers(now.sum(axis=1), self.counts())
-        moved = 0
-        for bank, have, need in zip(self.banks, now, want):
-            going = np.nonzero(have & ~need)[0].tolist()
-            coming = np.nonzero(need & ~have)[0].tolist()
-            for g, c in zip(going, coming):
+    def plan(self, rule: ReplacementRule) -> list[list[tuple[int, int]]]:
+        """Per layer, (going, coming) swaps: the hottest host experts take the device slots of
+        the coldest resident ones while hotter by more than `rule.margin` of the resident one's
+        heat plus `rule.evidence` standard deviations of count noise (picks are Poisson-like:
+        the spread of uniform routing must not look like hot experts; equal heat never
+        moves)."""
+        heat, resident = self.counts(), self.resident()
+        return [_layer_swaps(h, m, rule.margin, rule.evidence) for h, m in zip(heat, resident)]
+
+    def cut(self, plan: list) -> float:
+        """Share of the expected host reads a plan removes."""
+        heat, resident = self.counts(), self.resident()
+        host = heat[~resident].sum()
+        gain = sum(heat[l, c] - heat[l, g] for l, swaps in enumerate(plan) for g, c in swaps)
+        return float(gain / host) if host else 0.0
+
+    def replace(self, rule: ReplacementRule | None = None, decay: float = 1.0) -> int:
+        """Fold in the new picks (decaying the old by `decay`); when moving the hottest experts
+        of each layer onto the device (each layer keeps its number of device slots) would cut
+        the expected host reads by more than `rule.min_cut`, move them, at most
+        `rule.max_swaps` of the largest gains (the rest wait for the next look). Returns how
+        many experts changed memory. Call between steps."""
+        rule = rule or ReplacementRule()
+        self.observe(decay)
+        plan = self.plan(rule)
+        if not any(plan) or self.cut(plan) <= rule.min_cut:
+            return 0
+        plan = self._largest(plan, rule.max_swaps)
+        for bank, swaps in zip(self.banks, plan):
+            for going, coming in swaps:
                 for stack in bank.placed_stacks:
-                    stack.swap(g, c)
-            moved += 2 * len(going)
+                    stack.swap(going, coming)
+        moved = 2 * sum(len(swaps) for swaps in plan)
+        self.replacements += 1
+        self.moved += moved
         return moved
+
+    def _largest(self, plan: list, limit: int | None) -> list[list[tuple[int, int]]]:
+        """The plan cut to its `limit` largest-gain swaps (per layer a prefix: gains fall
+        along a layer's swaps)."""
+        if limit is None or sum(len(s) for s in plan) <= limit:
+            return plan
+        heat = self.counts()
+        ranked = sorted(((heat[l, c] - heat[l, g], l, j) for l, swaps in enumerate(plan)
+                         for j, (g, c) in enumerate(swaps)), key=lambda t: -t[0])
+        keep = {(l, j) for _, l, j in ranked[:limit]}
+        return [[sw for j, sw in enumerate(swaps) if (l, j) in keep]
+                for l, swaps in enumerate(plan)]
+
+    @contextmanager
+    def host_reads_off(self):
+        """For benchmarks: while open, each host expert's table entries point at a resident
+        expert's memory (other values, device-only reads), so a replayed decode graph costs
+        what it would with everything resident; the tables are restored on exit. Yields False
+        on NumPy (no tables)."""
+        stacks = [s for b in self.banks for s in b.placed_stacks if s.code_ptrs is not None]
+        saved = [(s.code_ptrs.copy(), s.scale_ptrs.copy()) for s in stacks]
+        try:
+            for stack in stacks:
+                _alias_host_to_resident(stack)
+            yield bool(stacks)
+        finally:
+            for stack, (codes, scales) in zip(stacks, saved):
+                stack.code_ptrs[...], stack.scale_ptrs[...] = codes, scales
+
+    def stats(self) -> dict:
+        """Re-placements done, experts moved, and the host-read share of the counted picks."""
+        return {"replacements": self.replacements, "moved": self.moved,
+                "host_read_share": self.host_read_share()}
+
+
+def _alias_host_to_resident(stack: PlacedStack) -> None:
+    """Point host experts' table entries at distinct resident experts (round robin)."""
+    host, dev = np.nonzero(~stack.resident)[0], np.nonzero(stack.resident)[0]
+    if host.size == 0 or dev.size == 0:
+        return
+    xp = stack.xp
+    take = xp.asarray(dev[np.arange(host.size) % dev.size])
+    ids = xp.asarray(host)
+    stack.code_ptrs[ids] = stack.code_ptrs[take]
+    stack.scale_ptrs[ids] = stack.scale_ptrs[take]
+
+
+def _layer_swaps(heat: np.ndarray, resident: np.ndarray, margin: float,
+                 evidence: float) -> list[tuple[int, int]]:
+    """(going, coming) pairs of one layer: hottest host expert against coldest resident one
+    (lower id first on ties), while the host one is hotter by more than the margin and the
+    noise allowance."""
+    ids = np.arange(heat.size)
+    host = ids[~resident][np.lexsort((ids[~resident], -heat[~resident]))]
+    dev = ids[resident][np.lexsort((-ids[resident], heat[resident]))]
+    swaps = []
+    for coming, going in zip(host.tolist(), dev.tolist()):
+        noise = evidence * np.sqrt(heat[coming] + heat[going])
+        if heat[coming] <= heat[going] * (1 + margin) + noise:
+            break
+        swaps.append((going, coming))
+    return swaps

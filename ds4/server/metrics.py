@@ -63,8 +63,9 @@ class TokenCounters:
     def __init__(self, stats: Callable[[], SchedulerStats | None]):
         self.stats = stats
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        """ds4_prompt_tokens, ds4_prompt_tokens_cached and ds4_generated_tokens (as _total)."""
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """ds4_prompt_tokens, _cached, ds4_generated_tokens, ds4_expert_replacements and
+        ds4_experts_moved (as _total), and the gauge ds4_expert_host_read_share."""
         s = self.stats() or SchedulerStats()
         yield CounterMetricFamily("ds4_prompt_tokens", "Prompt tokens evaluated or reused",
                                   value=s.prompt_tokens_computed + s.prompt_tokens_reused)
@@ -73,6 +74,14 @@ class TokenCounters:
                                   value=s.prompt_tokens_reused)
         yield CounterMetricFamily("ds4_generated_tokens", "Tokens generated",
                                   value=s.generated_tokens)
+        yield CounterMetricFamily("ds4_expert_replacements",
+                                  "Re-placements of routed experts between GPU and host memory",
+                                  value=s.expert_replacements)
+        yield CounterMetricFamily("ds4_experts_moved", "Routed experts moved by re-placements",
+                                  value=s.experts_moved)
+        yield GaugeMetricFamily("ds4_expert_host_read_share",
+                                "Share of counted routed-expert picks read from host memory",
+                                value=s.expert_host_read_share)
 
 
 class KVDiskCounters:
