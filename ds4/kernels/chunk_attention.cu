@@ -11,7 +11,9 @@
 // 32 rows staged in shared memory with cp.async (two stages: the next tile loads while this
 // one is used). fp32 enters the bf16 mma.sync m16n8k16 as hi + lo words (x = hi + lo + r,
 // |r| <= 2^-16 |x|); each product takes hi*hi + hi*lo + lo*hi with fp32 accumulation, so scores
-// and outputs keep fp32-class accuracy (the keys' words come from ds4/kernels/split.cu).
+// and outputs keep fp32-class accuracy (the keys' words come from ds4/kernels/split.cu). With
+// P = 1 word per value (DS4_GEMM=bf16) every operand is rounded once: a third of the products
+// and half the staged bytes, ~3e-3 relative.
 //   scores: warp (m, kq) holds heads 16m..16m+15 of the query as A fragments in registers for
 //           its quarter of the head dims, and sums q . k over that quarter for the 32 keys; the
 //           four quarters meet in shared memory;
@@ -22,6 +24,7 @@
 
 #define HEADS 32   // heads of a block
 #define TILE 32    // keys of a tile
+#define THREADS 256
 #define PSTRIDE (TILE + 8)  // p words per head row (+8: conflict-free ldmatrix rows)
 
 __device__ __forceinline__ unsigned short bf16_round(float v) {
@@ -46,11 +49,15 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned int* a, unsign
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// hi*hi + hi*lo + lo*hi: the product of two split operands to ~2^-16 relative.
+// hi*hi + hi*lo + lo*hi: the product of two split operands to ~2^-16 relative (P = 2), or
+// hi*hi alone (P = 1).
+template <int P>
 __device__ __forceinline__ void mma_split(float* c, const unsigned int* ah, const unsigned int* al,
                                           const unsigned int* bh, const unsigned int* bl) {
-    mma_bf16(c, al, bh[0], bh[1]);
-    mma_bf16(c, ah, bl[0], bl[1]);
+    if (P == 2) {
+        mma_bf16(c, al, bh[0], bh[1]);
+        mma_bf16(c, ah, bl[0], bl[1]);
+    }
     mma_bf16(c, ah, bh[0], bh[1]);
 }
 
@@ -133,26 +140,33 @@ __device__ __forceinline__ KeyRow key_row(const Keys& k, const Query& q, int j) 
     return r;
 }
 
-// Stages keys [j0, j0 + TILE) of query q (hi then lo words per row) into ks [2][TILE][D + 8].
-template <int D>
+// Stages keys [j0, j0 + TILE) of query q (P word rows per key: hi, then lo) into
+// ks [P][TILE][D + 8]. Lane l finds key j0 + l once; the copies take its row by a shuffle.
+template <int D, int P>
 __device__ __forceinline__ void stage_tile(const Keys& k, const Query& q, int j0,
                                            unsigned short* ks) {
     constexpr int CHUNKS = D / 8;  // 16-byte pieces of one word row
-    for (int c = threadIdx.x; c < TILE * 2 * CHUNKS; c += blockDim.x) {
-        int key = c / (2 * CHUNKS), rem = c % (2 * CHUNKS);
+    constexpr int PER_THREAD = TILE * P * CHUNKS / THREADS;
+    KeyRow mine = key_row<D>(k, q, j0 + (threadIdx.x & 31));
+    unsigned long long mine_hi = (unsigned long long)mine.hi;
+#pragma unroll 4
+    for (int u = 0; u < PER_THREAD; u++) {
+        int c = threadIdx.x + u * THREADS;
+        int key = c / (P * CHUNKS), rem = c % (P * CHUNKS);
         int part = rem / CHUNKS, piece = rem % CHUNKS;
-        KeyRow r = key_row<D>(k, q, j0 + key);
-        const unsigned short* src = r.hi ? r.hi + part * r.rows + piece * 8 : k.raw;
-        copy16(ks + ((size_t)part * TILE + key) * (D + 8) + piece * 8, src, r.hi ? 16 : 0);
+        const unsigned short* hi = (const unsigned short*)__shfl_sync(0xffffffffu, mine_hi, key);
+        long long rows = __shfl_sync(0xffffffffu, mine.rows, key);
+        const unsigned short* src = hi ? hi + part * rows + piece * 8 : k.raw;
+        copy16(ks + ((size_t)part * TILE + key) * (D + 8) + piece * 8, src, hi ? 16 : 0);
     }
     copies_commit();
 }
 
-template <int D>
+template <int D, int P>
 struct Smem {
-    unsigned short keys[2][2][TILE][D + 8];  // [stage][hi, lo][key][dim]
-    float partial[4][HEADS][TILE];           // scores per quarter of the dims
-    unsigned short p[2][HEADS][PSTRIDE];     // [hi, lo][head][key]
+    unsigned short keys[2][P][TILE][D + 8];  // [stage][hi, lo][key][dim]
+    float partial[4][HEADS][TILE + 1];       // scores per quarter of the dims
+    unsigned short p[P][HEADS][PSTRIDE];     // [hi, lo][head][key]
     float m[HEADS], l[HEADS], alpha[HEADS];
 };
 
@@ -177,8 +191,8 @@ __device__ __forceinline__ void load_query(const float* q, int i, int H, int h0,
 }
 
 // Partial scores of warp (mt, kq) for the tile's 32 keys -> sm.partial[kq].
-template <int D>
-__device__ __forceinline__ void tile_scores(Smem<D>& sm, int stage, int mt, int kq,
+template <int D, int P>
+__device__ __forceinline__ void tile_scores(Smem<D, P>& sm, int stage, int mt, int kq,
                                             unsigned int (*qh)[4], unsigned int (*ql)[4]) {
     constexpr int KS = D / 64;
     int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
@@ -191,31 +205,32 @@ __device__ __forceinline__ void tile_scores(Smem<D>& sm, int stage, int mt, int 
             int key = np * 16 + (lane & 7) + (lane >> 4) * 8;
             unsigned int bh[4], bl[4];
             ldmatrix_x4(bh, &sm.keys[stage][0][key][col]);
-            ldmatrix_x4(bl, &sm.keys[stage][1][key][col]);
-            mma_split(s[2 * np], qh[ks], ql[ks], bh, bl);
-            mma_split(s[2 * np + 1], qh[ks], ql[ks], bh + 2, bl + 2);
+            if (P == 2) ldmatrix_x4(bl, &sm.keys[stage][P - 1][key][col]);
+            mma_split<P>(s[2 * np], qh[ks], ql[ks], bh, bl);
+            mma_split<P>(s[2 * np + 1], qh[ks], ql[ks], bh + 2, bl + 2);
         }
     }
 #pragma unroll
     for (int nt = 0; nt < 4; nt++) {
         int head = mt * 16 + g, key = nt * 8 + 2 * c;
-        *(float2*)&sm.partial[kq][head][key] = make_float2(s[nt][0], s[nt][1]);
-        *(float2*)&sm.partial[kq][head + 8][key] = make_float2(s[nt][2], s[nt][3]);
+        sm.partial[kq][head][key] = s[nt][0];
+        sm.partial[kq][head][key + 1] = s[nt][1];
+        sm.partial[kq][head + 8][key] = s[nt][2];
+        sm.partial[kq][head + 8][key + 1] = s[nt][3];
     }
 }
 
-// Online softmax of the tile: 8 threads per head, 4 keys each. Updates m, l and alpha (the
-// rescale of what o held) and writes p as hi / lo words.
-template <int D>
-__device__ __forceinline__ void tile_softmax(Smem<D>& sm, const Keys& k, const Query& q, int j0,
-                                             float scale) {
+// Online softmax of the tile: 8 threads per head, 4 keys each (`present`: bit e = key j0 + e
+// is there). Updates m, l and alpha (the rescale of what o held); writes p as words.
+template <int D, int P>
+__device__ __forceinline__ void tile_softmax(Smem<D, P>& sm, unsigned int present, float scale) {
     int head = threadIdx.x >> 3, k0 = (threadIdx.x & 7) * 4;
     float s[4], top = -INFINITY;
 #pragma unroll
     for (int e = 0; e < 4; e++) {
         float v = sm.partial[0][head][k0 + e] + sm.partial[1][head][k0 + e]
                 + sm.partial[2][head][k0 + e] + sm.partial[3][head][k0 + e];
-        s[e] = key_row<D>(k, q, j0 + k0 + e).hi ? v * scale : -INFINITY;
+        s[e] = (present >> (k0 + e)) & 1u ? v * scale : -INFINITY;
         top = fmaxf(top, s[e]);
     }
     for (int o = 1; o < 8; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
@@ -229,7 +244,7 @@ __device__ __forceinline__ void tile_softmax(Smem<D>& sm, const Keys& k, const Q
     }
     for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     *(uint2*)&sm.p[0][head][k0] = make_uint2(hi[0], hi[1]);
-    *(uint2*)&sm.p[1][head][k0] = make_uint2(lo[0], lo[1]);
+    if (P == 2) *(uint2*)&sm.p[P - 1][head][k0] = make_uint2(lo[0], lo[1]);
     if ((threadIdx.x & 7) == 0) {
         float alpha = expf(m_old - m_new);
         sm.m[head] = m_new;
@@ -239,8 +254,8 @@ __device__ __forceinline__ void tile_softmax(Smem<D>& sm, const Keys& k, const Q
 }
 
 // o of warp (mt, dq) = alpha o + p V over the tile (V = the staged keys).
-template <int D>
-__device__ __forceinline__ void tile_values(Smem<D>& sm, int stage, int mt, int dq,
+template <int D, int P>
+__device__ __forceinline__ void tile_values(Smem<D, P>& sm, int stage, int mt, int dq,
                                             float (*o)[4]) {
     constexpr int NT = D / 32;  // n8 dim tiles of a quarter
     int lane = threadIdx.x & 31, g = lane >> 2;
@@ -254,23 +269,23 @@ __device__ __forceinline__ void tile_values(Smem<D>& sm, int stage, int mt, int 
         unsigned int ph[4], pl[4];
         int row = mt * 16 + (lane & 15), col = ks * 16 + (lane >> 4) * 8;
         ldmatrix_x4(ph, &sm.p[0][row][col]);
-        ldmatrix_x4(pl, &sm.p[1][row][col]);
+        if (P == 2) ldmatrix_x4(pl, &sm.p[P - 1][row][col]);
         int key = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
         for (int np = 0; np < NT / 2; np++) {  // two n8 dim tiles per ldmatrix.x4.trans
             int dim = dq * (D / 4) + np * 16 + (lane >> 4) * 8;
             unsigned int vh[4], vl[4];
             ldmatrix_x4_trans(vh, &sm.keys[stage][0][key][dim]);
-            ldmatrix_x4_trans(vl, &sm.keys[stage][1][key][dim]);
-            mma_split(o[2 * np], ph, pl, vh, vl);
-            mma_split(o[2 * np + 1], ph, pl, vh + 2, vl + 2);
+            if (P == 2) ldmatrix_x4_trans(vl, &sm.keys[stage][P - 1][key][dim]);
+            mma_split<P>(o[2 * np], ph, pl, vh, vl);
+            mma_split<P>(o[2 * np + 1], ph, pl, vh + 2, vl + 2);
         }
     }
 }
 
-template <int D>
-__device__ __forceinline__ void store_output(const Smem<D>& sm, float* out, int i, int H, int h0,
-                                             int mt, int dq, float (*o)[4]) {
+template <int D, int P>
+__device__ __forceinline__ void store_output(const Smem<D, P>& sm, float* out, int i, int H,
+                                             int h0, int mt, int dq, float (*o)[4]) {
     int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
 #pragma unroll
     for (int half = 0; half < 2; half++) {
@@ -286,13 +301,13 @@ __device__ __forceinline__ void store_output(const Smem<D>& sm, float* out, int 
 }
 
 // out [S, H, D] from q [S, H, D] (fp32). Grid (S, ceil(H / 32)), 256 threads, dynamic shared
-// memory sizeof(Smem<D>).
-template <int D>
+// memory sizeof(Smem<D, P>).
+template <int D, int P>
 __device__ void chunk_attention(const float* __restrict__ q, Keys k,
                                 const float* __restrict__ sinks, float* __restrict__ out, int H,
                                 float scale) {
     extern __shared__ uint4 smem_words[];  // uint4: 16-byte aligned for cp.async and ldmatrix
-    Smem<D>& sm = *reinterpret_cast<Smem<D>*>(smem_words);
+    Smem<D, P>& sm = *reinterpret_cast<Smem<D, P>*>(smem_words);
     int i = blockIdx.x, h0 = blockIdx.y * HEADS, warp = threadIdx.x >> 5;
     int mt = warp >> 2, quarter = warp & 3;
     Query qr = query_of(k, i);
@@ -302,36 +317,42 @@ __device__ void chunk_attention(const float* __restrict__ q, Keys k,
         sm.m[threadIdx.x] = h < H ? sinks[h] : 0.f;  // the sink: exp(s_h - m) = 1 term
         sm.l[threadIdx.x] = 1.f;
     }
-    stage_tile<D>(k, qr, 0, &sm.keys[0][0][0][0]);
+    stage_tile<D, P>(k, qr, 0, &sm.keys[0][0][0][0]);
     unsigned int qh[D / 64][4], ql[D / 64][4];
     load_query<D>(q, i, H, h0, mt, quarter, qh, ql);
     float o[D / 32][4] = {};
     for (int tile = 0; tile < tiles; tile++) {
-        int stage = tile & 1;
+        int stage = tile & 1, j0 = tile * TILE;
         copies_wait();
         __syncthreads();  // this tile is in; the previous tile's values pass is done
-        if (tile + 1 < tiles) stage_tile<D>(k, qr, (tile + 1) * TILE, &sm.keys[stage ^ 1][0][0][0]);
-        tile_scores<D>(sm, stage, mt, quarter, qh, ql);
+        if (tile + 1 < tiles) stage_tile<D, P>(k, qr, j0 + TILE, &sm.keys[stage ^ 1][0][0][0]);
+        unsigned int present = __ballot_sync(
+            0xffffffffu, key_row<D>(k, qr, j0 + (threadIdx.x & 31)).hi != nullptr);
+        tile_scores<D, P>(sm, stage, mt, quarter, qh, ql);
         __syncthreads();
-        tile_softmax<D>(sm, k, qr, tile * TILE, scale);
+        tile_softmax<D, P>(sm, present, scale);
         __syncthreads();
-        tile_values<D>(sm, stage, mt, quarter, o);
+        tile_values<D, P>(sm, stage, mt, quarter, o);
     }
     __syncthreads();
-    store_output<D>(sm, out, i, H, h0, mt, quarter, o);
+    store_output<D, P>(sm, out, i, H, h0, mt, quarter, o);
 }
 
-#define CHUNK_ATTENTION(D)                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, 1) chunk_attention_d##D(                  \
+#define CHUNK_ATTENTION(D, P)                                                                  \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) chunk_attention_d##D##_x##P(      \
         const float* __restrict__ q, const unsigned short* raw, const unsigned short* comp,     \
         const int* picks, int pick_width, int count, int ratio, int start, int window,         \
         int chunk, const float* __restrict__ sinks, float* __restrict__ out, int H,            \
         float scale) {                                                                         \
         Keys k = {raw, comp, picks, pick_width, count, ratio, start, window, chunk};           \
-        chunk_attention<D>(q, k, sinks, out, H, scale);                                        \
+        chunk_attention<D, P>(q, k, sinks, out, H, scale);                                     \
     }
 
-CHUNK_ATTENTION(64)
-CHUNK_ATTENTION(128)
-CHUNK_ATTENTION(256)
-CHUNK_ATTENTION(512)
+CHUNK_ATTENTION(64, 1)
+CHUNK_ATTENTION(64, 2)
+CHUNK_ATTENTION(128, 1)
+CHUNK_ATTENTION(128, 2)
+CHUNK_ATTENTION(256, 1)
+CHUNK_ATTENTION(256, 2)
+CHUNK_ATTENTION(512, 1)
+CHUNK_ATTENTION(512, 2)

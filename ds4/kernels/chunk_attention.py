@@ -23,31 +23,34 @@ def kernel_fits(width: int) -> bool:
     return width in WIDTHS
 
 
-def words_size(keys, rows) -> int:
-    """uint16 words the launcher's `words` scratch needs: hi + lo of every key and row."""
-    return 2 * (keys.size + (0 if rows is None else rows.size))
+def words_size(keys, rows, parts: int = 2) -> int:
+    """uint16 words the launcher's `words` scratch needs: hi (+ lo) of every key and row."""
+    return parts * (keys.size + (0 if rows is None else rows.size))
 
 
-def shared_bytes(width: int) -> int:
+def shared_bytes(width: int, parts: int) -> int:
     """Dynamic shared memory of one block: two stages of a tile's words, the four partial
-    score quarters, p words, and m, l, alpha per head (sizeof(Smem<D>) in the .cu)."""
-    keys = 2 * 2 * TILE * (width + 8) * 2
-    partial = 4 * HEADS_PER_BLOCK * TILE * 4
-    p = 2 * HEADS_PER_BLOCK * (TILE + 8) * 2
+    score quarters, p words, and m, l, alpha per head (sizeof(Smem<D, P>) in the .cu)."""
+    keys = 2 * parts * TILE * (width + 8) * 2
+    partial = 4 * HEADS_PER_BLOCK * (TILE + 1) * 4
+    p = parts * HEADS_PER_BLOCK * (TILE + 8) * 2
     return keys + partial + p + 3 * HEADS_PER_BLOCK * 4
 
 
-def chunk_attention(q, keys, rows, picks, ratio: int, start: int, sinks, out, words):
+def chunk_attention(q, keys, rows, picks, ratio: int, start: int, sinks, out, words,
+                    parts: int = 2):
     """out [S, H, d] (fp32, still roped) of q [S, H, d] against the window and compressed rows.
 
     keys [W + S, d]; rows [count, d] or None; picks [S, k] (int) or None = every usable row;
-    words: a uint16 scratch of words_size(keys, rows) values (the keys' and rows' hi + lo).
+    words: a uint16 scratch of words_size(keys, rows, parts) values (the keys' and rows' hi
+    (+ lo) words); parts 2: hi + lo products (fp32-class), 1: one bf16 rounding (DS4_GEMM=bf16).
     """
     import cupy
 
     S, H, d = q.shape
-    raw = _split(keys, words[: 2 * keys.size])
-    comp = None if rows is None else _split(rows, words[2 * keys.size : words_size(keys, rows)])
+    raw = _split(keys, words[: parts * keys.size], parts)
+    comp = None if rows is None else _split(rows, words[parts * keys.size:
+                                                        words_size(keys, rows, parts)], parts)
     count = 0 if rows is None else rows.shape[0]
     sel = None if picks is None else cupy.ascontiguousarray(picks, dtype=cupy.int32)
     width = 0 if sel is None else sel.shape[1]
@@ -56,15 +59,15 @@ def chunk_attention(q, keys, rows, picks, ratio: int, start: int, sinks, out, wo
             i32(keys.shape[0] - S), i32(S), ptr(cupy.ascontiguousarray(sinks, dtype=cupy.float32)),
             ptr(out), i32(H), f32(d ** -0.5))
     grid = (S, -(-H // HEADS_PER_BLOCK))
-    launch("chunk_attention", f"chunk_attention_d{d}", grid, (THREADS,), args,
-           shared=shared_bytes(d))
+    launch("chunk_attention", f"chunk_attention_d{d}_x{parts}", grid, (THREADS,), args,
+           shared=shared_bytes(d, parts))
     return out
 
 
-def _split(x, words):
-    """x [n, d] fp32 as [2, n, d] bf16 words (hi block, then lo block) in `words`."""
+def _split(x, words, parts: int):
+    """x [n, d] fp32 as [parts, n, d] bf16 words (hi block, then lo block) in `words`."""
     n, d = x.shape
-    return split_bf16(x.reshape(1, n, d), words.reshape(1, 2 * n, d))
+    return split_bf16(x.reshape(1, n, d), words.reshape(1, parts * n, d))
 
 
 def _window_rows(keys, W: int, start: int, i: int):
@@ -84,7 +87,8 @@ def _compressed_rows(rows, picks, ratio: int, start: int, i: int):
     return rows[: min(rows.shape[0], (start + i + 1) // ratio)]
 
 
-def chunk_attention_numpy(q, keys, rows, picks, ratio: int, start: int, sinks, out, words=None):
+def chunk_attention_numpy(q, keys, rows, picks, ratio: int, start: int, sinks, out, words=None,
+                          parts: int = 2):
     """NumPy twin of chunk_attention (fp32, one query at a time)."""
     S, H, d = q.shape
     W = keys.shape[0] - S

@@ -9,7 +9,7 @@ from ds4.model.compressor import compress
 from ds4.model.config import CSA, SLIDING
 from ds4.model.hyper_connection import rms_norm
 from ds4.model.indexer import select_entries
-from ds4.model.linear import batched_linear, held, linear
+from ds4.model.linear import batched_linear, held, linear, parts
 
 
 def attention(xp, ctx, lw, layer_state, h, step):
@@ -64,9 +64,10 @@ def _attend(xp, ctx, lw, layer_state, h, qlat, q, kv, step):
     _store_raw(layer_state, kv, step.start)
     ratio = layer_state.compressor.ratio if rows is not None else 0
     if xp is not np and kernel_fits(ctx.cfg.head_dim):  # one fused tensor-core kernel
-        words = ctx.scratch.view("attention_words", (words_size(keys, rows),), xp.uint16)
+        size = words_size(keys, rows, parts())
+        words = ctx.scratch.view("attention_words", (size,), xp.uint16)
         return chunk_attention(q, keys, rows, picks, ratio, step.start, lw["self_attn.sinks"],
-                               xp.empty_like(q), words)
+                               xp.empty_like(q), words, parts())
     return attend_keys(xp, q, keys, rows, picks, ratio, step, lw["self_attn.sinks"])
 
 
