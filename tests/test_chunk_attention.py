@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ds4.backend import cuda_available
-from ds4.kernels.chunk_attention import chunk_attention_numpy, words_size
+from ds4.kernels.chunk_attention import WIDTHS, chunk_attention_numpy, shared_bytes, words_size
 from ds4.model.attention import attend_keys, window_bias
 from ds4.model.forward import Step
 
@@ -103,29 +103,48 @@ def test_twin_sees_only_causal_window_rows():
 gpu = pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")
 
 
-def kernel(c: dict):
+def kernel(c: dict, parts: int = 2):
     import cupy
 
     from ds4.kernels.chunk_attention import chunk_attention
 
     dev = {k: cupy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in c.items()}
-    words = cupy.empty(words_size(dev["keys"], dev["rows"]), cupy.uint16)
+    words = cupy.empty(words_size(dev["keys"], dev["rows"], parts), cupy.uint16)
     out = chunk_attention(dev["q"], dev["keys"], dev["rows"], dev["picks"], dev["ratio"],
-                          dev["start"], dev["sinks"], cupy.empty_like(dev["q"]), words)
+                          dev["start"], dev["sinks"], cupy.empty_like(dev["q"]), words, parts)
     return cupy.asnumpy(out)
+
+
+def test_blocks_fit_in_shared_memory():
+    """Every built head dim's block fits the 227 KiB an sm_90 block may have."""
+    assert all(shared_bytes(d, p) <= 227 * 1024 for d in WIDTHS for p in (1, 2))
+
+
+# (dims, chunk, start): more queries than blocks (each block walks several), i < W and i >= W,
+# an empty and a full ring
+KERNEL_SHAPES = [(FLASH, 200, 0), (FLASH, 300, 2000), (TINY, 300, 0), (TINY, 90, 300),
+                 (TINY, 40, 0)]
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("mode", ["sliding", "all", "picked"])
-@pytest.mark.parametrize("dims,S,start", [(FLASH, 200, 0), (FLASH, 300, 2000), (TINY, 90, 300),
-                                          (TINY, 40, 0)])
+@pytest.mark.parametrize("dims,S,start", KERNEL_SHAPES)
 def test_kernel_equals_its_twin(dims, S, start, mode):
     c = case(dims, S, start, mode, seed=S + start)
     got, want = kernel(c), twin(c)
     assert np.isfinite(got).all()
     assert rel_err(got, want) < 3e-5
     np.testing.assert_allclose(got, want, rtol=0, atol=3e-4 * float(np.abs(want).max()))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode", ["sliding", "picked"])
+def test_kernel_with_one_bf16_rounding_is_close_to_its_twin(mode):
+    """parts = 1 (DS4_GEMM=bf16): one rounding of q, keys and p, ~3e-3 relative."""
+    c = case(FLASH, 300, 2000, mode, seed=5)
+    assert rel_err(kernel(c, parts=1), twin(c)) < 1e-2
 
 
 @pytest.mark.gpu

@@ -2,7 +2,8 @@
 
 For each layer kind (sliding; CSA: 512 picks per query; HCA: every closed row), chunk and
 context (the chunk ends there; ring and compressed rows full of random unit rows), prints the
-device time of ds4/kernels/chunk_attention.cu and of the model code's query-block softmax
+device time of ds4/kernels/chunk_attention.cu (hi + lo words, and one bf16 rounding as with
+DS4_GEMM=bf16) and of the model code's query-block softmax
 (ds4/model/attention.py:attend_keys, what prefill ran before), and the FLOP floor: the useful
 FLOPs (4 * heads * head_dim per visible key and query, fp32-equivalent: no hi/lo terms) at the
 fp16 GEMM rate measured in the same run. Compressor and indexer are outside both timings.
@@ -54,7 +55,8 @@ def visible_keys(kind: str, chunk: int, ctx: int) -> int:
 
 
 def runners(cp, c: dict):
-    """(model code, kernel) as functions of no arguments returning out [S, H, d]."""
+    """(model code, kernel, kernel with one bf16 rounding) as functions of no arguments
+    returning out [S, H, d]."""
     from ds4.kernels.chunk_attention import chunk_attention, words_size
     from ds4.model.attention import attend_keys, window_bias
     from ds4.model.forward import Step
@@ -63,7 +65,7 @@ def runners(cp, c: dict):
     positions = cp.arange(c["start"], c["start"] + S, dtype=cp.int64)
     W = c["keys"].shape[0] - S
     step = Step(c["start"], positions, None, {}, window_bias(cp, c["start"], positions, W))
-    words = cp.empty(words_size(c["keys"], c["rows"]), cp.uint16)
+    words = cp.empty(words_size(c["keys"], c["rows"], 2), cp.uint16)
     out = cp.empty_like(c["q"])
     args = (c["q"], c["keys"], c["rows"], c["picks"], c["ratio"], c["start"])
 
@@ -71,8 +73,11 @@ def runners(cp, c: dict):
         return attend_keys(cp, *args[:5], step, c["sinks"])
 
     def kernel():
-        return chunk_attention(*args, c["sinks"], out, words)
-    return model_code, kernel
+        return chunk_attention(*args, c["sinks"], out, words, 2)
+
+    def kernel_bf16():
+        return chunk_attention(*args, c["sinks"], out, words, 1)
+    return model_code, kernel, kernel_bf16
 
 
 def rel_err(cp, a, b) -> float:
@@ -88,12 +93,17 @@ def bench(cp, kinds: list[str], chunks: list[int], contexts: list[int], rate: fl
         for ctx in contexts:
             for chunk in chunks:
                 c = layer_inputs(cp, kind, chunk, ctx)
-                old, new = runners(cp, c)
+                old, new, bf16 = runners(cp, c)
                 flops = 4.0 * H * d * visible_keys(kind, chunk, ctx)
-                rows.append({"kind": kind, "ctx": ctx, "chunk": chunk,
-                             "old_s": timed(cp, old, repeat=5, warmup=1),
-                             "new_s": timed(cp, new, repeat=10, warmup=2),
-                             "floor_s": flops / rate, "rel_err": rel_err(cp, new(), old())})
+                want = old()
+                row = {"kind": kind, "ctx": ctx, "chunk": chunk, "floor_s": flops / rate,
+                       "rel_err": rel_err(cp, new(), want),
+                       "bf16_rel_err": rel_err(cp, bf16(), want)}
+                want = None
+                row.update(old_s=timed(cp, old, repeat=5, warmup=1),
+                           new_s=timed(cp, new, repeat=10, warmup=2),
+                           bf16_s=timed(cp, bf16, repeat=10, warmup=2))
+                rows.append(row)
                 cp.get_default_memory_pool().free_all_blocks()
     return rows
 
@@ -102,13 +112,14 @@ def report(rows: list, rate: float) -> None:
     """The table: ms per layer of both paths, the floor and the kernel's ratio to it."""
     print(f"fp16 GEMM rate {rate / 1e12:.0f} TFLOP/s (floor = useful FLOPs at that rate)")
     print("| layer | ctx | chunk | model code ms | kernel ms | speedup | floor ms | kernel/floor"
-          " | rel err |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          " | rel err | bf16 kernel ms | bf16/floor | bf16 rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['kind']} | {r['ctx']} | {r['chunk']} | {r['old_s'] * 1e3:.3f} | "
               f"{r['new_s'] * 1e3:.3f} | {r['old_s'] / r['new_s']:.1f}x | "
               f"{r['floor_s'] * 1e3:.3f} | {r['new_s'] / r['floor_s']:.1f}x | "
-              f"{r['rel_err']:.1e} |")
+              f"{r['rel_err']:.1e} | {r['bf16_s'] * 1e3:.3f} | "
+              f"{r['bf16_s'] / r['floor_s']:.1f}x | {r['bf16_rel_err']:.1e} |")
 
 
 def main(argv=None) -> int:

@@ -165,15 +165,31 @@ __device__ __forceinline__ void stage_tile(const Keys& k, const Query& q, int j0
 template <int D, int P>
 struct Smem {
     unsigned short keys[2][P][TILE][D + 8];  // [stage][hi, lo][key][dim]
+    float q[HEADS][D + 8];                   // the next query's heads, fp32 (+8: fewer conflicts)
     float partial[4][HEADS][TILE + 1];       // scores per quarter of the dims
     unsigned short p[P][HEADS][PSTRIDE];     // [hi, lo][head][key]
     float m[HEADS], l[HEADS], alpha[HEADS];
 };
 
-// Warp (mt, kq)'s A fragments: heads 16mt.. of query i over dims [kq * D / 4, (kq + 1) * D / 4)
-// as hi and lo words (zeros for heads past H).
-template <int D>
-__device__ __forceinline__ void load_query(const float* q, int i, int H, int h0, int mt, int kq,
+// Stages heads h0.. of query i (zeros past H) into sm.q.
+template <int D, int P>
+__device__ __forceinline__ void stage_query(Smem<D, P>& sm, const float* q, int i, int H,
+                                            int h0) {
+    constexpr int CHUNKS = D / 4;  // 16-byte pieces of one fp32 row
+#pragma unroll 4
+    for (int u = 0; u < HEADS * CHUNKS / THREADS; u++) {
+        int c = threadIdx.x + u * THREADS, head = c / CHUNKS, piece = c % CHUNKS;
+        int h = min(h0 + head, H - 1);
+        copy16(&sm.q[head][piece * 4], q + ((size_t)i * H + h) * D + piece * 4,
+               h0 + head < H ? 16 : 0);
+    }
+    copies_commit();
+}
+
+// Warp (mt, kq)'s A fragments: heads 16mt.. of the staged query over dims
+// [kq * D / 4, (kq + 1) * D / 4) as hi and lo words.
+template <int D, int P>
+__device__ __forceinline__ void load_query(const Smem<D, P>& sm, int mt, int kq,
                                            unsigned int (*qh)[4], unsigned int (*ql)[4]) {
     constexpr int KS = D / 64;  // k16 steps of a quarter
     int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
@@ -181,10 +197,9 @@ __device__ __forceinline__ void load_query(const float* q, int i, int H, int h0,
     for (int s = 0; s < KS; s++) {
 #pragma unroll
         for (int f = 0; f < 4; f++) {  // a0: (g, 2c) a1: (g + 8, 2c) a2: (g, 2c + 8) a3: both
-            int h = h0 + mt * 16 + g + (f & 1) * 8;
+            int head = mt * 16 + g + (f & 1) * 8;
             int col = kq * (D / 4) + s * 16 + 2 * c + (f >> 1) * 8;
-            float2 v = make_float2(0.f, 0.f);
-            if (h < H) v = *(const float2*)(q + ((size_t)i * H + h) * D + col);
+            float2 v = *(const float2*)&sm.q[head][col];
             split_pair(v.x, v.y, qh[s][f], ql[s][f]);
         }
     }
@@ -300,42 +315,62 @@ __device__ __forceinline__ void store_output(const Smem<D, P>& sm, float* out, i
     }
 }
 
-// out [S, H, D] from q [S, H, D] (fp32). Grid (S, ceil(H / 32)), 256 threads, dynamic shared
-// memory sizeof(Smem<D, P>).
+__device__ __forceinline__ int tiles_of(const Query& q) {
+    return (q.n_window + q.n_comp + TILE - 1) / TILE;
+}
+
+// out [S, H, D] from q [S, H, D] (fp32). Grid (G, ceil(H / 32)), 256 threads, dynamic shared
+// memory sizeof(Smem<D, P>). Block x takes queries x, x + G, ... as one stream of tiles: the
+// next tile (or the next query's first tile and its q rows) loads while this one is used, so a
+// query's start costs no exposed load.
 template <int D, int P>
 __device__ void chunk_attention(const float* __restrict__ q, Keys k,
                                 const float* __restrict__ sinks, float* __restrict__ out, int H,
                                 float scale) {
     extern __shared__ uint4 smem_words[];  // uint4: 16-byte aligned for cp.async and ldmatrix
     Smem<D, P>& sm = *reinterpret_cast<Smem<D, P>*>(smem_words);
-    int i = blockIdx.x, h0 = blockIdx.y * HEADS, warp = threadIdx.x >> 5;
+    int h0 = blockIdx.y * HEADS, warp = threadIdx.x >> 5;
     int mt = warp >> 2, quarter = warp & 3;
-    Query qr = query_of(k, i);
-    int n = qr.n_window + qr.n_comp, tiles = (n + TILE - 1) / TILE;
-    if (threadIdx.x < HEADS) {
-        int h = h0 + threadIdx.x;
-        sm.m[threadIdx.x] = h < H ? sinks[h] : 0.f;  // the sink: exp(s_h - m) = 1 term
-        sm.l[threadIdx.x] = 1.f;
-    }
+    Query qr = query_of(k, blockIdx.x);
+    int tile = 0, stage = 0;
+    stage_query<D, P>(sm, q, qr.i, H, h0);
     stage_tile<D, P>(k, qr, 0, &sm.keys[0][0][0][0]);
     unsigned int qh[D / 64][4], ql[D / 64][4];
-    load_query<D>(q, i, H, h0, mt, quarter, qh, ql);
     float o[D / 32][4] = {};
-    for (int tile = 0; tile < tiles; tile++) {
-        int stage = tile & 1, j0 = tile * TILE;
+    while (true) {
         copies_wait();
-        __syncthreads();  // this tile is in; the previous tile's values pass is done
-        if (tile + 1 < tiles) stage_tile<D, P>(k, qr, j0 + TILE, &sm.keys[stage ^ 1][0][0][0]);
+        __syncthreads();  // this tile (and q) is in; the previous tile's values pass is done
+        if (tile == 0) {
+            if (threadIdx.x < HEADS) {
+                int h = h0 + threadIdx.x;
+                sm.m[threadIdx.x] = h < H ? sinks[h] : 0.f;  // the sink: exp(s_h - m) = 1 term
+                sm.l[threadIdx.x] = 1.f;
+            }
+            load_query<D, P>(sm, mt, quarter, qh, ql);
+        }
+        bool last = tile + 1 == tiles_of(qr);
+        Query nq = last ? query_of(k, qr.i + gridDim.x) : qr;
+        int next = last ? 0 : tile + 1;
+        bool more = nq.i < k.chunk;
+        if (more) stage_tile<D, P>(k, nq, next * TILE, &sm.keys[stage ^ 1][0][0][0]);
         unsigned int present = __ballot_sync(
-            0xffffffffu, key_row<D>(k, qr, j0 + (threadIdx.x & 31)).hi != nullptr);
+            0xffffffffu, key_row<D>(k, qr, tile * TILE + (threadIdx.x & 31)).hi != nullptr);
         tile_scores<D, P>(sm, stage, mt, quarter, qh, ql);
-        __syncthreads();
+        __syncthreads();  // every warp has its q fragments: sm.q may take the next query's
+        if (more && next == 0) stage_query<D, P>(sm, q, nq.i, H, h0);
         tile_softmax<D, P>(sm, present, scale);
         __syncthreads();
         tile_values<D, P>(sm, stage, mt, quarter, o);
+        if (last) {
+            store_output<D, P>(sm, out, qr.i, H, h0, mt, quarter, o);
+#pragma unroll
+            for (int nt = 0; nt < D / 32; nt++) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+        }
+        if (!more) break;
+        qr = nq;
+        tile = next;
+        stage ^= 1;
     }
-    __syncthreads();
-    store_output<D, P>(sm, out, i, H, h0, mt, quarter, o);
 }
 
 #define CHUNK_ATTENTION(D, P)                                                                  \

@@ -7,6 +7,8 @@ Query i of a chunk (position start + i) attends with its head's sink over its ra
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ds4.kernels import f32, i32, launch, ptr
@@ -29,12 +31,14 @@ def words_size(keys, rows, parts: int = 2) -> int:
 
 
 def shared_bytes(width: int, parts: int) -> int:
-    """Dynamic shared memory of one block: two stages of a tile's words, the four partial
-    score quarters, p words, and m, l, alpha per head (sizeof(Smem<D, P>) in the .cu)."""
+    """Dynamic shared memory of one block (sizeof(Smem<D, P>) in the .cu): two stages of a
+    tile's words, the next query's rows, the four partial score quarters, p words, and m, l,
+    alpha per head."""
     keys = 2 * parts * TILE * (width + 8) * 2
+    query = HEADS_PER_BLOCK * (width + 8) * 4
     partial = 4 * HEADS_PER_BLOCK * (TILE + 1) * 4
     p = parts * HEADS_PER_BLOCK * (TILE + 8) * 2
-    return keys + partial + p + 3 * HEADS_PER_BLOCK * 4
+    return keys + query + partial + p + 3 * HEADS_PER_BLOCK * 4
 
 
 def chunk_attention(q, keys, rows, picks, ratio: int, start: int, sinks, out, words,
@@ -58,10 +62,19 @@ def chunk_attention(q, keys, rows, picks, ratio: int, start: int, sinks, out, wo
             i32(width), i32(count), i32(ratio if count else 0), i32(start),
             i32(keys.shape[0] - S), i32(S), ptr(cupy.ascontiguousarray(sinks, dtype=cupy.float32)),
             ptr(out), i32(H), f32(d ** -0.5))
-    grid = (S, -(-H // HEADS_PER_BLOCK))
+    head_blocks = -(-H // HEADS_PER_BLOCK)
+    grid = (min(S, max(1, _multiprocessors() // head_blocks)), head_blocks)  # one block an SM
     launch("chunk_attention", f"chunk_attention_d{d}_x{parts}", grid, (THREADS,), args,
            shared=shared_bytes(d, parts))
     return out
+
+
+@functools.cache
+def _multiprocessors() -> int:
+    """SMs of the current device: the kernel runs one block of its query stream on each."""
+    import cupy
+
+    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
 
 
 def _split(x, words, parts: int):
