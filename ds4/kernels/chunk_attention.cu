@@ -7,9 +7,10 @@
 // softmax's denominator and adds no value. The online softmax starts at (max s_h, sum 1), so
 // the sink is just the first term.
 //
-// A block takes one query and 32 heads (8 warps, 256 threads) and walks its keys in tiles of
-// 32 rows staged in shared memory with cp.async (two stages: the next tile loads while this
-// one is used). fp32 enters the bf16 mma.sync m16n8k16 as hi + lo words (x = hi + lo + r,
+// A block takes 32 heads of one query at a time (8 warps, 256 threads; one block per SM walks
+// a stream of queries) and its keys in tiles of 32 rows staged in shared memory with cp.async
+// (two stages: the next tile, or the next query's q rows and first tile, load while this one
+// is used). fp32 enters the bf16 mma.sync m16n8k16 as hi + lo words (x = hi + lo + r,
 // |r| <= 2^-16 |x|); each product takes hi*hi + hi*lo + lo*hi with fp32 accumulation, so scores
 // and outputs keep fp32-class accuracy (the keys' words come from ds4/kernels/split.cu). With
 // P = 1 word per value (DS4_GEMM=bf16) every operand is rounded once: a third of the products
