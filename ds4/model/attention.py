@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
+
+from ds4.kernels.chunk_attention import chunk_attention, kernel_fits, words_size
 from ds4.model.compressor import compress
 from ds4.model.config import CSA, SLIDING
 from ds4.model.hyper_connection import rms_norm
 from ds4.model.indexer import select_entries
-from ds4.model.linear import batched_linear, held, linear
+from ds4.model.linear import batched_linear, held, linear, parts
 
 
 def attention(xp, ctx, lw, layer_state, h, step):
@@ -56,17 +59,30 @@ def _project(xp, ctx, lw, h, rope, cos, sin):
 
 def _attend(xp, ctx, lw, layer_state, h, qlat, q, kv, step):
     """Per-head outputs [S, H, d] (still roped) of one session's chunk against its own state."""
-    S, d = q.shape[0], ctx.cfg.head_dim
     keys = _raw_keys(ctx, layer_state, kv)
-    parts = [_window_part(keys, step.window_bias, layer_state.raw.shape[0])]
-    if layer_state.compressor is not None:
-        parts += _compressed_parts(xp, ctx, lw, layer_state, h, qlat, step)
+    rows, picks = _compressed_rows(xp, ctx, lw, layer_state, h, qlat, step)
     _store_raw(layer_state, kv, step.start)
+    ratio = layer_state.compressor.ratio if rows is not None else 0
+    if xp is not np and kernel_fits(ctx.cfg.head_dim):  # one fused tensor-core kernel
+        size = words_size(keys, rows, parts())
+        words = ctx.scratch.view("attention_words", (size,), xp.uint16)
+        return chunk_attention(q, keys, rows, picks, ratio, step.start, lw["self_attn.sinks"],
+                               xp.empty_like(q), words, parts())
+    return attend_keys(xp, q, keys, rows, picks, ratio, step, lw["self_attn.sinks"])
+
+
+def attend_keys(xp, q, keys, rows, picks, ratio: int, step, sinks):
+    """The model code's softmax of q [S, H, d] over the raw keys [W + S, d] (ring, then chunk)
+    and the compressed rows (None, all usable, or `picks` [S, k]), 256 queries at a time."""
+    S, d = q.shape[0], q.shape[2]
+    parts = [_window_part(keys, step.window_bias, keys.shape[0] - S)]
+    if rows is not None:
+        parts.append(_compressed_part(xp, rows, picks, step, ratio))
     out = xp.empty_like(q)
     for i0 in range(0, S, QUERY_BLOCK):  # scores stay [block, H, window + block], not [S, H, S]
         i1 = min(S, i0 + QUERY_BLOCK)
         blocks = [b for b in (part(i0, i1) for part in parts) if b[1].shape[-1]]  # keys there
-        out[i0:i1] = _softmax_with_sink(xp, q[i0:i1], blocks, lw["self_attn.sinks"], d ** -0.5)
+        out[i0:i1] = _softmax_with_sink(xp, q[i0:i1], blocks, sinks, d ** -0.5)
     return out
 
 
@@ -108,10 +124,13 @@ def _store_raw(layer_state, kv, start: int) -> None:
     layer_state.raw[slots] = kv[S - keep :]
 
 
-def _compressed_parts(xp, ctx, lw, layer_state, h, qlat, step) -> list:
-    """The layer's usable compressed rows as key parts (HCA: all closed; CSA: indexer picks)."""
+def _compressed_rows(xp, ctx, lw, layer_state, h, qlat, step):
+    """(rows [count, d], picks [S, k] or None = every usable row) of the layer's compressed
+    rows after this chunk (HCA: all closed; CSA: the indexer's picks); (None, None): none."""
     cfg = ctx.cfg
     comp = layer_state.compressor
+    if comp is None:
+        return None, None
     rope = ctx.ropes["compress"]
 
     def weight(name):
@@ -124,26 +143,32 @@ def _compressed_parts(xp, ctx, lw, layer_state, h, qlat, step) -> list:
         picks = select_entries(xp, lw, cfg, layer_state, h, qlat, step.positions, step.start, rope,
                                cos_q, sin_q, ctx.indexer_qat)
     if count == 0:
-        return []
-    rows = comp.rows[:count]
+        return None, None
     if layer_state.kind != CSA or count <= cfg.index_topk:  # every usable row (CSA: all picked)
-        usable = (step.positions + 1) // comp.ratio
+        return comp.rows[:count], None
+    return (comp.rows[:count], picks) if picks.shape[1] else (None, None)
+
+
+def _compressed_part(xp, rows, picks, step, ratio: int):
+    """The compressed rows as a key part of query blocks: shared rows with a causal mask, or
+    each query's own picks."""
+    count = rows.shape[0]
+    if picks is None:
+        usable = (step.positions + 1) // ratio
         bias = xp.where(xp.arange(count)[None, :] < usable[:, None], 0.0,
                         -xp.inf).astype(xp.float32)
 
         def shared(i0: int, i1: int):
             """Rows up to the last one the block's newest query may see (none masked for all)."""
-            seen = min(count, (step.start + i1) // comp.ratio)
+            seen = min(count, (step.start + i1) // ratio)
             return rows[:seen], bias[i0:i1, :seen]
-        return [shared]
-    if not picks.shape[1]:
-        return []
+        return shared
 
     def picked(i0: int, i1: int):
         """Each query's own picks, gathered per block: [block, k, d], never [S, k, d]."""
         ids = picks[i0:i1]
         return rows[xp.maximum(ids, 0)], xp.where(ids >= 0, 0.0, -xp.inf).astype(xp.float32)
-    return [picked]
+    return picked
 
 
 def _softmax_with_sink(xp, q, blocks, sinks, scale: float):
