@@ -25,7 +25,7 @@ from ds4.kernels import (
     rope,
     sampling,
 )
-from ds4.model import gpu_decode
+from ds4.model import gpu_batch, gpu_decode
 from ds4.model.config import ModelConfig
 from ds4.model.forward import Model
 from ds4.model.state import SessionState
@@ -42,8 +42,9 @@ def twins(monkeypatch):
         for name in dir(mod):
             if name.endswith("_numpy") and hasattr(mod, name[:-6]):
                 monkeypatch.setattr(mod, name[:-6], getattr(mod, name))
-    monkeypatch.setattr(gpu_decode, "gemv", gemv.gemv_numpy)
-    monkeypatch.setattr(gpu_decode, "gemv_many", gemv.gemv_many_numpy)
+    monkeypatch.setattr(gpu_batch, "gemv", gemv.gemv_numpy)
+    monkeypatch.setattr(gpu_batch, "gemv_many", gemv.gemv_many_numpy)
+    monkeypatch.setattr(gpu_batch, "row_kernels", None)  # the seam's per-row fallback
     monkeypatch.setattr(gpu_decode, "rms_norm", norm.rms_norm_numpy)
     monkeypatch.setattr(gpu_decode, "rope_tail", rope.rope_tail_numpy)
     return gpu_decode
@@ -56,10 +57,7 @@ def open_model(model_dir: Path) -> Model:
 
 
 def twin_step(decoder, state, token: int) -> np.ndarray:
-    decoder.pos_token[...] = (state.n, token)
-    decoder.run(state)
-    state.n += 1
-    return decoder.buf["logits"].copy()
+    return decoder.decode(state, token)
 
 
 def model_dir(case: str) -> Path:
@@ -102,3 +100,33 @@ def test_kernel_decode_declines_what_it_does_not_cover():
     assert gpu_weights.supported(model) is None
     model.weights.experts[0].resident = False
     assert "resident" in gpu_weights.supported(model)
+
+
+def test_twin_batch_equals_single_steps(twins):
+    """B = 1..5 sessions at different positions (CSA, HCA and sliding layers; windows close
+    inside the batch) stepped together equal their single steps bitwise, through the member
+    table and the strided batch launchers' twins; 3 and 5 run with idle members, the B=4 and
+    B=8 sizes each across several member sets."""
+    model = open_model(model_dir("tiny"))
+    decoder = gpu_decode.KernelDecoder.from_model(model)
+    rng = np.random.default_rng(7)
+    lengths = [9, 14, 22, 31, 5]
+    ids = [[0] + rng.integers(2, 50000, n + 8).tolist() for n in lengths]
+    alone, together = ([SessionState(np, model.cfg, 128) for _ in lengths] for _ in range(2))
+    for group in (alone, together):
+        for s, seq, n in zip(group, ids, lengths):
+            model.forward(s, seq[:n])
+    for step in range(6):
+        batch = [1, 2, 3, 4, 5, 3][step]  # a new member set each step
+        members = list(range(step % 2, step % 2 + batch)) if batch < 5 else list(range(5))
+        toks = [ids[m][together[m].n] for m in members]
+        want = [decoder.decode(alone[m], t) for m, t in zip(members, toks)]
+        got = decoder.decode_batch([together[m] for m in members], toks)
+        for a, b in zip(want, got):
+            assert np.array_equal(a, b)
+    for a, b in zip(alone, together):
+        assert a.n == b.n
+        for la, lb in zip(a.layers, b.layers):
+            assert np.array_equal(la.raw, lb.raw)
+            for name, cs in la.compressors().items():
+                assert np.array_equal(cs.rows, lb.compressors()[name].rows)

@@ -73,7 +73,7 @@ def test_cupy_eager_and_graph_decode_match_numpy(case):
     graphed = SessionState(cupy, gpu_model.cfg, ctx)
     kern = [cupy.asnumpy(gpu_model.forward(graphed, ids[:prefill]))]
     kern += [cupy.asnumpy(decoder.decode(graphed, t)) for t in ids[prefill:]]
-    assert graphed in decoder.graphs  # later steps were graph replays
+    assert 1 in decoder.graphs  # later steps were replays of the batch-of-one graph
     for name, run in (("eager", got), ("graph", kern)):
         for step, (a, b) in enumerate(zip(run, want)):
             err = float(np.abs(a - b).max())
@@ -130,7 +130,7 @@ def test_engine_two_sessions_smoke_cupy():
             logits[k] = s.decode(got[k][-1])
     assert got == want
     decoder = gpu.model.kernel_decoder.decoder
-    assert all(s.state in decoder.graphs for s in sessions)
+    assert list(decoder.graphs) == [1]  # one graph served all three sessions
     blob = sessions[1].snapshot()
     resumed = gpu.new_session(512).restore(blob)
     a, b = sessions[1].decode(got[1][-1]), resumed.decode(got[1][-1])
@@ -166,6 +166,7 @@ def test_decoder_reads_the_engine_weights_in_place():
     own += list(decoder.top.values()) + list(decoder.buf.values())
     engine_ptrs = {a.data.ptr for a in eng.model.weights.tensors.values()}
     own = {a.data.ptr: a for a in own if a.data.ptr not in engine_ptrs}.values()
-    own_bytes = sum(rounded(a) for a in own) + (64 << 10)  # + gemv tables, pos/token
+    # + gemv tables (one set per member row of a batch graph) and the member tables
+    own_bytes = sum(rounded(a) for a in own) + (256 << 10)
     assert grown < own_bytes + expert_bytes // 2, (grown, own_bytes, expert_bytes)
     assert eng.memory_report()["weight_bytes"] >= expert_bytes
