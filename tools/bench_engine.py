@@ -81,7 +81,7 @@ def graph_time(cp, stream, fn, repeat: int = 50) -> float:
         return timed(cp, replays, repeat=max(3, repeat // 10)) / 10
 
 
-def decode_bench(cp, stack: FlashStack, ctx: int, batches=(1, 2, 4, 8)) -> dict:
+def decode_bench(cp, stack: FlashStack, ctx: int, batches=(1, 2, 4, 8), gemv: bool = True) -> dict:
     """Per-layer decode times (batch-of-one graph replays), a stage profile, eager vs graph full
     steps, and whole graph steps of each batch size against that batch's bytes bound."""
     dec, state = stack.decoder(), stack.filled_state(ctx)
@@ -100,7 +100,7 @@ def decode_bench(cp, stack: FlashStack, ctx: int, batches=(1, 2, 4, 8)) -> dict:
     out["graph_step_s"] = graph_time(cp, stream, lambda: dec.run(B))
     with stream:
         out["eager_step_s"] = timed(cp, lambda: dec.run(B), repeat=5, warmup=1)
-    out["gemv"] = gemv_profile(cp, stream, dec)
+    out["gemv"] = gemv_profile(cp, stream, dec) if gemv else {}
     out["batch"] = batch_steps(cp, stack, dec, [state] + [stack.filled_state(ctx) for _ in
                                                          range(max(batches) - 1)], batches)
     return out
@@ -430,7 +430,7 @@ def main(argv=None) -> int:
     res["prefill"] = {} if args.decode_only else prefill_in_child(args)
     stack = FlashStack(cp, config, kinds, use_hf=not args.no_hf)
     res["cfg"] = stack.cfg
-    res["decode"] = decode_bench(cp, stack, args.ctx)
+    res["decode"] = decode_bench(cp, stack, args.ctx, gemv=not args.decode_only)
     cp.get_default_memory_pool().free_all_blocks()  # leave torch the room its eager run needs
     res["hf"] = hf_bench(stack, chunks) if stack.hf is not None else stack.hf_reason
     report(res)
