@@ -283,7 +283,7 @@ def test_many_matches_twin_and_single_launches():
             assert np.all(np.abs(o.get() - twin) <= bound(wd, x[:batch]))
 
 
-def v4_moe(cp, rng, fmt=FP4):
+def v4_moe(cp, rng):
     """256 experts of 2 x 2048 x 4096 (FP4) and an FP8 shared expert, on the device."""
     experts, inter, hidden = 256, 2048, 4096
     codes = cp.random.randint(0, 256, (experts, 2 * inter, hidden // 2), dtype=cp.int32)

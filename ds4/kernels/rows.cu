@@ -63,7 +63,7 @@ __device__ __forceinline__ u32 word(const uint4& q, int i) {
 
 // bf16x2 multiplier 2^(s + bias - 127) in both halves (bias folds the decode's power of two).
 __device__ __forceinline__ u32 multiplier(u32 s, int bias) {
-    u32 e = min(s + bias, 254u);
+    u32 e = s + bias > 254u ? 254u : s + bias;  // past 2^127: E8M0 scales above 2^33 overflow
     return (e << 7) | (e << 23);
 }
 
