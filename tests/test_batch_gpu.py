@@ -131,3 +131,77 @@ def test_cupy_batched_step_tracks_graph_decode(path, lengths):
         for a, b in zip(alone, together):
             np.testing.assert_allclose(b, a, atol=2e-4, rtol=0)
             assert int(np.argmax(a)) == int(np.argmax(b))
+
+
+def _member_states(cp, cfg, positions):
+    """The same random states on the GPU and the host, at the given positions."""
+    from ds4.model.state import SessionState
+
+    rng = np.random.default_rng(3)
+    gpu = [SessionState(cp, cfg, 128) for _ in positions]
+    host = [SessionState(np, cfg, 128) for _ in positions]
+    for g, h, n in zip(gpu, host, positions):
+        g.n = h.n = n
+        for lg, lh in zip(g.layers, h.layers):
+            pairs = [(lg.raw, lh.raw)] + [
+                (getattr(cg, a), getattr(lh.compressors()[name], a))
+                for name, cg in lg.compressors().items()
+                for a in ("pending_kv", "pending_score", "overlap_kv", "overlap_score", "rows")]
+            for a, b in pairs:
+                b[...] = rng.standard_normal(b.shape).astype(np.float32)
+                a[...] = cp.asarray(b)
+    return gpu, host
+
+
+def test_fused_member_kernels_match_their_twins():
+    """The batch graph's fused kernels (query norm + RoPE, compressor push + pool, attention
+    with the output's inverse RoPE) on two members equal their NumPy twins (fp32 sums)."""
+    import cupy as cp
+
+    from ds4.kernels import attention as at
+    from ds4.kernels import compressor as cm
+    from ds4.kernels import norm
+    from ds4.model.config import CSA, ModelConfig
+    from ds4.model.gpu_batch import COMPRESSOR, COMPRESSOR_ROWS, RAW, MemberTable
+
+    cfg = ModelConfig.from_dir(default_model_dir())
+    i = cfg.layer_types.index(CSA)
+    m, d, r = cfg.compress_ratio(i), cfg.head_dim, cfg.qk_rope_head_dim
+    positions = [m - 1, 3 * m + 1]  # the first closes a window, the second does not
+    gpu, host = _member_states(cp, cfg, positions)
+    tables = []
+    for xp, states in ((cp, gpu), (np, host)):
+        t = MemberTable(xp, cfg.num_hidden_layers, 2)
+        t.fill(states, [5, 9])
+        tables.append(t)
+    rng = np.random.default_rng(4)
+    freqs = (10000.0 ** (-np.arange(r // 2) * 2 / r)).astype(np.float64)
+    q = rng.standard_normal((2, cfg.num_attention_heads, d)).astype(np.float32)
+    qg = cp.asarray(q)
+    norm.rms_norm_rope(qg.reshape(-1, d), None, 1e-6, tables[0].pos, cp.asarray(freqs), r,
+                       cfg.num_attention_heads)
+    norm.rms_norm_rope_numpy(q.reshape(-1, d), None, 1e-6, tables[1].pos, freqs, r,
+                             cfg.num_attention_heads)
+    np.testing.assert_allclose(cp.asnumpy(qg), q, atol=1e-5, rtol=1e-5)
+    kv = rng.standard_normal((2, 2 * d)).astype(np.float32)
+    bias = rng.standard_normal((m, 2 * d)).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32)
+    cm.compressor_step_m(cp.asarray(kv), cp.asarray(kv[:, ::-1].copy()), cp.asarray(bias),
+                         tables[0], i, COMPRESSOR, cp.asarray(w), cp.asarray(freqs), m, 2 * d,
+                         d, r)
+    cm.compressor_step_m_numpy(kv, kv[:, ::-1].copy(), bias, tables[1], i, COMPRESSOR, w, freqs,
+                               m, 2 * d, d, r)
+    for g, h in zip(gpu, host):
+        cg, ch = g.layers[i].compressor, h.layers[i].compressor
+        for a in ("pending_kv", "pending_score", "overlap_kv", "overlap_score", "rows"):
+            np.testing.assert_allclose(cp.asnumpy(getattr(cg, a)), getattr(ch, a), atol=1e-5)
+    keys = cfg.sliding_window + m * 4
+    out = [np.zeros_like(q), cp.zeros(q.shape, cp.float32)]
+    part = cp.zeros((2, at.partial_size(cfg.num_attention_heads, d, keys)), cp.float32)
+    at.attention_decode_m(qg, tables[0], i, RAW, COMPRESSOR_ROWS, cfg.sliding_window, None, None,
+                          m, cp.asarray(w[:cfg.num_attention_heads]), out[1], keys, part,
+                          cp.asarray(freqs), r)
+    at.attention_decode_m_numpy(q, tables[1], i, RAW, COMPRESSOR_ROWS, cfg.sliding_window, None,
+                                None, m, w[:cfg.num_attention_heads], out[0], keys, None, freqs,
+                                r)
+    np.testing.assert_allclose(cp.asnumpy(out[1]), out[0], atol=1e-5, rtol=1e-4)

@@ -46,6 +46,7 @@ def twins(monkeypatch):
     monkeypatch.setattr(gpu_batch, "gemv_many", gemv.gemv_many_numpy)
     monkeypatch.setattr(gpu_batch, "row_kernels", None)  # the seam's per-row fallback
     monkeypatch.setattr(gpu_decode, "rms_norm", norm.rms_norm_numpy)
+    monkeypatch.setattr(gpu_decode, "rms_norm_rope", norm.rms_norm_rope_numpy)
     monkeypatch.setattr(gpu_decode, "rope_tail", rope.rope_tail_numpy)
     return gpu_decode
 

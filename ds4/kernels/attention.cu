@@ -186,10 +186,15 @@ extern "C" __global__ void attention_partial_m(const float* __restrict__ q,
 // out[h] = (sum_s exp(m_s - M) o_s) / (exp(sink_h - M) + sum_s exp(m_s - M) l_s), M the largest
 // of sink_h and the m_s: softmax over all keys with the sink's mass in the denominator. The
 // split weights go through shared memory (2 * splits floats of dynamic shared memory) so the
-// value pass issues its loads back to back.
+// value pass issues its loads back to back. freqs non-null: the output then gets the inverse
+// RoPE of its trailing rope_dim channels at position positions[blockIdx.z] (rope_tail with sign
+// -1, same arithmetic), the pair's other channel taken from the neighbouring lane (width a
+// multiple of 32, so whole warps run the channel loop).
 extern "C" __global__ void attention_combine(const float* __restrict__ part,
                                              const float* __restrict__ sinks, float* out,
-                                             int width, int splits, int part_stride) {
+                                             int width, int splits, int part_stride,
+                                             const int* __restrict__ positions,
+                                             const double* __restrict__ freqs, int rope_dim) {
     __shared__ float red[32];
     extern __shared__ float wsm[];
     int h = blockIdx.x;
@@ -214,6 +219,17 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part,
         float acc = 0.f;
 #pragma unroll 8
         for (int s = 0; s < splits; s++) acc += wsm[s] * p[(size_t)s * (width + 2) + 2 + c];
-        out[(size_t)h * width + c] = acc * inv;
+        float v = acc * inv;
+        if (freqs) {
+            float other = __shfl_xor_sync(0xffffffffu, v, 1);
+            int first = width - rope_dim;
+            if (c >= first) {
+                double ds, dc;
+                sincos((double)positions[blockIdx.z] * freqs[(c - first) >> 1], &ds, &dc);
+                float sn = (float)ds * -1.f, cs = (float)dc;
+                v = ((c - first) & 1) ? other * sn + v * cs : v * cs - other * sn;
+            }
+        }
+        out[(size_t)h * width + c] = v;
     }
 }

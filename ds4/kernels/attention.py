@@ -6,7 +6,7 @@ import numpy as np
 
 from ds4.kernels import NULL, f32, i32, launch, ptr
 from ds4.kernels.norm import rms_norm_numpy
-from ds4.kernels.rope import rope_angles_numpy, rotate_numpy
+from ds4.kernels.rope import rope_angles_numpy, rope_tail_numpy, rotate_numpy
 
 
 def attention_store_kv(kv_in, w, freqs, pos, raw, rope_dim: int, eps: float = 1e-6):
@@ -52,7 +52,8 @@ def attention_decode(q, raw, pos, comp, sel, sel_count, ratio: int, sinks, out, 
                   + KEYS_PER_BLOCK)
     launch("attention", "attention_partial", (heads // hpb, splits), (256,), args, shared=shared)
     launch("attention", "attention_combine", (heads,), (256,),
-           (ptr(part), ptr(sinks), ptr(out), i32(width), i32(splits), i32(0)), shared=8 * splits)
+           (ptr(part), ptr(sinks), ptr(out), i32(width), i32(splits), i32(0), NULL, NULL, i32(0)),
+           shared=8 * splits)
     return out
 
 
@@ -77,11 +78,14 @@ def attention_store_kv_m_numpy(kv_in, w, freqs, table, layer: int, slot: int, ca
 
 
 def attention_decode_m(q, table, layer: int, raw_slot: int, comp_slot, cap: int, sel, sel_count,
-                       ratio: int, sinks, out, max_keys: int, part):
+                       ratio: int, sinks, out, max_keys: int, part, freqs=None,
+                       rope_dim: int = 0):
     """attention_decode for each member b of a batch graph: q, out [B, heads, width], sel
     [B, k] and sel_count [B] (or None), part [B, >= partial_size]; member b's raw ring and
-    compressed rows (comp_slot None: none) from the member table."""
+    compressed rows (comp_slot None: none) from the member table. freqs given: out then turned
+    back by RoPE at each member's position (rope_tail, sign -1) in the same launch."""
     batch, heads, width = q.shape
+    assert freqs is None or (width % 32 == 0 and rope_dim % 2 == 0)
     splits = -(-max_keys // KEYS_PER_BLOCK)
     assert width <= 1024 and part.shape[1] >= partial_size(heads, width, max_keys)
     hpb = next(g for g in (8, 4, 2, 1) if heads % g == 0)
@@ -94,13 +98,14 @@ def attention_decode_m(q, table, layer: int, raw_slot: int, comp_slot, cap: int,
     launch("attention", "attention_partial_m", (heads // hpb, splits, batch), (256,), args,
            shared=shared)
     launch("attention", "attention_combine", (heads, 1, batch), (256,),
-           (ptr(part), ptr(sinks), ptr(out), i32(width), i32(splits), i32(part.shape[1])),
-           shared=8 * splits)
+           (ptr(part), ptr(sinks), ptr(out), i32(width), i32(splits), i32(part.shape[1]),
+            ptr(table.pos), ptr(freqs), i32(rope_dim)), shared=8 * splits)
     return out
 
 
 def attention_decode_m_numpy(q, table, layer: int, raw_slot: int, comp_slot, cap: int, sel,
-                             sel_count, ratio: int, sinks, out, max_keys: int, part):
+                             sel_count, ratio: int, sinks, out, max_keys: int, part, freqs=None,
+                             rope_dim: int = 0):
     """NumPy twin of attention_decode_m."""
     raws = table.arrays(layer, raw_slot)
     comps = table.arrays(layer, comp_slot) if comp_slot is not None else [None] * len(raws)
@@ -109,6 +114,9 @@ def attention_decode_m_numpy(q, table, layer: int, raw_slot: int, comp_slot, cap
                                None if sel is None else sel[b],
                                None if sel is None else sel_count[b:b + 1], ratio, sinks, out[b],
                                max_keys)
+        if freqs is not None:
+            rope_tail_numpy(out[b], table.pos[b:b + 1], freqs, rope_dim, rows_per_pos=q.shape[1],
+                            sign=-1.0)
     return out
 
 

@@ -25,19 +25,6 @@ extern "C" __global__ void compressor_push(const float* __restrict__ kvp,
     push(kvp, g, bias, pos, pending_kv, pending_score, m, cw);
 }
 
-// A batch graph's member b = blockIdx.z (see attention.cu): kvp and g are [B, row_stride];
-// ptrs holds the member table's slot groups [pending_kv, pending_score, overlap_kv,
-// overlap_score, comp] of this compressor, gridDim.z addresses each.
-extern "C" __global__ void compressor_push_m(const float* __restrict__ kvp,
-                                             const float* __restrict__ g, int row_stride,
-                                             const float* __restrict__ bias,
-                                             const int* __restrict__ positions,
-                                             const long long* __restrict__ ptrs, int m, int cw) {
-    int b = blockIdx.z, B = gridDim.z;
-    push(kvp + (size_t)b * row_stride, g + (size_t)b * row_stride, bias, positions + b,
-         (float*)ptrs[b], (float*)ptrs[B + b], m, cw);
-}
-
 // When token pos closes window w = (pos + 1) / m - 1: pool each channel by a softmax over the
 // window's slots (with overlap: the last window's A-half, then this window's B-half), RMSNorm_w
 // the pooled row, rope its trailing rope_dim channels at position m*w, store it as comp[w]; with
@@ -104,15 +91,31 @@ extern "C" __global__ void compressor_pool(const float* __restrict__ pending_kv,
          rope_dim, eps);
 }
 
-// compressor_pool of member b = blockIdx.z, its arrays from the slot groups as in
-// compressor_push_m (a null overlap address: a compressor without overlap).
-extern "C" __global__ void compressor_pool_m(const long long* __restrict__ ptrs,
+// One compressor step of member b = blockIdx.z of a batch graph (see attention.cu): push its
+// projected row (kvp, g [B, row_stride]) at slot pos % m, then pool the window if this token
+// closes it, in one launch. ptrs holds the member table's slot groups [pending_kv,
+// pending_score, overlap_kv, overlap_score, comp] (a null overlap: none). One block of >= hd
+// threads; thread c pushes columns c and c + hd (cw = 2 hd), the only ones it pools, so no
+// other thread's write is read.
+extern "C" __global__ void compressor_step_m(const float* __restrict__ kvp,
+                                             const float* __restrict__ g, int row_stride,
+                                             const float* __restrict__ bias,
+                                             const int* __restrict__ positions,
+                                             const long long* __restrict__ ptrs,
                                              const float* __restrict__ norm_w,
-                                             const double* __restrict__ freqs,
-                                             const int* __restrict__ positions, int m, int hd,
-                                             int rope_dim, float eps) {
-    int b = blockIdx.z, B = gridDim.z;
-    pool((const float*)ptrs[b], (const float*)ptrs[B + b], (float*)ptrs[2 * B + b],
-         (float*)ptrs[3 * B + b], norm_w, freqs, positions + b, (float*)ptrs[4 * B + b], m, hd,
-         rope_dim, eps);
+                                             const double* __restrict__ freqs, int m, int cw,
+                                             int hd, int rope_dim, float eps) {
+    int b = blockIdx.z, B = gridDim.z, c = threadIdx.x;
+    const int* pos = positions + b;
+    float* pending_kv = (float*)ptrs[b];
+    float* pending_score = (float*)ptrs[B + b];
+    if (c < hd) {
+        size_t row = (size_t)(pos[0] % m) * cw;
+        for (int j = c; j < cw; j += hd) {
+            pending_kv[row + j] = kvp[(size_t)b * row_stride + j];
+            pending_score[row + j] = g[(size_t)b * row_stride + j] + bias[row + j];
+        }
+    }
+    pool(pending_kv, pending_score, (float*)ptrs[2 * B + b], (float*)ptrs[3 * B + b], norm_w,
+         freqs, pos, (float*)ptrs[4 * B + b], m, hd, rope_dim, eps);
 }

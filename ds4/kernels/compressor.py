@@ -65,39 +65,28 @@ def compressor_pool_numpy(pending_kv, pending_score, overlap_kv, overlap_score, 
     return comp
 
 
-def compressor_push_m(kvp, g, bias, table, layer: int, slot: int, m: int, cw: int):
-    """compressor_push for each member b of a batch graph: kvp, g [B, >= cw] (row b: member
-    b's projections); the member's pending rows from the member table's slot groups starting
-    at `slot` (pending_kv, pending_score, overlap_kv, overlap_score, rows)."""
-    batch = kvp.shape[0]
-    args = (ptr(kvp), ptr(g), i32(kvp.shape[1]), ptr(bias), ptr(table.pos),
-            table.group(layer, slot), i32(m), i32(cw))
-    launch("compressor", "compressor_push_m", ((cw + 255) // 256, 1, batch), (256,), args)
-    return kvp
-
-
-def compressor_push_m_numpy(kvp, g, bias, table, layer: int, slot: int, m: int, cw: int):
-    """NumPy twin of compressor_push_m."""
-    pkv, psc = table.arrays(layer, slot), table.arrays(layer, slot + 1)
-    for b in range(kvp.shape[0]):
-        compressor_push_numpy(kvp[b, :cw], g[b, :cw], bias, table.pos[b:b + 1], pkv[b], psc[b])
-    return kvp
-
-
-def compressor_pool_m(table, layer: int, slot: int, norm_w, freqs, m: int, hd: int,
-                      rope_dim: int, eps: float = 1e-6):
-    """compressor_pool for each member of a batch graph (state as in compressor_push_m)."""
+def compressor_step_m(kvp, g, bias, table, layer: int, slot: int, norm_w, freqs, m: int,
+                      cw: int, hd: int, rope_dim: int, eps: float = 1e-6):
+    """compressor_push then compressor_pool, in one launch, for each member b of a batch graph:
+    kvp, g [B, >= cw] (row b: member b's projections); the member's state from the member
+    table's slot groups starting at `slot` (pending_kv, pending_score, overlap_kv,
+    overlap_score, rows)."""
+    assert cw in (hd, 2 * hd) and hd <= 1024
     block = (hd + 31) // 32 * 32
-    args = (table.group(layer, slot), ptr(norm_w), ptr(freqs), ptr(table.pos), i32(m), i32(hd),
+    args = (ptr(kvp), ptr(g), i32(kvp.shape[1]), ptr(bias), ptr(table.pos),
+            table.group(layer, slot), ptr(norm_w), ptr(freqs), i32(m), i32(cw), i32(hd),
             i32(rope_dim), f32(eps))
-    launch("compressor", "compressor_pool_m", (1, 1, table.batch), (block,), args,
+    launch("compressor", "compressor_step_m", (1, 1, kvp.shape[0]), (block,), args,
            shared=4 * hd)
+    return kvp
 
 
-def compressor_pool_m_numpy(table, layer: int, slot: int, norm_w, freqs, m: int, hd: int,
-                            rope_dim: int, eps: float = 1e-6):
-    """NumPy twin of compressor_pool_m."""
+def compressor_step_m_numpy(kvp, g, bias, table, layer: int, slot: int, norm_w, freqs, m: int,
+                            cw: int, hd: int, rope_dim: int, eps: float = 1e-6):
+    """NumPy twin of compressor_step_m."""
     groups = [table.arrays(layer, slot + k) for k in range(5)]
     for b, (pkv, psc, okv, osc, rows) in enumerate(zip(*groups)):
-        compressor_pool_numpy(pkv, psc, okv, osc, norm_w, freqs, table.pos[b:b + 1], rows,
-                              rope_dim, eps)
+        at = table.pos[b:b + 1]
+        compressor_push_numpy(kvp[b, :cw], g[b, :cw], bias, at, pkv, psc)
+        compressor_pool_numpy(pkv, psc, okv, osc, norm_w, freqs, at, rows, rope_dim, eps)
+    return kvp

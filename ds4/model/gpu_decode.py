@@ -22,7 +22,7 @@ from ds4.kernels import compressor as cm
 from ds4.kernels import hyper_connection as hc
 from ds4.kernels import indexer as ix
 from ds4.kernels import moe, quant, sampling
-from ds4.kernels.norm import rms_norm
+from ds4.kernels.norm import rms_norm, rms_norm_rope
 from ds4.kernels.rope import rope_tail
 from ds4.model import gpu_weights
 from ds4.model.config import CSA, SLIDING
@@ -36,7 +36,7 @@ from ds4.model.gpu_batch import (
     ProjectionPlan,
     matvec_rows,
 )
-from ds4.model.gpu_moe import moe_rows
+from ds4.model.gpu_moe import moe_rows, row_moe_fits, row_moe_scratch
 from ds4.model.state import SessionState
 
 SIZES = (1, 2, 4, 8)  # batch sizes with a graph; a batch runs in the smallest that holds it
@@ -57,6 +57,9 @@ class KernelDecoder:
         self.rows = self._row_views()
         self.tables = {B: MemberTable(xp, cfg.num_hidden_layers, B) for B in SIZES}
         self.projections = [self._projection_plan(t) for t in layers]
+        self.moe_scratch = None if xp is np else row_moe_scratch(xp, cfg, layers, MAX_MEMBERS)
+        self.row_moe = [self.moe_scratch is not None
+                        and row_moe_fits(t, MAX_MEMBERS, cfg.num_experts_per_tok) for t in layers]
         self.keys = [0] * cfg.num_hidden_layers  # most keys a query attends, per layer (grids)
         self.index_rows = 1  # most compressed rows an indexer scores (grid, scores buffer)
         self.graphs: dict = {}  # batch size -> captured graph
@@ -259,8 +262,7 @@ class KernelDecoder:
         qlat, q = b["qlat"][:B], b["q"][:B].reshape(-1, d)
         rms_norm(qlat, t["self_attn.q_a_norm.weight"], qlat, eps)
         matvec_rows(t["self_attn.q_b_proj.weight"], b["qlat"], b["q"].reshape(MAX_MEMBERS, -1), B)
-        rms_norm(q, None, q, eps)
-        rope_tail(q, tab.pos, freqs, r, rows_per_pos=H)
+        rms_norm_rope(q, None, eps, tab.pos, freqs, r, rows_per_pos=H)
         at.attention_store_kv_m(b["kv"][:B], t["self_attn.kv_norm.weight"], freqs, tab, i, RAW,
                                 window, r, eps)
         if self.kv_fp8:
@@ -276,9 +278,12 @@ class KernelDecoder:
         if kind == CSA:
             self._index(t, tab, i, freqs, B)
             sel, count = b["sel"][:B], b["sel_count"][:B]
+        fused = d % 32 == 0  # the combine kernel turns the output back (whole warps of pairs)
         at.attention_decode_m(b["q"][:B], tab, i, RAW, comp, window, sel, count, ratio,
-                              t["self_attn.sinks"], b["o"][:B], self.keys[i], b["attn_part"][:B])
-        rope_tail(b["o"][:B].reshape(-1, d), tab.pos, freqs, r, rows_per_pos=H, sign=-1.0)
+                              t["self_attn.sinks"], b["o"][:B], self.keys[i], b["attn_part"][:B],
+                              freqs if fused else None, r)
+        if not fused:
+            rope_tail(b["o"][:B].reshape(-1, d), tab.pos, freqs, r, rows_per_pos=H, sign=-1.0)
         matvec_rows(t["self_attn.o_a_proj.weight"], b["o"].reshape(MAX_MEMBERS, -1), b["z"], B,
                     rows_per_group=cfg.o_lora_rank)
         matvec_rows(t["self_attn.o_b_proj.weight"], b["z"], b["y"], B)
@@ -288,9 +293,8 @@ class KernelDecoder:
         """Feed each member's projected row (buffers kv, gate) to its compressor; pool its
         window into the compressed rows when this token closes it."""
         m, cw = self.cfg.compress_ratio(i), t[prefix + "kv_proj.weight"].shape[0]
-        cm.compressor_push_m(self.buf[kv][:B], self.buf[gate][:B], t[prefix + "position_bias"],
-                             tab, i, slot, m, cw)
-        cm.compressor_pool_m(tab, i, slot, t[prefix + "kv_norm.weight"], freqs, m, hd,
+        cm.compressor_step_m(self.buf[kv][:B], self.buf[gate][:B], t[prefix + "position_bias"],
+                             tab, i, slot, t[prefix + "kv_norm.weight"], freqs, m, cw, hd,
                              self.cfg.qk_rope_head_dim, self.cfg.rms_norm_eps)
 
     def _index(self, t: dict, tab, i: int, freqs, B: int) -> None:
@@ -321,7 +325,7 @@ class KernelDecoder:
             moe.moe_route(r["router"], t.get("mlp.gate.e_score_correction_bias"),
                           t.get("mlp.gate.tid2eid"), tokens[m:m + 1], cfg.num_experts_per_tok,
                           cfg.routed_scaling_factor, r["idx"], r["wts"])
-        moe_rows(cfg, t, b, self.rows, B)
+        moe_rows(cfg, t, b, self.rows, B, self.moe_scratch if self.row_moe[i] else None)
 
 
 class GraphDecode:

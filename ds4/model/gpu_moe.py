@@ -1,8 +1,8 @@
 """The MoE of one decode layer for the members of a batch graph (ds4/model/gpu_decode.py).
 
-`moe_rows` is the seam to ds4/kernels/rows.py's `moe` (each distinct expert read once for all
-members); until it exists, and always for placed experts (device + mapped host memory, whose
-kernel takes one token), it runs the single-token expert kernels once per member."""
+`moe_rows` goes through ds4/kernels/rows.py's `moe` (each distinct expert read once for all
+members) where it reads the layer's experts; placed experts (device + mapped host memory, whose
+kernel takes one token) and formats rows.moe lacks run the single-token kernels per member."""
 
 from __future__ import annotations
 
@@ -13,18 +13,51 @@ from ds4.model.packed import FP8, PackedMatrix
 SHARED = ("gate_proj", "up_proj", "down_proj")
 
 
-def moe_rows(cfg, t: dict, buf: dict, rows: list, batch: int) -> None:
-    """buf["y"][b] = routed experts + shared expert of buf["h"][b], routes in buf["idx"/"wts"]."""
-    gu = t["experts.gate_up"]
-    if gpu_batch.row_kernels is not None and not getattr(gu, "placed", False):
-        shared = tuple(t.get(f"mlp.shared_experts.{n}.weight") for n in SHARED)
-        gpu_batch.row_kernels.moe(gu, t["experts.down"], buf["idx"], buf["wts"], buf["h"],
-                                  buf["act"], buf["y"], batch, cfg.moe_intermediate_size,
-                                  cfg.swiglu_limit, shared=None if shared[0] is None else shared)
+def moe_rows(cfg, t: dict, buf: dict, rows: list, batch: int, scratch=None) -> None:
+    """buf["y"][b] = routed experts + shared expert of buf["h"][b], routes in buf["idx"/"wts"];
+    scratch: rows.moe's buffers where it reads this layer (row_moe_fits), else None."""
+    if scratch is not None:
+        shared = shared_of(t)
+        gpu_batch.row_kernels.moe(t["experts.gate_up"], t["experts.down"], buf["idx"],
+                                  buf["wts"], buf["h"], scratch, buf["y"], batch,
+                                  cfg.moe_intermediate_size, cfg.swiglu_limit, shared=shared)
         return
-    # until rows.moe exists, and for placed experts: the single-token kernels once per member
+    # the single-token kernels once per member: placed experts (their kernel takes one token;
+    # device + mapped host memory), and what rows.moe does not read
     for b in range(batch):
         experts_one(cfg, t, rows[b])
+
+
+def shared_of(t: dict) -> tuple | None:
+    """The layer's shared expert (gate, up, down), None without one."""
+    gate = t.get("mlp.shared_experts.gate_proj.weight")
+    return None if gate is None else tuple(t[f"mlp.shared_experts.{n}.weight"] for n in SHARED)
+
+
+def row_moe_fits(t: dict, members: int, k: int) -> bool:
+    """Whether rows.moe reads this layer's routed and shared experts for `members` tokens."""
+    rk = gpu_batch.row_kernels
+    gu, down = t["experts.gate_up"], t["experts.down"]
+    if rk is None or getattr(gu, "placed", False) or members * k > rk.MAX_PAIRS:
+        return False
+    ops = [rk.operand(gu), rk.operand(down)]
+    sops = [rk.operand(m) for m in (shared_of(t) or ())]
+    if None in ops + sops or ops[0].fmt != ops[1].fmt:
+        return False
+    sfmt = sops[0].fmt if sops else rk.SHARED_DEFAULT[ops[0].fmt]
+    return (ops[0].fmt, sfmt) in rk.MOE_KERNELS
+
+
+def row_moe_scratch(xp, cfg, layers: list[dict], members: int):
+    """rows.moe's buffers for `members` tokens, sized for every layer's shared expert; None
+    when no layer is read by rows.moe."""
+    k = cfg.num_experts_per_tok
+    if not any(row_moe_fits(t, members, k) for t in layers):
+        return None
+    inter = max([t["mlp.shared_experts.gate_proj.weight"].shape[0] for t in layers
+                 if "mlp.shared_experts.gate_proj.weight" in t] + [0])
+    return gpu_batch.row_kernels.moe_scratch(xp, members, k, cfg.moe_intermediate_size,
+                                             cfg.hidden_size, inter)
 
 
 def experts_one(cfg, t: dict, r: dict) -> None:
