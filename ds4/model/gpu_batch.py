@@ -116,11 +116,18 @@ def matvec(w, x, y, rows_per_group: int | None = None) -> None:
 
 def matvec_rows(w, x, y, batch: int, rows_per_group: int | None = None) -> None:
     """y[b] = W x[b] for b < batch (x [>= batch, K], y [>= batch, N])."""
-    if row_kernels is not None:
+    if _row_ready(w, rows_per_group):
         row_kernels.matvec(w, x, y, batch, rows_per_group=rows_per_group)
         return
     for b in range(batch):  # fallback: one single-row launch per member (W read B times)
         matvec(w, x[b], y[b], rows_per_group)
+
+
+def _row_ready(w, rows_per_group: int | None) -> bool:
+    """Whether rows.matvec reads w: a format it takes, in (groups of) whole 32-row tiles."""
+    if row_kernels is None or row_kernels.operand(w) is None:
+        return False
+    return (w.shape[-2] if rows_per_group is None else rows_per_group) % 32 == 0
 
 
 class ProjectionPlan:
