@@ -15,6 +15,8 @@ at a time on one stream and every buffer is written before it is read within a s
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ds4.kernels import attention as at
@@ -65,6 +67,7 @@ class KernelDecoder:
         self.graphs: dict = {}  # batch size -> captured graph
         self._warm: set = set()  # batch sizes that ran one eager step (kernels compiled)
         self._idle: SessionState | None = None
+        self._capacities: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._stream = None
         self.use_graphs = True
 
@@ -183,15 +186,10 @@ class KernelDecoder:
         """Grow the grids' key and row bounds and the buffers they size to these members'
         capacities; graphs captured for smaller bounds are dropped (re-captured next step).
         Bounds only grow: a kernel's surplus blocks add nothing to a member's row."""
-        grew = False
-        for i in range(self.cfg.num_hidden_layers):
-            need = max(self._max_keys(s.layers[i]) for s in members)
-            grew |= need > self.keys[i]
-            self.keys[i] = max(self.keys[i], need)
-        rows = max([ls.indexer.rows.shape[0] for s in members for ls in s.layers if ls.indexer]
-                   + [1])
-        grew |= rows > self.index_rows
-        self.index_rows = max(self.index_rows, rows)
+        keys, rows = zip(*(self._capacity(s) for s in members))
+        keys, rows = np.maximum(np.max(keys, axis=0), self.keys), max(max(rows), self.index_rows)
+        grew = bool((keys > self.keys).any()) or rows > self.index_rows
+        self.keys, self.index_rows = keys.tolist(), rows
         cfg = self.cfg
         part = max(at.partial_size(cfg.num_attention_heads, cfg.head_dim, k) for k in self.keys)
         for name, size in (("scores", self.index_rows), ("attn_part", part)):
@@ -201,6 +199,15 @@ class KernelDecoder:
                 grew = True
         if grew:
             self.graphs.clear()
+
+    def _capacity(self, state) -> tuple:
+        """(most keys per layer, most indexer rows) of a session (fixed at its creation)."""
+        got = self._capacities.get(state)
+        if got is None:
+            rows = [ls.indexer.rows.shape[0] for ls in state.layers if ls.indexer]
+            got = np.array([self._max_keys(ls) for ls in state.layers]), max(rows + [1])
+            self._capacities[state] = got
+        return got
 
     def _max_keys(self, ls) -> int:
         """Most keys a query of this layer state can attend: window + compressed rows used."""
