@@ -131,3 +131,40 @@ def test_twin_batch_equals_single_steps(twins):
             assert np.array_equal(la.raw, lb.raw)
             for name, cs in la.compressors().items():
                 assert np.array_equal(cs.rows, lb.compressors()[name].rows)
+
+
+class _DeviceLike:
+    """Stands in for a CuPy array: what MemberTable reads of one (size, address)."""
+
+    def __init__(self, address: int, size: int = 1):
+        self.size, self.data = size, type("Memory", (), {"ptr": address})()
+
+
+def test_member_table_layout():
+    """The member table holds positions and tokens as int32 in its first B words, then the
+    address of slot s of layer l for member b at word B + (l * SLOTS + s) * B + b (what the
+    kernels read as group[k * B + b]); absent arrays (sliding layers, HCA overlap) are 0."""
+    from ds4.model.gpu_batch import GROUP, INDEXER, SLOTS, MemberTable
+
+    cfg = ModelConfig.from_dir(model_dir("tiny"))
+    states = [SessionState(np, cfg, 64) for _ in range(3)]
+    for b, s in enumerate(states):
+        s.n = 10 + b
+        for i, ls in enumerate(s.layers):
+            ls.raw = _DeviceLike(1000 * b + 10 * i)
+            for j, cs in enumerate((ls.compressor, ls.indexer)):
+                for k, name in enumerate(GROUP):
+                    if cs is not None:
+                        setattr(cs, name, _DeviceLike(1000 * b + 10 * i + 1 + 5 * j + k))
+    table = MemberTable(np, cfg.num_hidden_layers, 4)
+    table.fill(states + [states[0]], [7, 8, 9, 7])
+    assert table.pos.tolist() == [10, 11, 12, 10] and table.tokens.tolist() == [7, 8, 9, 7]
+    for b in range(4):
+        for i, kind in enumerate(cfg.layer_types):
+            for slot in range(SLOTS):
+                got = int(table.host[4 + (i * SLOTS + slot) * 4 + b])
+                cs = states[b % 3].layers[i].compressor if slot < INDEXER else \
+                    states[b % 3].layers[i].indexer
+                present = slot == 0 or (cs is not None and (
+                    "overlap" not in GROUP[(slot - 1) % len(GROUP)] or cs.overlap))
+                assert got == (1000 * (b % 3) + 10 * i + slot if present else 0), (b, i, slot)
