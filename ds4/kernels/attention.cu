@@ -30,9 +30,10 @@ extern "C" __global__ void attention_store_kv(const float* __restrict__ kv_in,
     store_kv(kv_in, w, freqs, pos, raw, width, rope_dim, cap, eps);
 }
 
-// A batch graph's members (docs/PERF.md, Batched decode): member b = blockIdx.z reads its
-// position at positions[b] and its state arrays' addresses from ptrs[k * gridDim.z + b], the
-// k-th slot group of its layer in the member table the host fills before each replay.
+// A batch graph's members, docs/PERF.md, Batched decode: every decoding slot in one engine step.
+// Member b = blockIdx.z reads its position at positions[b] and its state arrays' addresses from
+// ptrs[k * gridDim.z + b], the k-th slot group of its layer in the member table the host fills
+// before each replay.
 extern "C" __global__ void attention_store_kv_m(const float* __restrict__ kv_in,
                                                 const float* __restrict__ w,
                                                 const double* __restrict__ freqs,
