@@ -44,8 +44,7 @@ def row_moe_fits(t: dict, members: int, k: int) -> bool:
     sops = [rk.operand(m) for m in (shared_of(t) or ())]
     if None in ops + sops or ops[0].fmt != ops[1].fmt:
         return False
-    sfmt = sops[0].fmt if sops else rk.SHARED_DEFAULT[ops[0].fmt]
-    return (ops[0].fmt, sfmt) in rk.MOE_KERNELS
+    return not sops or (ops[0].fmt, sops[0].fmt) in rk.MOE_KERNELS
 
 
 def row_moe_scratch(xp, cfg, layers: list[dict], members: int):
