@@ -59,7 +59,7 @@ class KernelDecoder:
         self.rows = self._row_views()
         self.tables = {B: MemberTable(xp, cfg.num_hidden_layers, B) for B in SIZES}
         self.projections = [self._projection_plan(t) for t in layers]
-        self.moe_scratch = None if xp is np else row_moe_scratch(xp, cfg, layers, MAX_MEMBERS)
+        self.moe_scratch = row_moe_scratch(xp, cfg, layers, MAX_MEMBERS)
         self.row_moe = [self.moe_scratch is not None
                         and row_moe_fits(t, MAX_MEMBERS, cfg.num_experts_per_tok) for t in layers]
         self.keys = [0] * cfg.num_hidden_layers  # most keys a query attends, per layer (grids)
