@@ -27,8 +27,8 @@ from ds4.kernels import moe as plain_moe
 from ds4.kernels.gemv import gemv
 from ds4.kernels.moe import _swiglu
 from ds4.kernels.packed import dequant_fp4, dequant_fp8
-from ds4.model.packed import FP4, FP8, PackedMatrix
 
+FP8, FP4 = "fp8", "fp4"  # PackedMatrix.fmt (ds4/model/packed.py; kernels do not import model)
 WARPS = 8  # per block: rows.cu's RW
 MAX_BATCH = 8  # columns of one mma tile
 TARGET_WARPS = 2048  # row groups x k-split warps that keep every SM streaming
@@ -40,6 +40,11 @@ X_SHIFT = {FP8: 32, FP4: 32, "bf16": 0}  # x is scaled by 2^X_SHIFT, the weights
 UNIT = 10  # ints per expert in the grouping table (rows.cu)
 MAX_PAIRS = 64  # tokens x slots of one MoE call
 MOE_KERNELS = {(FP4, FP8), (FP4, "bf16"), (FP8, FP8), ("bf16", "bf16")}
+
+
+def is_packed(w) -> bool:
+    """True for a PackedMatrix (codes + scales of FP8 / FP4 weights)."""
+    return hasattr(w, "codes") and hasattr(w, "fmt")
 
 
 @dataclass
@@ -59,7 +64,7 @@ class Operand:
 def operand(w) -> Operand | None:
     """The kernel view of w ([..., rows, cols]), or None where rows.cu cannot read it (fp32,
     scales that are not E8M0 bytes, ragged chunks, non-square FP8 tiles)."""
-    if isinstance(w, PackedMatrix):
+    if is_packed(w):
         if not w.kernel_ready:
             return None
         rows, cols = w.shape[-2:]
@@ -133,7 +138,7 @@ def matvec(w, x, y, batch: int, rows_per_group: int | None = None,
 
 def _matvec_rows(w, x, y, batch: int, rows_per_group) -> None:
     """fp32 (or otherwise unsupported) weights: the plain GEMV once per row of the batch."""
-    assert not isinstance(w, PackedMatrix), "packed weights must be kernel_ready"
+    assert not is_packed(w), "packed weights must be kernel_ready"
     xs, ys = (x[None], y[None]) if x.ndim == 1 else (x, y)
     for b in range(batch):  # one split: gemv's column splits add atomically (not repeatable)
         gemv(w, xs[b], ys[b], rows_per_group=rows_per_group, splits=1)
@@ -145,7 +150,7 @@ def _host(a):
 
 def dense(w) -> np.ndarray:
     """fp32 values of a weight (PackedMatrix, bf16 words or fp32; host or device) on the host."""
-    if isinstance(w, PackedMatrix):
+    if is_packed(w):
         codes, scale = _host(w.codes), _host(w.scale)
         if w.fmt == FP8:
             return dequant_fp8(codes, scale, w.block[0])
@@ -398,7 +403,7 @@ def _moe_down(kname: str, routed: bool, sops, c: MoeCall) -> None:
 
 def _moe_rows(gate_up, down, idx, wts, x, act, y, batch, inter, limit, shared) -> None:
     """fp32 experts: ds4/kernels/moe.py once per token (its experts read once per token)."""
-    assert not isinstance(gate_up, PackedMatrix), "packed experts must be kernel_ready"
+    assert not is_packed(gate_up), "packed experts must be kernel_ready"
     k = idx.shape[1]
     for b in range(batch):
         a = act.act[b * k:(b + 1) * k]
@@ -449,7 +454,7 @@ def _shared_numpy(shared, x, limit: float) -> np.ndarray:
     return rows_numpy(dense(shared[2]), fmts[2], _swiglu32(g, u, limit, 1.0)[None])[0]
 
 
-def decode_words(w: PackedMatrix, out) -> None:
+def decode_words(w, out) -> None:
     """Test hook: out [rows, cols] = the bf16 words rows.cu feeds the mma for each code of a 2-D
     packed matrix (the weight times 2^-32), in column order."""
     op = operand(w)
@@ -459,6 +464,6 @@ def decode_words(w: PackedMatrix, out) -> None:
             i32(op.shift), ptr(out)))
 
 
-def decode_words_numpy(w: PackedMatrix, out) -> None:
+def decode_words_numpy(w, out) -> None:
     """NumPy twin of decode_words: bf16 words of the weights times 2^-32 (exact)."""
     out[...] = to_bf16(dense(w) * np.float32(2.0 ** -32)).reshape(out.shape)
