@@ -240,6 +240,27 @@ def test_matvec_row_is_bitwise_the_same_in_any_batch(name):
 
 @gpu_test
 @pytest.mark.parametrize("fmt", [FP8, FP4])
+@pytest.mark.parametrize("tiles", [(1, 4), (2, 2), (1, 8), (2, 4), (4, 2)])
+def test_every_kernel_variant_matches_twin_and_sums_alike(fmt, tiles):
+    """Tiles per warp and k-tiles per stage change the schedule, never a row's sum order."""
+    import cupy as cp
+
+    rng = np.random.default_rng(13)
+    w = MAKERS[fmt](rng, (1000, 1024))
+    x = rng.standard_normal((8, 1024), dtype=np.float32)
+    twin = np.zeros((8, 1000), np.float32)
+    R.matvec_numpy(w, x, twin, 8)
+    wdev, xd = on_device(cp, w), cp.asarray(x)
+    for batch in (3, 8):
+        y, base = (cp.zeros((batch, 1000), cp.float32) for _ in range(2))
+        R.matvec(wdev, xd, y, batch, tiles=tiles, split=2)
+        R.matvec(wdev, xd, base, batch, tiles=(1, 4), split=2)
+        assert np.all(np.abs(y.get() - twin[:batch]) <= bound(R.dense(w), x[:batch]))
+        assert cp.array_equal(y, base)
+
+
+@gpu_test
+@pytest.mark.parametrize("fmt", [FP8, FP4])
 def test_decoded_words_are_exact_weights(fmt):
     """The integer bit moves and the bf16x2 multiply on the device (subnormal codes too): the
     fed words are the weights times 2^-32, bit for bit, over the whole scale range."""
@@ -308,12 +329,12 @@ def moe_case():
     return v4_moe(cp, np.random.default_rng(8))
 
 
-def run_moe(cp, case, idx, wts, x, batch, shared=True):
+def run_moe(cp, case, idx, wts, x, batch, shared=True, **kw):
     gu, down, sh, inter, hidden = case
     scratch = R.moe_scratch(cp, 8, idx.shape[1], inter, hidden, inter)
     y = cp.zeros((batch, hidden), cp.float32)
     R.moe(gu, down, cp.asarray(idx[:batch]), cp.asarray(wts[:batch]), cp.asarray(x[:batch]),
-          scratch, y, batch, inter, 10.0, sh if shared else None)
+          scratch, y, batch, inter, 10.0, sh if shared else None, **kw)
     return y
 
 
@@ -344,6 +365,11 @@ def test_moe_row_is_bitwise_the_same_in_any_batch(moe_case):
                             for b in range(8)])
     for batch in (2, 4, 8):
         assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, batch), alone[:batch])
+    for kw in ({"persistent": False}, {"fuse_shared": False}):  # other launch shapes, same sums
+        assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, **kw), alone)
+    routed = cp.concatenate([run_moe(cp, moe_case, idx[b:b + 1], wts[b:b + 1], x[b:b + 1], 1,
+                                     shared=False) for b in range(8)])
+    assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, shared=False), routed)
 
 
 @gpu_test

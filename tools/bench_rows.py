@@ -55,13 +55,18 @@ def weight(cp, fmt: str, rows: int, cols: int):
     return cp.random.randint(0, 1 << 14, (rows, cols), dtype=cp.int32).astype(cp.uint16)
 
 
-def bench_matvec(cp, fmt, rows, cols, group, batch) -> tuple[float, float]:
-    """(seconds per launch, GB/s) of rows.matvec for `batch` rows of x."""
-    mats = [weight(cp, fmt, rows, cols) for _ in range(copies(rows * cols))]
+def weights(cp, fmt, rows, cols) -> list:
+    """Enough copies of a random matrix to leave the L2 between launches."""
+    return [weight(cp, fmt, rows, cols) for _ in range(copies(rows * cols))]
+
+
+def bench_matvec(cp, mats, group, batch, **kw) -> tuple[float, float]:
+    """(seconds per launch, GB/s) of rows.matvec for `batch` rows of x (kw: tiles, split)."""
+    rows, cols = mats[0].shape
     width = cols * (rows // group if group else 1)
     x = cp.random.standard_normal((batch, width), dtype=cp.float32)
     y = cp.zeros((batch, rows), cp.float32)
-    t = per_launch(cp, [lambda w=w: R.matvec(w, x, y, batch, rows_per_group=group)
+    t = per_launch(cp, [lambda w=w: R.matvec(w, x, y, batch, rows_per_group=group, **kw)
                         for w in mats])
     return t, (mats[0].nbytes + x.nbytes) / t
 
@@ -86,7 +91,7 @@ def expert_bank(cp):
     return gu, dn, shared
 
 
-def bench_moe(cp, bank, batch: int, with_shared: bool) -> tuple[float, float, int]:
+def bench_moe(cp, bank, batch: int, with_shared: bool, **kw) -> tuple[float, float, int]:
     """(seconds, GB/s, distinct experts) of rows.moe for `batch` tokens of 6 random picks."""
     gu, dn, shared = bank
     rng = np.random.default_rng(batch)
@@ -98,7 +103,8 @@ def bench_moe(cp, bank, batch: int, with_shared: bool) -> tuple[float, float, in
              for _ in range(8)]
     idxs = [cp.asarray(p.astype(np.int32)) for p in picks]
     sh = shared if with_shared else None
-    t = per_launch(cp, [lambda i=i: R.moe(gu, dn, i, wts, x, scratch, y, batch, INTER, 10.0, sh)
+    t = per_launch(cp, [lambda i=i: R.moe(gu, dn, i, wts, x, scratch, y, batch, INTER, 10.0, sh,
+                                             **kw)
                         for i in idxs])
     distinct = float(np.mean([len(np.unique(p)) for p in picks]))
     per_expert = (gu.nbytes + dn.nbytes) / EXPERTS
@@ -130,30 +136,61 @@ def line(name: str, batch: int, seconds: float, rate: float, copy: float, old=No
           f"{rate / copy:5.2f}x copy{extra}", flush=True)
 
 
+VARIANT_SHAPES = ("q_b 32768x1024", "o_b 4096x8192", "q_a 1024x4096", "kv 512x4096",
+                  "expert w1/w3 2048x4096", "expert w2 4096x2048")
+TILES = ((1, 4), (2, 2), (1, 8), (2, 4), (4, 2))
+
+
+def variants(cp, copy) -> None:
+    """Kernel variants (tiles per warp, k-tiles per stage) and k-splits on a few shapes."""
+    for name in VARIANT_SHAPES:
+        fmt, rows, cols, group = SHAPES[name]
+        mats = weights(cp, fmt, rows, cols)
+        for tiles in TILES:
+            for b in (1, 8):
+                t, rate = bench_matvec(cp, mats, group, b, tiles=tiles)
+                line(f"{name} t{tiles[0]}d{tiles[1]}", b, t, rate, copy)
+        for split in (1, 2, 4, 8):
+            t, rate = bench_matvec(cp, mats, group, 1, split=split)
+            line(f"{name} split {split}", 1, t, rate, copy)
+
+
+def moe_table(cp, copy, batches) -> None:
+    """The routed experts (and + shared) for B tokens, against the one-token kernels."""
+    bank = expert_bank(cp)
+    old = old_moe(cp, bank)
+    for with_shared, kw in ((False, {}), (True, {}), (True, {"fuse_shared": False}),
+                            (True, {"persistent": False})):
+        for b in batches:
+            t, rate, distinct = bench_moe(cp, bank, b, with_shared, **kw)
+            label = (f"moe {distinct:4.1f} experts" + (" +shared" if with_shared else "")
+                     + "".join(f" {k[:4]}={int(v)}" for k, v in kw.items()))
+            line(label, b, t, rate, copy, old if b == 1 and not with_shared else None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--no-moe", action="store_true")
+    ap.add_argument("--variants", action="store_true", help="kernel variants and k-splits too")
+    ap.add_argument("--only-moe", action="store_true", help="the MoE table alone")
     args = ap.parse_args()
     import cupy as cp
 
     batches = [int(b) for b in args.batches.split(",")]
     copy = copy_rate(cp)
     print(f"device copy: {copy / 1e9:.0f} GB/s (read + write)\n")
-    for name, (fmt, rows, cols, group) in SHAPES.items():
+    for name, (fmt, rows, cols, group) in ({} if args.only_moe else SHAPES).items():
         old = old_b1(cp, fmt, rows, cols, group, copy)
+        mats = weights(cp, fmt, rows, cols)
         for b in batches:
-            t, rate = bench_matvec(cp, fmt, rows, cols, group, b)
+            t, rate = bench_matvec(cp, mats, group, b)
             line(f"{fmt} {name}", b, t, rate, copy, old if b == 1 else None)
-    if args.no_moe:
-        return
-    bank = expert_bank(cp)
-    old = old_moe(cp, bank)
-    for with_shared in (False, True):
-        for b in batches:
-            t, rate, distinct = bench_moe(cp, bank, b, with_shared)
-            label = f"moe {distinct:4.1f} experts" + (" +shared" if with_shared else "")
-            line(label, b, t, rate, copy, old if b == 1 and not with_shared else None)
+        del mats
+    if not args.no_moe:
+        moe_table(cp, copy, batches)
+    if args.variants:
+        variants(cp, copy)
 
 
 if __name__ == "__main__":

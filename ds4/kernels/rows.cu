@@ -72,7 +72,7 @@ __device__ __forceinline__ u32 multiplier(u32 s, int bias) {
 // xcol(m, r, h): the chunk column in half h of B register r of mma m.
 struct Fp8 {
     static constexpr int CH = 16, LOADS = 1, MMAS = 4;
-    static constexpr bool SCALED = true;
+    static constexpr bool SCALED = true, NONE = false;
     __device__ static size_t bytes(long long cols) { return cols; }
     __device__ static const u8* scale_row(const u8* s, int row, int ld, int shift) {
         return s + (size_t)(row >> shift) * ld;
@@ -91,7 +91,7 @@ struct Fp8 {
 
 struct Fp4 {
     static constexpr int CH = 32, LOADS = 1, MMAS = 8;
-    static constexpr bool SCALED = true;
+    static constexpr bool SCALED = true, NONE = false;
     __device__ static size_t bytes(long long cols) { return cols >> 1; }
     __device__ static const u8* scale_row(const u8* s, int row, int ld, int) {
         return s + (size_t)row * ld;
@@ -119,7 +119,7 @@ struct Fp4 {
 
 struct Bf16 {
     static constexpr int CH = 16, LOADS = 2, MMAS = 4;
-    static constexpr bool SCALED = false;
+    static constexpr bool SCALED = false, NONE = false;
     __device__ static size_t bytes(long long cols) { return cols * 2; }
     __device__ static const u8* scale_row(const u8*, int, int, int) { return nullptr; }
     __device__ static u32 mul(const u8*, int, int) { return 0; }
@@ -275,7 +275,8 @@ __device__ __forceinline__ void reduce_k(float (&v)[MT][4], int kw, int KW, floa
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) v[mt][i] += red[(((warp + j) * MT + mt) * 4 + i) * 32 + lane];
+            for (int i = 0; i < 4; i++)
+                v[mt][i] += red[(((warp + j) * MT + mt) * 4 + i) * 32 + lane];
 }
 
 // The k-tiles of warp kw of KW: a fixed share of ceil(cols / (4 CH)) by shape only.
@@ -338,23 +339,19 @@ __device__ __forceinline__ void matvec_group(const u8* W, const u8* S, int rows,
     float* y, long long y_ld, int batch, int KW
 #define MATVEC(F, MT, DEPTH, NT) \
     extern "C" __global__ void __launch_bounds__(32 * RW) \
-    rows_matvec_##F##_m##MT##_n##NT(MATVEC_ARGS) { \
+    rows_matvec_##F##_m##MT##_d##DEPTH##_n##NT(MATVEC_ARGS) { \
         __shared__ float red[RW * MT * 4 * 32]; \
         matvec_group<F, MT, DEPTH, NT>(W, S, rows, cols, sc_ld, shift, x, x_ld, rows_per_group, \
                                        y, y_ld, batch, KW, blockIdx.x, red); }
+// (tiles per warp, k-tiles per stage) variants: rows.py picks one per shape
+#define MATVEC_NT(F, MT, DEPTH) MATVEC(F, MT, DEPTH, 1) MATVEC(F, MT, DEPTH, 2)
+#define MATVEC_VARIANTS(F) MATVEC_NT(F, 1, 4) MATVEC_NT(F, 2, 2) MATVEC_NT(F, 1, 8) \
+    MATVEC_NT(F, 2, 4) MATVEC_NT(F, 4, 2)
 
-MATVEC(Fp8, 1, 4, 1)
-MATVEC(Fp8, 1, 4, 2)
-MATVEC(Fp8, 2, 2, 1)
-MATVEC(Fp8, 2, 2, 2)
-MATVEC(Fp4, 1, 4, 1)
-MATVEC(Fp4, 1, 4, 2)
-MATVEC(Fp4, 2, 2, 1)
-MATVEC(Fp4, 2, 2, 2)
-MATVEC(Bf16, 1, 4, 1)
-MATVEC(Bf16, 1, 4, 2)
-MATVEC(Bf16, 2, 2, 1)
-MATVEC(Bf16, 2, 2, 2)
+MATVEC_VARIANTS(Fp8)
+MATVEC_VARIANTS(Fp4)
+MATVEC_NT(Bf16, 1, 4)
+MATVEC_NT(Bf16, 2, 2)
 
 // Several matrices of one width multiplying the same x, one launch. table[ENTRY * m ..] =
 // (codes, scales, y, rows, format 0 fp8 / 1 fp4 / 2 bf16, scale ld, shift, y_ld, first block):
@@ -433,6 +430,11 @@ extern "C" __global__ void rows_moe_group(const int* __restrict__ idx, int pairs
     if (threadIdx.x == 0) units[0] = base;
 }
 
+// The shared-expert format of kernels without one.
+struct NoShared {
+    static constexpr bool NONE = true;
+};
+
 // A stack of experts (expert e at e * w_stride code bytes, e * s_stride scale bytes) or one
 // matrix (strides 0).
 struct Bank {
@@ -459,13 +461,13 @@ __device__ __forceinline__ bool moe_item(int item, int n_units, int tiles, int t
 // gate/up of one row group: rows j0.. of gate (tile 0) and of up (tile 1, `up_row` rows
 // further), x columns of the unit's tokens (or the batch, for the shared expert); act[out
 // pair] = silu(min(g, limit)) * clamp(u, +-limit) * weight.
-template <class F>
+template <class F, int NT>
 __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int up_row, int inter,
                               int cols,
                               const float* x, long long x_ld, const int* unit, int k,
                               const float* wts, float* act, int batch, float limit, int KW,
                               int tile, float* red) {
-    int warp = threadIdx.x >> 5, kw = warp % KW, g = (threadIdx.x & 31) >> 2;
+    int warp = threadIdx.x >> 5, kw = warp % KW, g = lane_slot<NT>();
     int j0 = (tile * (RW / KW) + warp / KW) * 16;
     float v[2][4] = {};
     if (j0 < inter) {
@@ -477,7 +479,7 @@ __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int u
         int n = unit ? unit[1] : batch, kt0, kt1;
         const float* xc = g < n ? x + (unit ? unit[2 + g] / k : g) * x_ld : nullptr;
         k_span<F>(cols, kw, KW, kt0, kt1);
-        warp_rows<F, 2, 2, 2>(tl, xc, kt0, kt1, cols, bk.shift, v);
+        warp_rows<F, 2, 2, NT>(tl, xc, kt0, kt1, cols, bk.shift, v);
     }
     reduce_k<2>(v, kw, KW, red);
     if (kw != 0 || j0 >= inter) return;
@@ -497,11 +499,11 @@ __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int u
 }
 
 // down of one row group (32 rows): out[out pair][r] = down_e[r] . act[pair].
-template <class F>
+template <class F, int NT>
 __device__ void down_group(const Bank& bk, long long e, int rows, int inter, const float* act,
                            const int* unit, float* out, int batch, int KW, int tile,
                            float* red) {
-    int warp = threadIdx.x >> 5, kw = warp % KW, g = (threadIdx.x & 31) >> 2;
+    int warp = threadIdx.x >> 5, kw = warp % KW, g = lane_slot<NT>();
     int r0 = (tile * (RW / KW) + warp / KW) * 32;
     float v[2][4] = {};
     if (r0 < rows) {
@@ -512,7 +514,7 @@ __device__ void down_group(const Bank& bk, long long e, int rows, int inter, con
         int n = unit ? unit[1] : batch, kt0, kt1;
         const float* xc = g < n ? act + (size_t)(unit ? unit[2 + g] : g) * inter : nullptr;
         k_span<F>(inter, kw, KW, kt0, kt1);
-        warp_rows<F, 2, 2, 2>(tl, xc, kt0, kt1, inter, bk.shift, v);
+        warp_rows<F, 2, 2, NT>(tl, xc, kt0, kt1, inter, bk.shift, v);
     }
     reduce_k<2>(v, kw, KW, red);
     if (kw != 0 || r0 >= rows) return;
@@ -530,63 +532,74 @@ __device__ void down_group(const Bank& bk, long long e, int rows, int inter, con
     long long p##_ws, long long p##_ss, int p##_ld, int p##_shift
 #define BANK(p) Bank{p##_w, p##_s, p##_ws, p##_ss, p##_ld, p##_shift}
 #define MOE_GATE_UP_ARGS BANK_ARGS(rb), BANK_ARGS(sg), BANK_ARGS(su), \
-    const int* __restrict__ units, int k, const float* __restrict__ wts, \
+    const int* __restrict__ units, int routed, int k, const float* __restrict__ wts, \
     const float* __restrict__ x, long long x_ld, float* act, float* sact, int inter, \
     int s_inter, int cols, int batch, float limit, int KW, int tiles, int tiles_s
 #define MOE_DOWN_ARGS BANK_ARGS(rb), BANK_ARGS(sd), const int* __restrict__ units, \
-    const float* __restrict__ act, const float* __restrict__ sact, float* part, float* spart, \
-    int rows, int inter, int s_inter, int batch, int KW, int tiles, int tiles_s
+    int routed, const float* __restrict__ act, const float* __restrict__ sact, float* part, \
+    float* spart, int rows, int inter, int s_inter, int batch, int KW, int tiles, int tiles_s
 
 // Persistent grid over the items of the routed experts hit, then the shared expert's.
-template <class F, class FS>
+template <class F, class FS, int NT>
 __device__ void moe_gate_up(const Bank& rb, const Bank& sg, const Bank& su, const int* units,
-                            int k, const float* wts, const float* x, long long x_ld, float* act,
-                            float* sact, int inter, int s_inter, int cols, int batch,
-                            float limit, int KW, int tiles, int tiles_s) {
+                            int routed, int k, const float* wts, const float* x,
+                            long long x_ld, float* act, float* sact, int inter, int s_inter,
+                            int cols, int batch, float limit, int KW, int tiles, int tiles_s) {
     __shared__ float red[RW * 2 * 4 * 32];
-    int n_units = units[0], unit, tile;
+    int n_units = routed ? units[0] : 0, unit, tile;
     for (int item = blockIdx.x; moe_item(item, n_units, tiles, tiles_s, unit, tile);
          item += gridDim.x) {
         if (unit >= 0) {
             const int* u = units + 1 + UNIT * unit;
-            gate_up_group<F>(rb, rb, u[0], inter, inter, cols, x, x_ld, u, k, wts, act, batch,
-                             limit, KW, tile, red);
-        } else {
-            gate_up_group<FS>(sg, su, 0, 0, s_inter, cols, x, x_ld, nullptr, k, wts, sact,
-                              batch, limit, KW, tile, red);
+            gate_up_group<F, NT>(rb, rb, u[0], inter, inter, cols, x, x_ld, u, k, wts, act,
+                                 batch, limit, KW, tile, red);
+        } else if constexpr (!FS::NONE) {
+            gate_up_group<FS, NT>(sg, su, 0, 0, s_inter, cols, x, x_ld, nullptr, k, wts, sact,
+                                  batch, limit, KW, tile, red);
         }
     }
 }
 
-template <class F, class FS>
-__device__ void moe_down(const Bank& rb, const Bank& sd, const int* units, const float* act,
-                         const float* sact, float* part, float* spart, int rows, int inter,
-                         int s_inter, int batch, int KW, int tiles, int tiles_s) {
+template <class F, class FS, int NT>
+__device__ void moe_down(const Bank& rb, const Bank& sd, const int* units, int routed,
+                         const float* act, const float* sact, float* part, float* spart,
+                         int rows, int inter, int s_inter, int batch, int KW, int tiles,
+                         int tiles_s) {
     __shared__ float red[RW * 2 * 4 * 32];
-    int n_units = units[0], unit, tile;
+    int n_units = routed ? units[0] : 0, unit, tile;
     for (int item = blockIdx.x; moe_item(item, n_units, tiles, tiles_s, unit, tile);
          item += gridDim.x) {
         if (unit >= 0) {
             const int* u = units + 1 + UNIT * unit;
-            down_group<F>(rb, u[0], rows, inter, act, u, part, batch, KW, tile, red);
-        } else {
-            down_group<FS>(sd, 0, rows, s_inter, sact, nullptr, spart, batch, KW, tile, red);
+            down_group<F, NT>(rb, u[0], rows, inter, act, u, part, batch, KW, tile, red);
+        } else if constexpr (!FS::NONE) {
+            down_group<FS, NT>(sd, 0, rows, s_inter, sact, nullptr, spart, batch, KW, tile, red);
         }
     }
 }
 
-#define MOE(name, F, FS) \
-    extern "C" __global__ void __launch_bounds__(32 * RW) rows_gate_up_##name(MOE_GATE_UP_ARGS) { \
-        moe_gate_up<F, FS>(BANK(rb), BANK(sg), BANK(su), units, k, wts, x, x_ld, act, sact, \
-                           inter, s_inter, cols, batch, limit, KW, tiles, tiles_s); } \
-    extern "C" __global__ void __launch_bounds__(32 * RW) rows_down_##name(MOE_DOWN_ARGS) { \
-        moe_down<F, FS>(BANK(rb), BANK(sd), units, act, sact, part, spart, rows, inter, \
-                        s_inter, batch, KW, tiles, tiles_s); }
+// NT = 1 (hi and lo in one tile) serves calls of up to 4 tokens, NT = 2 up to 8.
+#define MOE_NT(name, F, FS, NT) \
+    extern "C" __global__ void __launch_bounds__(32 * RW) \
+    rows_gate_up_##name##_n##NT(MOE_GATE_UP_ARGS) { \
+        moe_gate_up<F, FS, NT>(BANK(rb), BANK(sg), BANK(su), units, routed, k, wts, x, x_ld, \
+                               act, sact, inter, s_inter, cols, batch, limit, KW, tiles, \
+                               tiles_s); } \
+    extern "C" __global__ void __launch_bounds__(32 * RW) \
+    rows_down_##name##_n##NT(MOE_DOWN_ARGS) { \
+        moe_down<F, FS, NT>(BANK(rb), BANK(sd), units, routed, act, sact, part, spart, rows, \
+                            inter, s_inter, batch, KW, tiles, tiles_s); }
+#define MOE(name, F, FS) MOE_NT(name, F, FS, 1) MOE_NT(name, F, FS, 2)
 
 MOE(fp4_fp8, Fp4, Fp8)
 MOE(fp4_bf16, Fp4, Bf16)
 MOE(fp8_fp8, Fp8, Fp8)
 MOE(bf16_bf16, Bf16, Bf16)
+// routed experts alone (fewer registers, more blocks per SM); the shared expert then runs
+// through a launch of the kernels above with routed = 0
+MOE(fp4_none, Fp4, NoShared)
+MOE(fp8_none, Fp8, NoShared)
+MOE(bf16_none, Bf16, NoShared)
 
 // y[b] = sum_j part[b * k + j] in slot order, then + spart[b] (the shared expert), as the
 // unbatched kernels add the shared expert onto the routed sum.

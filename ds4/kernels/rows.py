@@ -27,8 +27,8 @@ from ds4.kernels import moe as plain_moe
 from ds4.kernels.gemv import gemv
 from ds4.kernels.moe import _swiglu
 from ds4.kernels.packed import dequant_fp4, dequant_fp8
-from ds4.model.packed import FP4, FP8, PackedMatrix
 
+FP8, FP4 = "fp8", "fp4"  # PackedMatrix.fmt (ds4/model/packed.py; kernels do not import model)
 WARPS = 8  # per block: rows.cu's RW
 MAX_BATCH = 8  # columns of one mma tile
 TARGET_WARPS = 2048  # row groups x k-split warps that keep every SM streaming
@@ -40,7 +40,11 @@ X_SHIFT = {FP8: 32, FP4: 32, "bf16": 0}  # x is scaled by 2^X_SHIFT, the weights
 UNIT = 10  # ints per expert in the grouping table (rows.cu)
 MAX_PAIRS = 64  # tokens x slots of one MoE call
 MOE_KERNELS = {(FP4, FP8), (FP4, "bf16"), (FP8, FP8), ("bf16", "bf16")}
-SHARED_DEFAULT = {FP4: FP8, FP8: FP8, "bf16": "bf16"}
+
+
+def is_packed(w) -> bool:
+    """True for a PackedMatrix (codes + scales of FP8 / FP4 weights)."""
+    return hasattr(w, "codes") and hasattr(w, "fmt")
 
 
 @dataclass
@@ -60,7 +64,7 @@ class Operand:
 def operand(w) -> Operand | None:
     """The kernel view of w ([..., rows, cols]), or None where rows.cu cannot read it (fp32,
     scales that are not E8M0 bytes, ragged chunks, non-square FP8 tiles)."""
-    if isinstance(w, PackedMatrix):
+    if is_packed(w):
         if not w.kernel_ready:
             return None
         rows, cols = w.shape[-2:]
@@ -99,37 +103,45 @@ def _check_rows(a, batch: int, width: int, name: str, aligned: bool = True) -> N
     assert not aligned or (a.data.ptr % 16 == 0 and _ld(a) % 4 == 0), f"{name}: 16-byte rows"
 
 
-def matvec(w, x, y, batch: int, rows_per_group: int | None = None) -> None:
+def variant(op: Operand) -> tuple[int, int]:
+    """(16-row tiles per warp, k-tiles per stage) of matvec for a matrix: by shape only."""
+    return (2, 2) if op.rows >= TALL_ROWS else (1, 4)
+
+
+def matvec(w, x, y, batch: int, rows_per_group: int | None = None,
+           tiles: tuple[int, int] | None = None, split: int | None = None) -> None:
     """y[b] = W x[b] for b < batch (<= 8): x [>= batch, K] fp32 (or [K] for batch 1), y
     [>= batch, N]; rows may be strided. Row r of W reads x[b, (r // rows_per_group) * K:] (the
-    grouped o_a projection, as gemv.py)."""
+    grouped o_a projection, as gemv.py). tiles / split override the shape's kernel variant and
+    k-split (benchmarks; a fixed choice keeps rows bitwise batch-independent)."""
     assert 1 <= batch <= MAX_BATCH
     op = operand(w)
     if op is None:
         _matvec_rows(w, x, y, batch, rows_per_group)
         return
+    mt, depth = variant(op) if tiles is None else tiles
     group = op.rows if rows_per_group is None else rows_per_group
-    mt = _tiles_per_warp(op.rows)
-    assert group % (16 * mt) == 0 and op.rows % group == 0, "groups of whole 16-row tiles"
+    assert rows_per_group is None or (group % (16 * mt) == 0 and op.rows % group == 0), \
+        "groups of whole 16-row tiles"
     _check_rows(x, batch, op.cols * (op.rows // group), "x")
     _check_rows(y, batch, op.rows, "y", aligned=False)
     groups = -(-op.rows // (16 * mt))
-    kw = pick_split(groups, _k_tiles(op.fmt, op.cols))
+    kw = pick_split(groups, _k_tiles(op.fmt, op.cols)) if split is None else split
     nt = 1 if batch <= 4 else 2
     blocks = -(-groups // (WARPS // kw))
     args = (ptr(op.codes), ptr(op.scale), i32(op.rows), i32(op.cols), i32(op.sc_ld),
             i32(op.shift), ptr(x), np.int64(_ld(x)), i32(group), ptr(y), np.int64(_ld(y)),
             i32(batch), i32(kw))
-    name = f"rows_matvec_{KERNEL_NAME[op.fmt]}_m{mt}_n{nt}"
+    name = f"rows_matvec_{KERNEL_NAME[op.fmt]}_m{mt}_d{depth}_n{nt}"
     launch("rows", name, (blocks,), (32 * WARPS,), args)
 
 
 def _matvec_rows(w, x, y, batch: int, rows_per_group) -> None:
     """fp32 (or otherwise unsupported) weights: the plain GEMV once per row of the batch."""
-    assert not isinstance(w, PackedMatrix), "packed weights must be kernel_ready"
+    assert not is_packed(w), "packed weights must be kernel_ready"
     xs, ys = (x[None], y[None]) if x.ndim == 1 else (x, y)
-    for b in range(batch):
-        gemv(w, xs[b], ys[b], rows_per_group=rows_per_group)
+    for b in range(batch):  # one split: gemv's column splits add atomically (not repeatable)
+        gemv(w, xs[b], ys[b], rows_per_group=rows_per_group, splits=1)
 
 
 def _host(a):
@@ -138,7 +150,7 @@ def _host(a):
 
 def dense(w) -> np.ndarray:
     """fp32 values of a weight (PackedMatrix, bf16 words or fp32; host or device) on the host."""
-    if isinstance(w, PackedMatrix):
+    if is_packed(w):
         codes, scale = _host(w.codes), _host(w.scale)
         if w.fmt == FP8:
             return dequant_fp8(codes, scale, w.block[0])
@@ -294,65 +306,104 @@ def resident_blocks(name: str) -> int:
 
 
 def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, limit: float,
-        shared=None) -> None:
+        shared=None, persistent: bool = True, fuse_shared: bool = True) -> None:
     """y[b] = sum_j down_e(swiglu(gate_e x[b], up_e x[b]) * wts[b, j]), e = idx[b, j], + the
     shared expert (gate, up, down) of x[b] (weight 1), for b < batch. gate_up [E, 2*inter, D]
     (gate rows then up rows), down [E, D, inter]: FP4/FP8 PackedMatrix stacks or bf16 words;
     idx/wts [>= batch, k] contiguous int32/fp32 on the device; act from moe_scratch. Each
-    expert hit is read once for all the tokens that picked it (grouped on the device)."""
+    expert hit is read once for all the tokens that picked it (grouped on the device).
+    persistent: resident blocks loop over the work (else one block per item); fuse_shared:
+    the shared expert in the routed launches (else launches of its own). Neither changes y."""
     gu, dn = operand(gate_up), operand(down)
     sops = [operand(m) for m in shared] if shared is not None else None
     if gu is None or dn is None or (sops is not None and None in sops):
         _moe_rows(gate_up, down, idx, wts, x, act, y, batch, inter, limit, shared)
         return
     k = idx.shape[1]
-    pairs, experts, hidden = batch * k, gu.codes.shape[0], dn.rows
-    assert pairs <= act.part.shape[0] and gu.fmt == dn.fmt and 2 * inter == gu.rows
-    sfmt = sops[0].fmt if sops else SHARED_DEFAULT[gu.fmt]
-    assert (gu.fmt, sfmt) in MOE_KERNELS, f"no MoE kernel for {gu.fmt} + shared {sfmt}"
+    call = MoeCall(gu, dn, idx, wts, x, act, batch, inter, sops[0].rows if sops else 0, limit,
+                   k, persistent)
+    assert call.pairs <= act.part.shape[0] and gu.fmt == dn.fmt and 2 * inter == gu.rows
     _check_rows(x, batch, gu.cols, "x")
     launch("rows", "rows_moe_group", (1,), (32 * WARPS,),
-           (ptr(idx), i32(pairs), i32(experts), ptr(act.units)))
-    s_inter = sops[0].rows if sops else 0
-    name = f"{KERNEL_NAME[gu.fmt].lower()}_{KERNEL_NAME[sfmt].lower()}"
-    _moe_gate_up(name, gu, sops, idx, wts, x, act, batch, inter, s_inter, limit, k)
-    _moe_down(name, dn, sops, act, batch, inter, s_inter, k, hidden)
-    n = batch * hidden
+           (ptr(idx), i32(call.pairs), i32(gu.codes.shape[0]), ptr(act.units)))
+    parts = _moe_parts(gu.fmt, sops, fuse_shared, 1 if batch <= 4 else 2)
+    for name, routed, s in parts:
+        _moe_gate_up(f"rows_gate_up_{name}", routed, s, call)
+    for name, routed, s in parts:
+        _moe_down(f"rows_down_{name}", routed, s, call)
+    n = batch * dn.rows
     launch("rows", "rows_moe_sum", (-(-n // 256),), (256,),
-           (ptr(act.part), ptr(act.spart if sops else None), i32(k), i32(hidden), i32(batch),
+           (ptr(act.part), ptr(act.spart if sops else None), i32(k), i32(dn.rows), i32(batch),
             ptr(y), np.int64(_ld(y))))
 
 
-def _moe_gate_up(name, gu, sops, idx, wts, x, act, batch, inter, s_inter, limit, k) -> None:
-    kw = pick_split(k * -(-inter // 16), _k_tiles(gu.fmt, gu.cols))
+@dataclass
+class MoeCall:
+    """The operands of one moe() call, shared by its launches."""
+
+    gu: Operand
+    dn: Operand
+    idx: object
+    wts: object
+    x: object
+    act: MoeScratch
+    batch: int
+    inter: int
+    s_inter: int
+    limit: float
+    k: int
+    persistent: bool
+
+    @property
+    def pairs(self) -> int:
+        return self.batch * self.k
+
+    def grid(self, name: str, items: int) -> tuple[int]:
+        return (min(items, resident_blocks(name)) if self.persistent else items,)
+
+
+def _moe_parts(fmt: str, sops, fuse: bool, nt: int) -> list[tuple[str, bool, list | None]]:
+    """(kernel suffix, routed?, shared operands or None) of each launch pair."""
+    f = KERNEL_NAME[fmt].lower()
+    if sops is None:
+        return [(f"{f}_none_n{nt}", True, None)]
+    s = KERNEL_NAME[sops[0].fmt].lower()
+    if fuse:
+        assert (fmt, sops[0].fmt) in MOE_KERNELS, f"no MoE kernel for {fmt} + shared {s}"
+        return [(f"{f}_{s}_n{nt}", True, sops)]
+    return [(f"{f}_none_n{nt}", True, None), (f"{s}_{s}_n{nt}", False, sops)]
+
+
+def _moe_gate_up(kname: str, routed: bool, sops, c: MoeCall) -> None:
+    kw = pick_split(c.k * -(-c.inter // 16), _k_tiles(c.gu.fmt, c.gu.cols))
     rows_per_block = 16 * (WARPS // kw)
-    tiles, tiles_s = -(-inter // rows_per_block), -(-s_inter // rows_per_block)
+    tiles = -(-c.inter // rows_per_block)
+    tiles_s = -(-c.s_inter // rows_per_block) if sops else 0
     sg, su = (Bank(sops[0]), Bank(sops[1])) if sops else (Bank(None), Bank(None))
-    kname = f"rows_gate_up_{name}"
-    items = min(gu.codes.shape[0], batch * k) * tiles + tiles_s
-    args = (*Bank(gu).args(), *sg.args(), *su.args(), ptr(act.units), i32(k), ptr(wts),
-            ptr(x), np.int64(_ld(x)), ptr(act.act), ptr(act.sact), i32(inter),
-            i32(s_inter), i32(gu.cols), i32(batch), f32(limit), i32(kw), i32(tiles),
-            i32(tiles_s))
-    launch("rows", kname, (min(items, resident_blocks(kname)),), (32 * WARPS,), args)
+    items = (min(c.gu.codes.shape[0], c.pairs) * tiles if routed else 0) + tiles_s
+    args = (*Bank(c.gu).args(), *sg.args(), *su.args(), ptr(c.act.units), i32(int(routed)),
+            i32(c.k), ptr(c.wts), ptr(c.x), np.int64(_ld(c.x)), ptr(c.act.act),
+            ptr(c.act.sact), i32(c.inter), i32(c.s_inter), i32(c.gu.cols), i32(c.batch),
+            f32(c.limit), i32(kw), i32(tiles), i32(tiles_s))
+    launch("rows", kname, c.grid(kname, items), (32 * WARPS,), args)
 
 
-def _moe_down(name, dn, sops, act, batch, inter, s_inter, k, hidden) -> None:
-    kw = pick_split(k * -(-hidden // 32), _k_tiles(dn.fmt, inter))
-    rows_per_block = 32 * (WARPS // kw)
-    tiles = -(-hidden // rows_per_block)
+def _moe_down(kname: str, routed: bool, sops, c: MoeCall) -> None:
+    hidden = c.dn.rows
+    kw = pick_split(c.k * -(-hidden // 32), _k_tiles(c.dn.fmt, c.inter))
+    tiles = -(-hidden // (32 * (WARPS // kw)))
     tiles_s = tiles if sops else 0
-    kname = f"rows_down_{name}"
-    items = min(dn.codes.shape[0], batch * k) * tiles + tiles_s
-    args = (*Bank(dn).args(), *Bank(sops[2] if sops else None).args(), ptr(act.units),
-            ptr(act.act), ptr(act.sact), ptr(act.part), ptr(act.spart), i32(hidden),
-            i32(inter), i32(s_inter), i32(batch), i32(kw), i32(tiles), i32(tiles_s))
-    launch("rows", kname, (min(items, resident_blocks(kname)),), (32 * WARPS,), args)
+    items = (min(c.dn.codes.shape[0], c.pairs) * tiles if routed else 0) + tiles_s
+    args = (*Bank(c.dn).args(), *Bank(sops[2] if sops else None).args(), ptr(c.act.units),
+            i32(int(routed)), ptr(c.act.act), ptr(c.act.sact), ptr(c.act.part),
+            ptr(c.act.spart), i32(hidden), i32(c.inter), i32(c.s_inter), i32(c.batch), i32(kw),
+            i32(tiles), i32(tiles_s))
+    launch("rows", kname, c.grid(kname, items), (32 * WARPS,), args)
 
 
 def _moe_rows(gate_up, down, idx, wts, x, act, y, batch, inter, limit, shared) -> None:
     """fp32 experts: ds4/kernels/moe.py once per token (its experts read once per token)."""
-    assert not isinstance(gate_up, PackedMatrix), "packed experts must be kernel_ready"
+    assert not is_packed(gate_up), "packed experts must be kernel_ready"
     k = idx.shape[1]
     for b in range(batch):
         a = act.act[b * k:(b + 1) * k]
@@ -403,7 +454,7 @@ def _shared_numpy(shared, x, limit: float) -> np.ndarray:
     return rows_numpy(dense(shared[2]), fmts[2], _swiglu32(g, u, limit, 1.0)[None])[0]
 
 
-def decode_words(w: PackedMatrix, out) -> None:
+def decode_words(w, out) -> None:
     """Test hook: out [rows, cols] = the bf16 words rows.cu feeds the mma for each code of a 2-D
     packed matrix (the weight times 2^-32), in column order."""
     op = operand(w)
@@ -413,6 +464,6 @@ def decode_words(w: PackedMatrix, out) -> None:
             i32(op.shift), ptr(out)))
 
 
-def decode_words_numpy(w: PackedMatrix, out) -> None:
+def decode_words_numpy(w, out) -> None:
     """NumPy twin of decode_words: bf16 words of the weights times 2^-32 (exact)."""
     out[...] = to_bf16(dense(w) * np.float32(2.0 ** -32)).reshape(out.shape)
