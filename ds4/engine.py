@@ -145,8 +145,12 @@ class Engine:
     def _decode_rows(self, sessions: list[Session], tokens: list[int]) -> list[np.ndarray]:
         if len(sessions) == 1:
             return [sessions[0].decode(tokens[0])]
+        graph = self.model.kernel_decoder  # CuPy: one graph replay for the whole batch
         try:
-            logits = self.model.decode_many([s.state for s in sessions], tokens)
+            if graph is not None and not self.model.batch_rows:
+                logits = graph.decode_batch([s.state for s in sessions], tokens)
+            else:
+                logits = self.model.decode_many([s.state for s in sessions], tokens)
             host = [np.asarray(self.backend.to_numpy(row), dtype=np.float32) for row in logits]
         except BaseException:
             for s in sessions:  # each one's layers may have written rows: back to a whole state

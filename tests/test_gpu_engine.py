@@ -20,6 +20,9 @@ pytestmark = [pytest.mark.gpu,
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = ["v4_csa_hca", "v4_hca8", "tiny"]
 TOL = 2e-4
+# bf16-word matrices (the tiny model's) go through ds4/kernels/rows.py, which splits x into hi + lo
+# bf16 (~1e-5 of |W| |x| per product): its twins put the tiny logits 2.3e-4 from the engine
+ROWS_TOL = 5e-4
 
 
 def model_dir(case: str) -> Path:
@@ -73,11 +76,12 @@ def test_cupy_eager_and_graph_decode_match_numpy(case):
     graphed = SessionState(cupy, gpu_model.cfg, ctx)
     kern = [cupy.asnumpy(gpu_model.forward(graphed, ids[:prefill]))]
     kern += [cupy.asnumpy(decoder.decode(graphed, t)) for t in ids[prefill:]]
-    assert graphed in decoder.graphs  # later steps were graph replays
+    assert 1 in decoder.graphs  # later steps were replays of the batch-of-one graph
     for name, run in (("eager", got), ("graph", kern)):
         for step, (a, b) in enumerate(zip(run, want)):
             err = float(np.abs(a - b).max())
-            assert err < TOL, f"{name} step {step}: max |dlogit| {err}"
+            tol = ROWS_TOL if name == "graph" and case == "tiny" else TOL
+            assert err < tol, f"{name} step {step}: max |dlogit| {err}"
             assert int(np.argmax(a)) == int(np.argmax(b)), f"{name} step {step}"
 
 
@@ -130,7 +134,7 @@ def test_engine_two_sessions_smoke_cupy():
             logits[k] = s.decode(got[k][-1])
     assert got == want
     decoder = gpu.model.kernel_decoder.decoder
-    assert all(s.state in decoder.graphs for s in sessions)
+    assert list(decoder.graphs) == [1]  # one graph served all three sessions
     blob = sessions[1].snapshot()
     resumed = gpu.new_session(512).restore(blob)
     a, b = sessions[1].decode(got[1][-1]), resumed.decode(got[1][-1])
@@ -166,6 +170,7 @@ def test_decoder_reads_the_engine_weights_in_place():
     own += list(decoder.top.values()) + list(decoder.buf.values())
     engine_ptrs = {a.data.ptr for a in eng.model.weights.tensors.values()}
     own = {a.data.ptr: a for a in own if a.data.ptr not in engine_ptrs}.values()
-    own_bytes = sum(rounded(a) for a in own) + (64 << 10)  # + gemv tables, pos/token
+    # + gemv tables (one set per member row of a batch graph) and the member tables
+    own_bytes = sum(rounded(a) for a in own) + (256 << 10)
     assert grown < own_bytes + expert_bytes // 2, (grown, own_bytes, expert_bytes)
     assert eng.memory_report()["weight_bytes"] >= expert_bytes

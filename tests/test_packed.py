@@ -230,7 +230,4 @@ def test_kernel_decode_on_packed_weights_matches_the_engine(twins, checkpoints, 
     model.forward(mine, IDS[:60])
     for t in IDS[60:80]:  # crosses CSA / HCA window closes (ratios 4 and 32)
         want = model.forward(ref, [t])
-        decoder.pos_token[...] = (mine.n, t)
-        decoder.run(mine)
-        mine.n += 1
-        _close(decoder.buf["logits"].copy(), want)
+        _close(decoder.decode(mine, t), want)

@@ -108,8 +108,8 @@ def step_times(engine: Engine, sessions: list, steps: int) -> tuple[list[float],
 
 def distinct_experts(picks: list, cfg, batch: int) -> float:
     """Mean distinct experts a step reads per layer: counted from the router's picks, or where
-    no pick was seen (steps replayed as CUDA graphs) the uniform-routing expectation
-    E (1 - (1 - k/E)^B)."""
+    no pick was seen (steps replayed as CUDA graphs: the model's router is not called) the
+    uniform-routing expectation E (1 - (1 - k/E)^B)."""
     if picks and picks[0]:
         L = cfg.num_hidden_layers  # a step routes layer by layer, once or once per session
         return float(statistics.mean(len(np.unique(np.concatenate(step[layer::L])))
@@ -167,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(default_model_dir())
     engine = Engine.open(args.model, backend=args.backend, prefill_chunk=256)
     res = batch_bench(engine, [int(b) for b in args.batch.split(",")], args.prompt, args.steps)
-    mode = "one batched pass" if engine.model.batch_rows else "single steps in turn"
+    if engine.model.batch_rows:
+        mode = "one batched pass of the model code"
+    elif engine.model.kernel_decoder is not None:
+        mode = "one CUDA graph replay of the batch's size"
+    else:
+        mode = "single steps in turn"
     report(res, f"{args.model} on {engine.backend.name} ({mode}), sessions at position "
                 f"{args.prompt}")
     if args.json:

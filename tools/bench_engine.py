@@ -81,55 +81,104 @@ def graph_time(cp, stream, fn, repeat: int = 50) -> float:
         return timed(cp, replays, repeat=max(3, repeat // 10)) / 10
 
 
-def decode_bench(cp, stack: FlashStack, ctx: int) -> dict:
-    """Per-layer decode times (graph replays), a stage profile, eager vs graph full steps."""
+def decode_bench(cp, stack: FlashStack, ctx: int, batches=(1, 2, 4, 8), gemv: bool = True) -> dict:
+    """Per-layer decode times (batch-of-one graph replays), a stage profile, eager vs graph full
+    steps, and whole graph steps of each batch size against that batch's bytes bound."""
     dec, state = stack.decoder(), stack.filled_state(ctx)
-    dec.pos_token.set(np.array([state.n, 7], dtype=np.int32))
-    dec.run(state)  # compiles and loads every kernel outside capture
+    B = dec.prepare([state], [7])
+    dec.run(B)  # compiles and loads every kernel outside capture
     cp.cuda.Device().synchronize()
     stream = dec.stream
     out = {"layers": [], "ctx": ctx}
     for i, ls in enumerate(state.layers):
         t = dec.layers[i]
         row = {"kind": ls.kind,
-               "s": graph_time(cp, stream, lambda i=i, ls=ls: dec.run_layer(i, ls)),
+               "s": graph_time(cp, stream, lambda i=i: dec.run_layer(i, B)),
                "bytes": bytes_read_per_token(stack.cfg, t, ls, state.n)}
         row["stages"] = stage_times(cp, stream, dec, i, t, ls)
         out["layers"].append(row)
-    out["graph_step_s"] = graph_time(cp, stream, lambda: dec.run(state))
+    out["graph_step_s"] = graph_time(cp, stream, lambda: dec.run(B))
     with stream:
-        out["eager_step_s"] = timed(cp, lambda: dec.run(state), repeat=5, warmup=1)
-    out["gemv"] = gemv_profile(cp, stream, dec)
+        out["eager_step_s"] = timed(cp, lambda: dec.run(B), repeat=5, warmup=1)
+    out["gemv"] = gemv_profile(cp, stream, dec) if gemv else {}
+    out["batch"] = batch_steps(cp, stack, dec, [state] + [stack.filled_state(ctx) for _ in
+                                                         range(max(batches) - 1)], batches)
     return out
 
 
+def batch_steps(cp, stack: FlashStack, dec, states: list, batches) -> dict:
+    """Graph-step seconds of each batch size (members at the same position, own states) and
+    the bytes bound of that batch: the shared matrices once, each distinct routed expert once
+    (as the routers picked them; uniform routing would expect E (1 - (1 - k/E)^B)), every
+    member's state."""
+    cfg = stack.cfg
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    rows = {}
+    for b in batches:
+        B = dec.prepare(states[:b], [7 + m for m in range(b)])
+        picked = distinct_picks(cp, dec, B)  # also loads each size's kernels outside capture
+        step = graph_time(cp, dec.stream, lambda B=B: dec.run(B))
+        moved = sum(batch_bytes(cfg, t, ls, states[0].n, b, d)
+                    for t, ls, d in zip(dec.layers, states[0].layers, picked))
+        moved += sum(int(w.nbytes) for name, w in dec.top.items() if name != "embed")
+        rows[b] = {"step_s": step, "tok_per_s": b / step,
+                   "distinct_experts": float(np.mean(picked)),
+                   "uniform_experts": E * (1.0 - (1.0 - k / E) ** b), "bound_bytes": moved}
+    return rows
+
+
+def distinct_picks(cp, dec, B: int) -> list[int]:
+    """Distinct routed experts each layer's router picked for the B members (one eager step)."""
+    from ds4.kernels import hyper_connection as hc
+
+    out = []
+    with dec.stream:
+        hc.embed_streams(dec.top["embed"], dec.tables[B].tokens, dec.buf["X"][:B])
+        for i in range(len(dec.layers)):
+            dec.run_layer(i, B)
+            out.append(len(np.unique(cp.asnumpy(dec.buf["idx"][:B]))))
+        dec.run_head(B)
+    return out
+
+
+def batch_bytes(cfg, t: dict, ls, n: int, batch: int, distinct: float) -> float:
+    """Bytes a batch of `batch` tokens reads in one layer: weights once, `distinct` experts,
+    each member's state."""
+    one = bytes_read_per_token(cfg, t, ls, n)
+    expert = t["experts.gate_up"][0].nbytes + t["experts.down"][0].nbytes
+    state = one - sum(w.nbytes for name, w in t.items() if not name.startswith("experts.")) \
+        - cfg.num_experts_per_tok * expert
+    return one + (distinct - cfg.num_experts_per_tok) * expert + (batch - 1) * state
+
+
 def stage_times(cp, stream, dec, i: int, t: dict, ls) -> dict:
-    """Graph-replay seconds of the parts of one layer step (compressor/indexer/attention kernel
-    are also inside "attention")."""
+    """Graph-replay seconds of the parts of one layer step, batch of one (compressor/indexer/
+    attention kernel are also inside "attention")."""
     from ds4.kernels import attention as at
     from ds4.kernels.sampling import topk_select
+    from ds4.model.gpu_batch import COMPRESSOR, COMPRESSOR_ROWS, RAW
 
-    b, cfg = dec.buf, dec.cfg
+    b, cfg, tab = dec.buf, dec.cfg, dec.tables[1]
     freqs = dec.freqs["main" if ls.compressor is None else "compress"]
-    out = {"h projections": graph_time(cp, stream, lambda: dec._project(i)),
+    out = {"h projections": graph_time(cp, stream, lambda: dec.projections[i].run(b["h"], 1)),
            "mhc+norm x2": 2 * graph_time(cp, stream, lambda: dec._block(
-               t, "attn_hc", "input_layernorm.weight")),
-           "attention": graph_time(cp, stream, lambda: dec._attention(i, t, ls)),
-           "moe": graph_time(cp, stream, lambda: dec._moe(i, t))}
+               t, "attn_hc", "input_layernorm.weight", 1)),
+           "attention": graph_time(cp, stream, lambda: dec._attention(i, t, 1)),
+           "moe": graph_time(cp, stream, lambda: dec._moe(i, t, 1))}
     if ls.compressor is not None:
         out["compressor"] = graph_time(cp, stream, lambda: dec._compress(
-            t, "self_attn.compressor.", ls.compressor, freqs, "ckv", "cg"))
+            t, "self_attn.compressor.", tab, i, COMPRESSOR, cfg.head_dim, freqs, "ckv", "cg", 1))
     if ls.indexer is not None:
-        out["indexer+topk"] = graph_time(cp, stream, lambda: dec._index(t, ls.indexer, freqs))
+        out["indexer+topk"] = graph_time(cp, stream, lambda: dec._index(t, tab, i, freqs, 1))
         out["topk"] = graph_time(cp, stream, lambda: topk_select(
-            b["scores"][:ls.indexer.rows.shape[0]], cfg.index_topk, b["sel"], b["sel_count"],
-            dec.pos, ls.indexer.ratio))
-    comp = None if ls.compressor is None else ls.compressor.rows
-    sel = b["sel"] if ls.indexer is not None else None
-    out["attention kernel"] = graph_time(cp, stream, lambda: at.attention_decode(
-        b["q"], ls.raw, dec.pos, comp, sel, b["sel_count"],
-        0 if comp is None else ls.compressor.ratio,
-        t["self_attn.sinks"], b["o"], dec._max_keys(ls), b["attn_part"]))
+            b["scores"][:1], cfg.index_topk, b["sel"][:1], b["sel_count"][:1], tab.pos,
+            ls.indexer.ratio))
+    comp = None if ls.compressor is None else COMPRESSOR_ROWS
+    sel = b["sel"][:1] if ls.indexer is not None else None
+    out["attention kernel"] = graph_time(cp, stream, lambda: at.attention_decode_m(
+        b["q"][:1], tab, i, RAW, comp, cfg.sliding_window, sel, b["sel_count"][:1],
+        0 if comp is None else ls.compressor.ratio, t["self_attn.sinks"], b["o"][:1],
+        dec.keys[i], b["attn_part"][:1]))
     return out
 
 
@@ -282,6 +331,19 @@ def report(res: dict) -> None:
               f"{floor * 1e3:9.3f} {row['s'] / floor:6.2f}   {stages}")
     print(f"whole step (embed + {len(d['layers'])} layers + head): graph "
           f"{d['graph_step_s'] * 1e3:.3f} ms, eager launches {d['eager_step_s'] * 1e3:.3f} ms")
+    read_bw = bw  # as the layer floors above: HBM moves bw bytes/s, read or written
+    print(f"batched graph steps ({len(d['layers'])} layers + head; bound: weights once, "
+          f"distinct experts once, each member's state, at {read_bw / 1e12:.2f} TB/s read):")
+    print(f"| {'B':>2} | {'ms/step':>8} | {'tok/s':>8} | {'x B=1':>6} | {'experts (unif.)':>15} "
+          f"| {'bound MB':>9} | {'bound ms':>8} | {'of bound':>8} |")
+    base = d["batch"][min(d["batch"])]["tok_per_s"]
+    for b, r in d["batch"].items():
+        bound = r["bound_bytes"] / read_bw
+        print(f"| {b:>2} | {r['step_s'] * 1e3:8.3f} | {r['tok_per_s']:8.1f} | "
+              f"{r['tok_per_s'] / base:5.2f}x | {r['distinct_experts']:6.1f} "
+              f"({r['uniform_experts']:5.1f}) | "
+              f"{r['bound_bytes'] / 1e6:9.1f} | {bound * 1e3:8.3f} | "
+              f"{100 * bound / r['step_s']:7.1f}% |")
     print("GEMV kernel alone, TB/s by column splits (* = launcher's choice):")
     for name, g in d["gemv"].items():
         cells = " ".join(f"{k}{'*' if k == g['chosen'] else ''}:{v / 1e12:.2f}"
@@ -354,6 +416,8 @@ def main(argv=None) -> int:
     ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                     help="with --format official: dummy draws the packed layers' weights with "
                          "ds4's --load-format dummy loader (its formats and scales)")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="only the decode tables (per layer, stages, batch sizes 1-8)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     import cupy as cp
@@ -375,10 +439,12 @@ def main(argv=None) -> int:
         report_official(res["official"], args.quantize)
         if args.official_only:
             return _write_json(args.json, res)
-    res["prefill"] = prefill_in_child(args)
+    if args.decode_only:
+        args.no_hf = True
+    res["prefill"] = {} if args.decode_only else prefill_in_child(args)
     stack = FlashStack(cp, config, kinds, use_hf=not args.no_hf)
     res["cfg"] = stack.cfg
-    res["decode"] = decode_bench(cp, stack, args.ctx)
+    res["decode"] = decode_bench(cp, stack, args.ctx, gemv=not args.decode_only)
     cp.get_default_memory_pool().free_all_blocks()  # leave torch the room its eager run needs
     res["hf"] = hf_bench(stack, chunks) if stack.hf is not None else stack.hf_reason
     report(res)

@@ -111,13 +111,13 @@ def decode_layer(cp, model, ctx: int) -> dict:
         out["path"] = "model code (eager)"
         return out
     dec = KernelDecoder.from_model(model)
-    dec.pos_token.set(np.array([state.n, 7], dtype=np.int32))
-    dec.run(state)  # compiles and loads every kernel outside capture
+    B = dec.prepare([state], [7])  # a batch of one
+    dec.run(B)  # compiles and loads every kernel outside capture
     cp.cuda.Device().synchronize()
-    out["s"] = graph_time(cp, dec.stream, lambda: dec.run_layer(0, ls))
+    out["s"] = graph_time(cp, dec.stream, lambda: dec.run_layer(0, B))
     t0 = dec.layers[0]
-    out["stages"] = {"attention": graph_time(cp, dec.stream, lambda: dec._attention(0, t0, ls)),
-                     "moe": graph_time(cp, dec.stream, lambda: dec._moe(0, t0))}
+    out["stages"] = {"attention": graph_time(cp, dec.stream, lambda: dec._attention(0, t0, B)),
+                     "moe": graph_time(cp, dec.stream, lambda: dec._moe(0, t0, B))}
     out["path"] = "CUDA graph"
     return out
 

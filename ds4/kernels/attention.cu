@@ -5,11 +5,11 @@
 
 // The new K=V row: raw[pos % cap] = rope(RMSNorm_w(kv_in)) at position pos. One block of
 // `width` threads (width <= 1024).
-extern "C" __global__ void attention_store_kv(const float* __restrict__ kv_in,
-                                              const float* __restrict__ w,
-                                              const double* __restrict__ freqs,
-                                              const int* __restrict__ pos, float* raw, int width,
-                                              int rope_dim, int cap, float eps) {
+__device__ __forceinline__ void store_kv(const float* __restrict__ kv_in,
+                                         const float* __restrict__ w,
+                                         const double* __restrict__ freqs,
+                                         const int* __restrict__ pos, float* raw, int width,
+                                         int rope_dim, int cap, float eps) {
     __shared__ float red[32];
     extern __shared__ float row[];
     int c = threadIdx.x;
@@ -20,6 +20,29 @@ extern "C" __global__ void attention_store_kv(const float* __restrict__ kv_in,
     int t = pos[0];
     if (c < width)
         raw[(size_t)(t % cap) * width + c] = rope_channel(row, c, width - rope_dim, t, freqs);
+}
+
+extern "C" __global__ void attention_store_kv(const float* __restrict__ kv_in,
+                                              const float* __restrict__ w,
+                                              const double* __restrict__ freqs,
+                                              const int* __restrict__ pos, float* raw, int width,
+                                              int rope_dim, int cap, float eps) {
+    store_kv(kv_in, w, freqs, pos, raw, width, rope_dim, cap, eps);
+}
+
+// A batch graph's members, docs/PERF.md, Batched decode: every decoding slot in one engine step.
+// Member b = blockIdx.z reads its position at positions[b] and its state arrays' addresses from
+// ptrs[k * gridDim.z + b], the k-th slot group of its layer in the member table the host fills
+// before each replay.
+extern "C" __global__ void attention_store_kv_m(const float* __restrict__ kv_in,
+                                                const float* __restrict__ w,
+                                                const double* __restrict__ freqs,
+                                                const int* __restrict__ positions,
+                                                const long long* __restrict__ raw_ptrs,
+                                                int width, int rope_dim, int cap, float eps) {
+    int b = blockIdx.z;
+    store_kv(kv_in + (size_t)b * width, w, freqs, positions + b, (float*)raw_ptrs[b], width,
+             rope_dim, cap, eps);
 }
 
 // Key j's row: ring row j for j < n_raw, else compressed row sel[j - n_raw] (or j - n_raw).
@@ -43,14 +66,14 @@ __device__ __forceinline__ const float* key_ptr(int code, const float* raw, cons
 // shared memory: 32 * (width + 1) key floats (padded: conflict-free column reads), then
 // hpb * width query floats, hpb * 32 weights and 32 row codes.
 #define KEYS 32
-extern "C" __global__ void attention_partial(const float* __restrict__ q,
-                                             const float* __restrict__ raw,
-                                             const int* __restrict__ pos, int cap,
-                                             const float* __restrict__ comp,
-                                             const int* __restrict__ sel,
-                                             const int* __restrict__ sel_count, int ratio,
-                                             float* part, int width, float scale, int max_keys,
-                                             int hpb) {
+__device__ __forceinline__ void partial(const float* __restrict__ q,
+                                        const float* __restrict__ raw,
+                                        const int* __restrict__ pos, int cap,
+                                        const float* __restrict__ comp,
+                                        const int* __restrict__ sel,
+                                        const int* __restrict__ sel_count, int ratio,
+                                        float* part, int width, float scale, int max_keys,
+                                        int hpb) {
     extern __shared__ float smem[];
     int stride = width + 1;
     float* ks = smem;
@@ -133,17 +156,52 @@ extern "C" __global__ void attention_partial(const float* __restrict__ q,
     }
 }
 
+extern "C" __global__ void attention_partial(const float* __restrict__ q,
+                                             const float* __restrict__ raw,
+                                             const int* __restrict__ pos, int cap,
+                                             const float* __restrict__ comp,
+                                             const int* __restrict__ sel,
+                                             const int* __restrict__ sel_count, int ratio,
+                                             float* part, int width, float scale, int max_keys,
+                                             int hpb) {
+    partial(q, raw, pos, cap, comp, sel, sel_count, ratio, part, width, scale, max_keys, hpb);
+}
+
+// attention_partial of member b = blockIdx.z: q [B, heads, width], its raw ring and compressed
+// rows from the member table (comp_ptrs null: none), sel [B, sel_stride], part [B, part_stride].
+extern "C" __global__ void attention_partial_m(const float* __restrict__ q,
+                                               const long long* __restrict__ raw_ptrs,
+                                               const int* __restrict__ positions, int cap,
+                                               const long long* __restrict__ comp_ptrs,
+                                               const int* __restrict__ sel,
+                                               const int* __restrict__ sel_count, int sel_stride,
+                                               int ratio, float* part, int part_stride,
+                                               int width, float scale, int max_keys, int hpb) {
+    int b = blockIdx.z, heads = gridDim.x * hpb;
+    const float* comp = comp_ptrs ? (const float*)comp_ptrs[b] : nullptr;
+    partial(q + (size_t)b * heads * width, (const float*)raw_ptrs[b], positions + b, cap, comp,
+            sel ? sel + (size_t)b * sel_stride : nullptr, sel ? sel_count + b : nullptr, ratio,
+            part + (size_t)b * part_stride, width, scale, max_keys, hpb);
+}
+
 // out[h] = (sum_s exp(m_s - M) o_s) / (exp(sink_h - M) + sum_s exp(m_s - M) l_s), M the largest
 // of sink_h and the m_s: softmax over all keys with the sink's mass in the denominator. The
 // split weights go through shared memory (2 * splits floats of dynamic shared memory) so the
-// value pass issues its loads back to back.
+// value pass issues its loads back to back. freqs non-null: the output then gets the inverse
+// RoPE of its trailing rope_dim channels at position positions[blockIdx.z] (rope_tail with sign
+// -1, same arithmetic), the pair's other channel taken from the neighbouring lane (width a
+// multiple of 32, so whole warps run the channel loop).
 extern "C" __global__ void attention_combine(const float* __restrict__ part,
                                              const float* __restrict__ sinks, float* out,
-                                             int width, int splits) {
+                                             int width, int splits, int part_stride,
+                                             const int* __restrict__ positions,
+                                             const double* __restrict__ freqs, int rope_dim) {
     __shared__ float red[32];
     extern __shared__ float wsm[];
     int h = blockIdx.x;
-    const float* p = part + (size_t)h * splits * (width + 2);
+    // member blockIdx.z of a batch: part [B, part_stride], out [B, heads, width]
+    out += (size_t)blockIdx.z * gridDim.x * width;
+    const float* p = part + (size_t)blockIdx.z * part_stride + (size_t)h * splits * (width + 2);
     float m = -INFINITY;
     for (int s = threadIdx.x; s < splits; s += blockDim.x) {
         wsm[s] = p[(size_t)s * (width + 2)];
@@ -162,6 +220,17 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part,
         float acc = 0.f;
 #pragma unroll 8
         for (int s = 0; s < splits; s++) acc += wsm[s] * p[(size_t)s * (width + 2) + 2 + c];
-        out[(size_t)h * width + c] = acc * inv;
+        float v = acc * inv;
+        if (freqs) {
+            float other = __shfl_xor_sync(0xffffffffu, v, 1);
+            int first = width - rope_dim;
+            if (c >= first) {
+                double ds, dc;
+                sincos((double)positions[blockIdx.z] * freqs[(c - first) >> 1], &ds, &dc);
+                float sn = (float)ds * -1.f, cs = (float)dc;
+                v = ((c - first) & 1) ? other * sn + v * cs : v * cs - other * sn;
+            }
+        }
+        out[(size_t)h * width + c] = v;
     }
 }

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4.kernels import f32, i32, launch, ptr
+from ds4.kernels import NULL, f32, i32, launch, ptr
 from ds4.kernels.norm import rms_norm_numpy
-from ds4.kernels.rope import rope_angles_numpy, rotate_numpy
+from ds4.kernels.rope import rope_angles_numpy, rope_tail_numpy, rotate_numpy
 
 
 def attention_store_kv(kv_in, w, freqs, pos, raw, rope_dim: int, eps: float = 1e-6):
@@ -52,7 +52,71 @@ def attention_decode(q, raw, pos, comp, sel, sel_count, ratio: int, sinks, out, 
                   + KEYS_PER_BLOCK)
     launch("attention", "attention_partial", (heads // hpb, splits), (256,), args, shared=shared)
     launch("attention", "attention_combine", (heads,), (256,),
-           (ptr(part), ptr(sinks), ptr(out), i32(width), i32(splits)), shared=8 * splits)
+           (ptr(part), ptr(sinks), ptr(out), i32(width), i32(splits), i32(0), NULL, NULL, i32(0)),
+           shared=8 * splits)
+    return out
+
+
+def attention_store_kv_m(kv_in, w, freqs, table, layer: int, slot: int, cap: int,
+                         rope_dim: int, eps: float = 1e-6):
+    """attention_store_kv for each member b of a batch graph: kv_in [B, width], member b's
+    ring (cap rows) and position from the member table (`table`, layer, slot)."""
+    batch, width = kv_in.shape
+    block = (width + 31) // 32 * 32
+    args = (ptr(kv_in), ptr(w), ptr(freqs), ptr(table.pos), table.group(layer, slot), i32(width),
+            i32(rope_dim), i32(cap), f32(eps))
+    launch("attention", "attention_store_kv_m", (1, 1, batch), (block,), args, shared=4 * width)
+    return kv_in
+
+
+def attention_store_kv_m_numpy(kv_in, w, freqs, table, layer: int, slot: int, cap: int,
+                               rope_dim: int, eps: float = 1e-6):
+    """NumPy twin of attention_store_kv_m."""
+    for b, raw in enumerate(table.arrays(layer, slot)):
+        attention_store_kv_numpy(kv_in[b], w, freqs, table.pos[b:b + 1], raw, rope_dim, eps)
+    return kv_in
+
+
+def attention_decode_m(q, table, layer: int, raw_slot: int, comp_slot, cap: int, sel, sel_count,
+                       ratio: int, sinks, out, max_keys: int, part, freqs=None,
+                       rope_dim: int = 0):
+    """attention_decode for each member b of a batch graph: q, out [B, heads, width], sel
+    [B, k] and sel_count [B] (or None), part [B, >= partial_size]; member b's raw ring and
+    compressed rows (comp_slot None: none) from the member table. freqs given: out then turned
+    back by RoPE at each member's position (rope_tail, sign -1) in the same launch."""
+    batch, heads, width = q.shape
+    assert freqs is None or (width % 32 == 0 and rope_dim % 2 == 0)
+    splits = -(-max_keys // KEYS_PER_BLOCK)
+    assert width <= 1024 and part.shape[1] >= partial_size(heads, width, max_keys)
+    hpb = next(g for g in (8, 4, 2, 1) if heads % g == 0)
+    comp = NULL if comp_slot is None else table.group(layer, comp_slot)
+    args = (ptr(q), table.group(layer, raw_slot), ptr(table.pos), i32(cap), comp, ptr(sel),
+            ptr(sel_count), i32(0 if sel is None else sel.shape[1]), i32(ratio), ptr(part),
+            i32(part.shape[1]), i32(width), f32(width ** -0.5), i32(max_keys), i32(hpb))
+    shared = 4 * (KEYS_PER_BLOCK * (width + 1) + hpb * width + hpb * KEYS_PER_BLOCK
+                  + KEYS_PER_BLOCK)
+    launch("attention", "attention_partial_m", (heads // hpb, splits, batch), (256,), args,
+           shared=shared)
+    launch("attention", "attention_combine", (heads, 1, batch), (256,),
+           (ptr(part), ptr(sinks), ptr(out), i32(width), i32(splits), i32(part.shape[1]),
+            ptr(table.pos), ptr(freqs), i32(rope_dim)), shared=8 * splits)
+    return out
+
+
+def attention_decode_m_numpy(q, table, layer: int, raw_slot: int, comp_slot, cap: int, sel,
+                             sel_count, ratio: int, sinks, out, max_keys: int, part, freqs=None,
+                             rope_dim: int = 0):
+    """NumPy twin of attention_decode_m."""
+    raws = table.arrays(layer, raw_slot)
+    comps = table.arrays(layer, comp_slot) if comp_slot is not None else [None] * len(raws)
+    for b, (raw, comp) in enumerate(zip(raws, comps)):
+        attention_decode_numpy(q[b], raw, table.pos[b:b + 1], comp,
+                               None if sel is None else sel[b],
+                               None if sel is None else sel_count[b:b + 1], ratio, sinks, out[b],
+                               max_keys)
+        if freqs is not None:
+            rope_tail_numpy(out[b], table.pos[b:b + 1], freqs, rope_dim, rows_per_pos=q.shape[1],
+                            sign=-1.0)
     return out
 
 

@@ -7,11 +7,9 @@
 #include "common.cuh"
 
 // Store token pos's projected row kvp and score g + bias[pos % m] at slot pos % m.
-extern "C" __global__ void compressor_push(const float* __restrict__ kvp,
-                                           const float* __restrict__ g,
-                                           const float* __restrict__ bias,
-                                           const int* __restrict__ pos, float* pending_kv,
-                                           float* pending_score, int m, int cw) {
+__device__ __forceinline__ void push(const float* __restrict__ kvp, const float* __restrict__ g,
+                                     const float* __restrict__ bias, const int* __restrict__ pos,
+                                     float* pending_kv, float* pending_score, int m, int cw) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cw) return;
     size_t row = (size_t)(pos[0] % m) * cw;
@@ -19,18 +17,26 @@ extern "C" __global__ void compressor_push(const float* __restrict__ kvp,
     pending_score[row + c] = g[c] + bias[row + c];
 }
 
+extern "C" __global__ void compressor_push(const float* __restrict__ kvp,
+                                           const float* __restrict__ g,
+                                           const float* __restrict__ bias,
+                                           const int* __restrict__ pos, float* pending_kv,
+                                           float* pending_score, int m, int cw) {
+    push(kvp, g, bias, pos, pending_kv, pending_score, m, cw);
+}
+
 // When token pos closes window w = (pos + 1) / m - 1: pool each channel by a softmax over the
 // window's slots (with overlap: the last window's A-half, then this window's B-half), RMSNorm_w
 // the pooled row, rope its trailing rope_dim channels at position m*w, store it as comp[w]; with
 // overlap, this window's A-half becomes the overlap. One block of >= hd threads (hd <= 1024);
 // returns at once when no window closes.
-extern "C" __global__ void compressor_pool(const float* __restrict__ pending_kv,
-                                           const float* __restrict__ pending_score,
-                                           float* overlap_kv, float* overlap_score,
-                                           const float* __restrict__ norm_w,
-                                           const double* __restrict__ freqs,
-                                           const int* __restrict__ pos, float* comp, int m,
-                                           int hd, int rope_dim, float eps) {
+__device__ __forceinline__ void pool(const float* __restrict__ pending_kv,
+                                     const float* __restrict__ pending_score,
+                                     float* overlap_kv, float* overlap_score,
+                                     const float* __restrict__ norm_w,
+                                     const double* __restrict__ freqs,
+                                     const int* __restrict__ pos, float* comp, int m, int hd,
+                                     int rope_dim, float eps) {
     __shared__ float red[32];
     extern __shared__ float row[];
     int t = pos[0];
@@ -72,4 +78,44 @@ extern "C" __global__ void compressor_pool(const float* __restrict__ pending_kv,
     __syncthreads();
     if (c < hd)
         comp[(size_t)w * hd + c] = rope_channel(row, c, hd - rope_dim, (double)m * w, freqs);
+}
+
+extern "C" __global__ void compressor_pool(const float* __restrict__ pending_kv,
+                                           const float* __restrict__ pending_score,
+                                           float* overlap_kv, float* overlap_score,
+                                           const float* __restrict__ norm_w,
+                                           const double* __restrict__ freqs,
+                                           const int* __restrict__ pos, float* comp, int m,
+                                           int hd, int rope_dim, float eps) {
+    pool(pending_kv, pending_score, overlap_kv, overlap_score, norm_w, freqs, pos, comp, m, hd,
+         rope_dim, eps);
+}
+
+// One compressor step of member b = blockIdx.z of a batch graph (see attention.cu): push its
+// projected row (kvp, g [B, row_stride]) at slot pos % m, then pool the window if this token
+// closes it, in one launch. ptrs holds the member table's slot groups [pending_kv,
+// pending_score, overlap_kv, overlap_score, comp] (a null overlap: none). One block of >= hd
+// threads; thread c pushes columns c and c + hd (cw = 2 hd), the only ones it pools, so no
+// other thread's write is read.
+extern "C" __global__ void compressor_step_m(const float* __restrict__ kvp,
+                                             const float* __restrict__ g, int row_stride,
+                                             const float* __restrict__ bias,
+                                             const int* __restrict__ positions,
+                                             const long long* __restrict__ ptrs,
+                                             const float* __restrict__ norm_w,
+                                             const double* __restrict__ freqs, int m, int cw,
+                                             int hd, int rope_dim, float eps) {
+    int b = blockIdx.z, B = gridDim.z, c = threadIdx.x;
+    const int* pos = positions + b;
+    float* pending_kv = (float*)ptrs[b];
+    float* pending_score = (float*)ptrs[B + b];
+    if (c < hd) {
+        size_t row = (size_t)(pos[0] % m) * cw;
+        for (int j = c; j < cw; j += hd) {
+            pending_kv[row + j] = kvp[(size_t)b * row_stride + j];
+            pending_score[row + j] = g[(size_t)b * row_stride + j] + bias[row + j];
+        }
+    }
+    pool(pending_kv, pending_score, (float*)ptrs[2 * B + b], (float*)ptrs[3 * B + b], norm_w,
+         freqs, pos, (float*)ptrs[4 * B + b], m, hd, rope_dim, eps);
 }

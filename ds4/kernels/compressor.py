@@ -63,3 +63,30 @@ def compressor_pool_numpy(pending_kv, pending_score, overlap_kv, overlap_score, 
         overlap_kv[...] = pending_kv[:, :hd]
         overlap_score[...] = pending_score[:, :hd]
     return comp
+
+
+def compressor_step_m(kvp, g, bias, table, layer: int, slot: int, norm_w, freqs, m: int,
+                      cw: int, hd: int, rope_dim: int, eps: float = 1e-6):
+    """compressor_push then compressor_pool, in one launch, for each member b of a batch graph:
+    kvp, g [B, >= cw] (row b: member b's projections); the member's state from the member
+    table's slot groups starting at `slot` (pending_kv, pending_score, overlap_kv,
+    overlap_score, rows)."""
+    assert cw in (hd, 2 * hd) and hd <= 1024
+    block = (hd + 31) // 32 * 32
+    args = (ptr(kvp), ptr(g), i32(kvp.shape[1]), ptr(bias), ptr(table.pos),
+            table.group(layer, slot), ptr(norm_w), ptr(freqs), i32(m), i32(cw), i32(hd),
+            i32(rope_dim), f32(eps))
+    launch("compressor", "compressor_step_m", (1, 1, kvp.shape[0]), (block,), args,
+           shared=4 * hd)
+    return kvp
+
+
+def compressor_step_m_numpy(kvp, g, bias, table, layer: int, slot: int, norm_w, freqs, m: int,
+                            cw: int, hd: int, rope_dim: int, eps: float = 1e-6):
+    """NumPy twin of compressor_step_m."""
+    groups = [table.arrays(layer, slot + k) for k in range(5)]
+    for b, (pkv, psc, okv, osc, rows) in enumerate(zip(*groups)):
+        at = table.pos[b:b + 1]
+        compressor_push_numpy(kvp[b, :cw], g[b, :cw], bias, at, pkv, psc)
+        compressor_pool_numpy(pkv, psc, okv, osc, norm_w, freqs, at, rows, rope_dim, eps)
+    return kvp

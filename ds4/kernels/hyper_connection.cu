@@ -10,6 +10,8 @@ __device__ __forceinline__ float sigmoidf(float v) { return 1.f / (1.f + expf(-v
 // X[i, :] = embed[token] for every stream i: the residual starts as the token embedding.
 template <typename W>
 __device__ void embed(const W* table, const int* token, float* X, int D, int streams) {
+    token += blockIdx.z;  // member blockIdx.z of a batch: token [B], X [B, streams, D]
+    X += (size_t)blockIdx.z * streams * D;
     int d = blockIdx.x * blockDim.x + threadIdx.x;
     if (d >= D) return;
     float v = widen(table[(size_t)token[0] * D + d]);
@@ -30,10 +32,12 @@ extern "C" __global__ void embed_streams_f32(const float* __restrict__ table,
 
 // mix[row] = fn[row, :] . x * rsqrt(mean(x^2) + eps); one block per mix row, x = flatten(X).
 extern "C" __global__ void hc_mix(const float* __restrict__ fn, const float* __restrict__ X,
-                                  float* mix, int width, float eps) {
+                                  float* mix, int width, float eps, int mix_stride) {
     __shared__ float shared[32];
     const float4* f = (const float4*)(fn + (size_t)blockIdx.x * width);
-    const float4* x = (const float4*)X;
+    // member blockIdx.z of a batch: X [B, width], mix [B, mix_stride]
+    const float4* x = (const float4*)(X + (size_t)blockIdx.z * width);
+    mix += (size_t)blockIdx.z * mix_stride;
     float dot = 0.f, ss = 0.f;
 #pragma unroll 4
     for (int i = threadIdx.x; i < width / 4; i += blockDim.x) {
@@ -115,6 +119,11 @@ extern "C" __global__ void hc_pre(const float* __restrict__ mix, const float* __
                                   float* u, float* post_comb, int D, int n, int iters, float eps,
                                   int head) {
     __shared__ float pre[MAX_STREAMS], post[MAX_STREAMS], comb[MAX_STREAMS * MAX_STREAMS];
+    size_t b = blockIdx.z;  // member of a batch: every operand [B, ...] (head: mix [B, n])
+    mix += b * (head ? n : (2 + n) * n);
+    X += b * n * D;
+    u += b * D;
+    post_comb += b * (n + n * n);
     bool warp_path = (n & (n - 1)) == 0 && n * n <= 32;
     if (head) {
         if (threadIdx.x < n) pre[threadIdx.x] = sigmoidf(mix[threadIdx.x] * scale[0] + base[threadIdx.x]) + eps;
@@ -176,6 +185,11 @@ __device__ __forceinline__ void expand_streams(const float* X, const float* y, c
 // Decode: one token; post_comb = [post (n), comb (n*n)] as hc_pre stored it.
 extern "C" __global__ void hc_post(const float* X, const float* __restrict__ y,
                                    const float* __restrict__ post_comb, float* Xout, int D, int n) {
+    size_t b = blockIdx.z;  // member of a batch: X, Xout [B, n, D], y [B, D], post_comb [B, .]
+    X += b * n * D;
+    Xout += b * n * D;
+    y += b * D;
+    post_comb += b * (n + n * n);
     int d = blockIdx.x * blockDim.x + threadIdx.x;
     if (d < D) expand_streams(X, y, post_comb, post_comb + n, Xout, D, n, d);
 }
@@ -201,6 +215,11 @@ extern "C" __global__ void hc_pre_norm(const float* __restrict__ mix,
                                        float norm_eps) {
     __shared__ float pre[MAX_STREAMS], post[MAX_STREAMS], comb[MAX_STREAMS * MAX_STREAMS];
     __shared__ float red[32];
+    size_t b = blockIdx.z;  // member of a batch: every operand [B, ...]
+    mix += b * (2 + n) * n;
+    X += b * n * D;
+    h += b * D;
+    post_comb += b * (n + n * n);
     if ((n & (n - 1)) == 0 && n * n <= 32) {
         if (threadIdx.x < 32) hc_weights_warp(mix, scale, base, n, iters, eps, pre, post, comb);
     } else if (threadIdx.x == 0) {

@@ -9,29 +9,44 @@ from ds4.kernels.gemv import weight_kind
 
 
 def embed_streams(embed, token, X):
-    """X[i] = embed[token[0]] for every stream i (embed: bf16 words or fp32 [vocab, D])."""
-    streams, D = X.shape
-    launch("hyper_connection", "embed_streams_" + weight_kind(embed), ((D + 255) // 256,), (256,),
-           (ptr(embed), ptr(token), ptr(X), i32(D), i32(streams)))
+    """X[i] = embed[token[0]] for every stream i (embed: bf16 words or fp32 [vocab, D]);
+    X [B, streams, D] with token [B]: each member's own token."""
+    batch, (streams, D) = _batch(X), X.shape[-2:]
+    launch("hyper_connection", "embed_streams_" + weight_kind(embed), ((D + 255) // 256, 1, batch),
+           (256,), (ptr(embed), ptr(token), ptr(X), i32(D), i32(streams)))
     return X
+
+
+def _batch(X) -> int:
+    """Members of a batch in residual streams X ([B, streams, D]; [streams, D] is one)."""
+    return 1 if X.ndim == 2 else X.shape[0]
 
 
 def embed_streams_numpy(embed, token, X):
     """NumPy twin of embed_streams."""
+    if X.ndim == 3:
+        for b in range(X.shape[0]):
+            embed_streams_numpy(embed, token[b:b + 1], X[b])
+        return X
     X[...] = widen(embed[int(np.asarray(token)[0])])[None, :]
     return X
 
 
 def hc_mix(fn, X, mix, eps: float = 1e-6):
-    """mix = (fn @ flatten(X)) * rsqrt(mean(X^2) + eps) for fp32 fn [n_mix, streams * D]."""
+    """mix = (fn @ flatten(X)) * rsqrt(mean(X^2) + eps) for fp32 fn [n_mix, streams * D];
+    X [B, streams, D] with mix [B, >= n_mix]: each member's own."""
     n_mix, width = fn.shape
-    launch("hyper_connection", "hc_mix", (n_mix,), (512,),
-           (ptr(fn), ptr(X), ptr(mix), i32(width), f32(eps)))
+    launch("hyper_connection", "hc_mix", (n_mix, 1, _batch(X)), (512,),
+           (ptr(fn), ptr(X), ptr(mix), i32(width), f32(eps), i32(mix.shape[-1])))
     return mix
 
 
 def hc_mix_numpy(fn, X, mix, eps: float = 1e-6):
     """NumPy twin of hc_mix."""
+    if X.ndim == 3:
+        for b in range(X.shape[0]):
+            hc_mix_numpy(fn, X[b], mix[b, :fn.shape[0]], eps)
+        return mix
     x = np.asarray(X, np.float32).reshape(-1)
     mix[...] = (fn @ x) / np.sqrt((x * x).mean() + np.float32(eps))
     return mix
@@ -39,11 +54,12 @@ def hc_mix_numpy(fn, X, mix, eps: float = 1e-6):
 
 def hc_pre(mix, scale, base, X, u, post_comb, iters: int = 20, eps: float = 1e-6,
            head: bool = False):
-    """u = sum_i pre_i X[i]; post_comb = [post (n), comb (n*n)] unless head (pre only)."""
-    streams, D = X.shape
+    """u = sum_i pre_i X[i]; post_comb = [post (n), comb (n*n)] unless head (pre only).
+    X [B, streams, D]: every operand [B, ...], mix [B, n] for the head, else [B, (2 + n) n]."""
+    streams, D = X.shape[-2:]
     args = (ptr(mix), ptr(scale), ptr(base), ptr(X), ptr(u), ptr(post_comb), i32(D),
             i32(streams), i32(iters), f32(eps), i32(int(head)))
-    launch("hyper_connection", "hc_pre", ((D + 255) // 256,), (256,), args)
+    launch("hyper_connection", "hc_pre", ((D + 255) // 256, 1, _batch(X)), (256,), args)
     return u
 
 
@@ -67,6 +83,10 @@ def hc_weights_numpy(mix, scale, base, n: int, iters: int, eps: float):
 def hc_pre_numpy(mix, scale, base, X, u, post_comb, iters: int = 20, eps: float = 1e-6,
                  head: bool = False):
     """NumPy twin of hc_pre."""
+    if X.ndim == 3:
+        for b in range(X.shape[0]):
+            hc_pre_numpy(mix[b], scale, base, X[b], u[b], post_comb[b], iters, eps, head)
+        return u
     n = X.shape[0]
     if head:
         pre = 1.0 / (1.0 + np.exp(-(mix[:n] * scale[0] + base[:n]))) + eps
@@ -95,15 +115,20 @@ def hc_weights_rows_numpy(mix, scale, base, out, n: int, iters: int = 20, eps: f
 
 
 def hc_post(X, y, post_comb, out):
-    """out[j] = post[j] * y + sum_i comb[i, j] X[i]; out may be X."""
-    streams, D = X.shape
-    launch("hyper_connection", "hc_post", ((D + 255) // 256,), (256,),
+    """out[j] = post[j] * y + sum_i comb[i, j] X[i]; out may be X. X [B, streams, D]: every
+    operand [B, ...]."""
+    streams, D = X.shape[-2:]
+    launch("hyper_connection", "hc_post", ((D + 255) // 256, 1, _batch(X)), (256,),
            (ptr(X), ptr(y), ptr(post_comb), ptr(out), i32(D), i32(streams)))
     return out
 
 
 def hc_post_numpy(X, y, post_comb, out):
     """NumPy twin of hc_post."""
+    if X.ndim == 3:
+        for b in range(X.shape[0]):
+            hc_post_numpy(X[b], y[b], post_comb[b], out[b])
+        return out
     n = X.shape[0]
     comb = np.asarray(post_comb[n:n + n * n]).reshape(n, n)
     out[...] = post_comb[:n, None] * y[None, :] + comb.T @ X
@@ -127,18 +152,24 @@ def hc_post_rows_numpy(X, y, post, comb, out):
 
 def hc_pre_norm(mix, scale, base, X, norm_w, h, post_comb, iters: int = 20, eps: float = 1e-6,
                 norm_eps: float = 1e-6):
-    """h = RMSNorm_w(sum_i pre_i X[i]) in one launch; post_comb as hc_pre (D <= 8192)."""
-    streams, D = X.shape
+    """h = RMSNorm_w(sum_i pre_i X[i]) in one launch; post_comb as hc_pre (D <= 8192).
+    X [B, streams, D]: every operand [B, ...] (mix [B, (2 + n) n])."""
+    streams, D = X.shape[-2:]
     assert D <= 8 * 1024
     args = (ptr(mix), ptr(scale), ptr(base), ptr(X), ptr(norm_w), ptr(h), ptr(post_comb), i32(D),
             i32(streams), i32(iters), f32(eps), f32(norm_eps))
-    launch("hyper_connection", "hc_pre_norm", (1,), (1024,), args)
+    launch("hyper_connection", "hc_pre_norm", (1, 1, _batch(X)), (1024,), args)
     return h
 
 
 def hc_pre_norm_numpy(mix, scale, base, X, norm_w, h, post_comb, iters: int = 20,
                       eps: float = 1e-6, norm_eps: float = 1e-6):
     """NumPy twin of hc_pre_norm."""
+    if X.ndim == 3:
+        for b in range(X.shape[0]):
+            hc_pre_norm_numpy(mix[b], scale, base, X[b], norm_w, h[b], post_comb[b], iters, eps,
+                              norm_eps)
+        return h
     u = hc_pre_numpy(mix, scale, base, X, np.empty(X.shape[1], np.float32), post_comb, iters, eps)
     h[...] = u / np.sqrt((u * u).mean() + np.float32(norm_eps)) * norm_w
     return h

@@ -7,7 +7,7 @@
 
 #define ENTRIES 32
 
-extern "C" __global__ void indexer_scores(const float* __restrict__ q,
+__device__ __forceinline__ void scores_of(const float* __restrict__ q,
                                           const float* __restrict__ wts,
                                           const float* __restrict__ keys,
                                           const int* __restrict__ pos, int ratio, float* scores,
@@ -53,4 +53,25 @@ extern "C" __global__ void indexer_scores(const float* __restrict__ q,
     }
     for (int o = 4; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
     if (sub == 0 && first + e < n) scores[first + e] = total * wscale;
+}
+
+extern "C" __global__ void indexer_scores(const float* __restrict__ q,
+                                          const float* __restrict__ wts,
+                                          const float* __restrict__ keys,
+                                          const int* __restrict__ pos, int ratio, float* scores,
+                                          int heads, int hd, float wscale) {
+    scores_of(q, wts, keys, pos, ratio, scores, heads, hd, wscale);
+}
+
+// Member b = blockIdx.z of a batch graph (see attention.cu): q [B, heads, hd], wts [B, heads],
+// its keys' address key_ptrs[b], scores [B, scores_stride].
+extern "C" __global__ void indexer_scores_m(const float* __restrict__ q,
+                                            const float* __restrict__ wts,
+                                            const long long* __restrict__ key_ptrs,
+                                            const int* __restrict__ positions, int ratio,
+                                            float* scores, int scores_stride, int heads, int hd,
+                                            float wscale) {
+    int b = blockIdx.z;
+    scores_of(q + (size_t)b * heads * hd, wts + (size_t)b * heads, (const float*)key_ptrs[b],
+              positions + b, ratio, scores + (size_t)b * scores_stride, heads, hd, wscale);
 }

@@ -27,3 +27,22 @@ def indexer_scores_numpy(q, wts, keys, pos, ratio: int, scores):
     dots = np.maximum(keys[:n] @ q.T, 0.0)
     scores[:n] = (dots @ wts) * np.float32((heads * hd) ** -0.5)
     return scores
+
+
+def indexer_scores_m(q, wts, table, layer: int, slot: int, rows: int, ratio: int, scores):
+    """indexer_scores for each member b of a batch graph: q [B, heads, hd], wts [B, heads],
+    scores [B, >= rows]; member b's keys (at most `rows` of them) from the member table."""
+    batch, heads, hd = q.shape
+    shared = 4 * (heads + ENTRIES) * (hd + 1)
+    args = (ptr(q), ptr(wts), table.group(layer, slot), ptr(table.pos), i32(ratio), ptr(scores),
+            i32(scores.shape[1]), i32(heads), i32(hd), f32((heads * hd) ** -0.5))
+    launch("indexer", "indexer_scores_m", ((rows + ENTRIES - 1) // ENTRIES, 1, batch), (256,),
+           args, shared)
+    return scores
+
+
+def indexer_scores_m_numpy(q, wts, table, layer: int, slot: int, rows: int, ratio: int, scores):
+    """NumPy twin of indexer_scores_m."""
+    for b, keys in enumerate(table.arrays(layer, slot)):
+        indexer_scores_numpy(q[b], wts[b], keys, table.pos[b:b + 1], ratio, scores[b])
+    return scores

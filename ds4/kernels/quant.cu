@@ -55,10 +55,9 @@ extern "C" __global__ void kv_fp8_closed(float* rows, int width, int nope, int b
 // Indexer QAT: rows <- FP4 round trip (blocks of `block`, amax floor 1e-30, +-6) of
 // rows H / sqrt(n) (Sylvester Hadamard, n = width, a power of two <= 1024). One block per
 // row: all rows of `rows` (ratio 0) or only the compressed row token pos closes.
-extern "C" __global__ void hadamard_fp4(float* rows, int width, int block, float norm,
-                                        const int* pos, int ratio) {
+__device__ __forceinline__ void hadamard_row(float* rows, int row, int width, int block,
+                                             float norm) {
     extern __shared__ float vals[];
-    int row = ratio ? closed_row(pos, ratio) : (int)blockIdx.x;
     if (row < 0) return;
     float* r = rows + (size_t)row * width;
     int c = threadIdx.x;
@@ -75,4 +74,32 @@ extern "C" __global__ void hadamard_fp4(float* rows, int width, int block, float
     if (c < width) r[c] = vals[c] * norm;  // norm = float32(1 / sqrt(width))
     __syncthreads();
     round_blocks(rows, row, width, width, block, 1, 0, 6.f, 1e-30f);
+}
+
+extern "C" __global__ void hadamard_fp4(float* rows, int width, int block, float norm,
+                                        const int* pos, int ratio) {
+    hadamard_row(rows, ratio ? closed_row(pos, ratio) : (int)blockIdx.x, width, block, norm);
+}
+
+// Member b = blockIdx.z of a batch graph (see attention.cu): its rows' address is ptrs[b], its
+// position positions[b]. kv_fp8_slot_m / kv_fp8_closed_m / hadamard_fp4_m (closed row only).
+extern "C" __global__ void kv_fp8_slot_m(const long long* __restrict__ ptrs, int width, int nope,
+                                         int block, const int* positions, int cap) {
+    int b = blockIdx.z;
+    round_blocks((float*)ptrs[b], positions[b] % cap, width, nope, block, 3, -6, 448.f, 1e-4f);
+}
+
+extern "C" __global__ void kv_fp8_closed_m(const long long* __restrict__ ptrs, int width,
+                                           int nope, int block, const int* positions,
+                                           int ratio) {
+    int b = blockIdx.z;
+    round_blocks((float*)ptrs[b], closed_row(positions + b, ratio), width, nope, block, 3, -6,
+                 448.f, 1e-4f);
+}
+
+extern "C" __global__ void hadamard_fp4_m(const long long* __restrict__ ptrs, int width,
+                                          int block, float norm, const int* positions,
+                                          int ratio) {
+    int b = blockIdx.z;
+    hadamard_row((float*)ptrs[b], closed_row(positions + b, ratio), width, block, norm);
 }

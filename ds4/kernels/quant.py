@@ -55,6 +55,29 @@ def hadamard_fp4(rows, pos, ratio: int = 0):
     return rows
 
 
+def kv_fp8_slot_m(table, layer: int, slot: int, width: int, nope: int, cap: int):
+    """kv_fp8_slot of each member of a batch graph (its ring from the member table)."""
+    launch("quant", "kv_fp8_slot_m", (1, 1, table.batch), (_threads(nope),),
+           (table.group(layer, slot), i32(width), i32(nope), i32(kv_block(nope)), ptr(table.pos),
+            i32(cap)), shared=4 * nope)
+
+
+def kv_fp8_closed_m(table, layer: int, slot: int, width: int, nope: int, ratio: int):
+    """kv_fp8_closed of each member of a batch graph (its rows from the member table)."""
+    launch("quant", "kv_fp8_closed_m", (1, 1, table.batch), (_threads(nope),),
+           (table.group(layer, slot), i32(width), i32(nope), i32(kv_block(nope)), ptr(table.pos),
+            i32(ratio)), shared=4 * nope)
+
+
+def hadamard_fp4_m(table, layer: int, slot: int, width: int, ratio: int):
+    """hadamard_fp4 of the row each member of a batch graph closes (ratio > 0)."""
+    assert ratio > 0 and width & (width - 1) == 0
+    norm = np.float32(1 / np.sqrt(width))
+    launch("quant", "hadamard_fp4_m", (1, 1, table.batch), (_threads(width),),
+           (table.group(layer, slot), i32(width), i32(_fp4_block(width)), f32(norm),
+            ptr(table.pos), i32(ratio)), shared=4 * width)
+
+
 # ---- NumPy twins
 
 def _round_small(x, mant_bits: int, min_exp: int, max_value: float):
@@ -108,3 +131,21 @@ def hadamard_fp4_numpy(rows, pos, ratio: int = 0):
         rows[r] = rows[r] @ h
         _round_blocks(rows[r], width, _fp4_block(width), 1, 0, 6.0, 1e-30)
     return rows
+
+
+def kv_fp8_slot_m_numpy(table, layer: int, slot: int, width: int, nope: int, cap: int):
+    """NumPy twin of kv_fp8_slot_m."""
+    for b, rows in enumerate(table.arrays(layer, slot)):
+        kv_fp8_slot_numpy(rows, nope, table.pos[b:b + 1])
+
+
+def kv_fp8_closed_m_numpy(table, layer: int, slot: int, width: int, nope: int, ratio: int):
+    """NumPy twin of kv_fp8_closed_m."""
+    for b, rows in enumerate(table.arrays(layer, slot)):
+        kv_fp8_closed_numpy(rows, nope, table.pos[b:b + 1], ratio)
+
+
+def hadamard_fp4_m_numpy(table, layer: int, slot: int, width: int, ratio: int):
+    """NumPy twin of hadamard_fp4_m."""
+    for b, rows in enumerate(table.arrays(layer, slot)):
+        hadamard_fp4_numpy(rows, table.pos[b:b + 1], ratio)

@@ -53,7 +53,13 @@ __device__ int block_scan(int flag, int* warp_counts, int* total) {
 // sel_count[0]. n is (pos[0] + 1) / ratio when pos is given, else n_fixed. A 4-pass radix select
 // finds the k-th largest key; entries equal to it are taken lowest index first. One block of 1024.
 extern "C" __global__ void topk_select(const float* __restrict__ x, const int* __restrict__ pos,
-                                       int ratio, int n_fixed, int k, int* sel, int* sel_count) {
+                                       int ratio, int n_fixed, int k, int* sel, int* sel_count,
+                                       int x_stride) {
+    // member blockIdx.z of a batch: x [B, x_stride], sel [B, k], sel_count [B], pos [B]
+    x += (size_t)blockIdx.z * x_stride;
+    sel += (size_t)blockIdx.z * k;
+    sel_count += blockIdx.z;
+    if (pos) pos += blockIdx.z;
     __shared__ int hist[256];
     __shared__ int warp_counts[32];
     __shared__ unsigned int prefix_s, mask_s;

@@ -1,0 +1,424 @@
+"""Batched tensor-core products (ds4/kernels/rows.py): the code-to-bf16 bit moves, the NumPy
+twins against the dequantized references on CPU, and on the GPU each kernel against its twin at
+V4-Flash shapes, row b of a batch bitwise equal to the row alone, and graph replay = eager."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds4.backend import cuda_available
+from ds4.kernels import packed as P
+from ds4.kernels import rows as R
+from ds4.kernels import to_bf16, widen
+from ds4.model.packed import FP4, FP8, PackedMatrix
+
+TOL = 1e-5  # of |W| |x|: the hi + lo split keeps 16 bits of x
+
+
+def fp8_matrix(rng, shape, block=128, lo=112, hi=132) -> PackedMatrix:
+    codes = rng.integers(0, 256, shape, dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3F  # no NaN codes
+    rows, cols = shape[-2:]
+    sshape = (*shape[:-2], -(-rows // block), -(-cols // block))
+    return PackedMatrix(FP8, codes, rng.integers(lo, hi, sshape, dtype=np.uint8), cols,
+                        (block, block))
+
+
+def fp4_matrix(rng, shape, lo=112, hi=132) -> PackedMatrix:
+    *lead, rows, cols = shape
+    codes = rng.integers(0, 256, (*lead, rows, cols // 2), dtype=np.uint8)
+    return PackedMatrix(FP4, codes, rng.integers(lo, hi, (*lead, rows, cols // 32),
+                                                 dtype=np.uint8), cols)
+
+
+def bf16_matrix(rng, shape) -> np.ndarray:
+    return to_bf16(rng.standard_normal(shape, dtype=np.float32) * 0.05).reshape(shape)
+
+
+MAKERS = {FP8: fp8_matrix, FP4: fp4_matrix, "bf16": lambda rng, s: bf16_matrix(rng, s)}
+
+
+def gpu_test(fn):
+    """A test that needs CuPy and a CUDA device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not cuda_available(),
+                                              reason="needs CuPy and a CUDA device")(fn))
+
+
+def bound(wd: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """TOL of |W| |x| per output: what a 16-bit x and fp32 sums can promise."""
+    return TOL * (np.abs(x) @ np.abs(wd).T) + 1e-30
+
+
+def grouped_dense(wd, x, group):
+    rows, cols = wd.shape
+    return np.concatenate([x[:, g * cols:(g + 1) * cols] @ wd[g * group:(g + 1) * group].T
+                           for g in range(rows // group)], axis=1)
+
+
+# --- the bit moves (CPU emulation of what rows.cu does with integers) ---
+
+def test_e2m1_nibble_bits_are_its_value_times_2_pow_minus_126():
+    n = np.arange(16, dtype=np.uint32)
+    bits = ((n & 8) << 12) | ((n & 7) << 6)
+    value = widen(bits.astype(np.uint16)).astype(np.float64)
+    assert np.array_equal(value * 2.0 ** 126, P.E2M1.astype(np.float64))
+
+
+def test_e4m3_byte_bits_are_its_value_times_2_pow_minus_120():
+    c = np.arange(256, dtype=np.uint32)
+    ok = (c & 0x7F) != 0x7F
+    bits = ((c & 0x80) << 8) | ((c & 0x7F) << 4)
+    value = widen(bits.astype(np.uint16)).astype(np.float64)
+    assert np.array_equal((value * 2.0 ** 120)[ok], P.E4M3[ok].astype(np.float64))
+
+
+@pytest.mark.parametrize("fmt,bias,table", [(FP4, 94, P.E2M1), (FP8, 88, P.E4M3)])
+def test_scaled_code_is_an_exact_bf16_weight_times_2_pow_minus_32(fmt, bias, table):
+    """decoded * 2^(s + bias - 127) = code * 2^(s - 127) * 2^-32 and is a bf16 value, for the
+    scales a checkpoint can hold (rows.cu's multiplier)."""
+    vals = table[np.isfinite(table)].astype(np.float64)
+    for s in range(60, 150):
+        w = vals * 2.0 ** (s - 127) * 2.0 ** -32
+        assert np.array_equal(widen(to_bf16(w.astype(np.float32))).astype(np.float64), w)
+        assert s + bias <= 254
+
+
+# --- twins against the dequantized references ---
+
+@pytest.mark.parametrize("fmt,shape", [(FP8, (100, 192)), (FP8, (48, 512)), (FP4, (37, 96)),
+                                       (FP4, (64, 256)), ("bf16", (50, 80))])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_matvec_twin_matches_dequantized_product(fmt, shape, batch):
+    rng = np.random.default_rng(shape[0] + batch)
+    w = MAKERS[fmt](rng, shape)
+    x = rng.standard_normal((batch, shape[1]), dtype=np.float32)
+    y = np.zeros((batch, shape[0]), np.float32)
+    R.matvec_numpy(w, x, y, batch)
+    wd = R.dense(w)
+    assert np.all(np.abs(y - x @ wd.T) <= bound(wd, x))
+
+
+def test_matvec_twin_of_grouped_rows_reads_each_groups_slice():
+    rng = np.random.default_rng(1)
+    w = fp8_matrix(rng, (256, 128), block=32)
+    x = rng.standard_normal((4, 4 * 128), dtype=np.float32)
+    y = np.zeros((4, 256), np.float32)
+    R.matvec_numpy(w, x, y, 4, rows_per_group=64)
+    ref = grouped_dense(R.dense(w), x, 64)
+    assert np.allclose(y, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_fp32_weights_twin_is_the_plain_product():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((40, 64), dtype=np.float32)
+    x = rng.standard_normal((2, 64), dtype=np.float32)
+    y = np.zeros((2, 40), np.float32)
+    R.matvec_numpy(w, x, y, 2)
+    assert np.allclose(y, x @ w.T, rtol=1e-6, atol=1e-5)
+
+
+def test_many_twin_equals_each_matvec():
+    rng = np.random.default_rng(3)
+    ws = [fp8_matrix(rng, (64, 256)), bf16_matrix(rng, (32, 256)), fp4_matrix(rng, (16, 256))]
+    buf = np.zeros((3, 200), np.float32)
+    outs = [buf[:, :64], buf[:, 64:96], buf[:, 100:116]]
+    plan = R.matvec_plan(np, ws, outs)
+    x = rng.standard_normal((3, 256), dtype=np.float32)
+    R.matvec_many_numpy(plan, x, 3)
+    for w, o in zip(ws, outs):
+        one = np.zeros((3, o.shape[1]), np.float32)
+        R.matvec_numpy(w, x, one, 3)
+        assert np.array_equal(o, one)
+
+
+def small_moe(rng, fmt=FP4, experts=8, inter=64, hidden=128, shared_fmt=FP8):
+    """Experts with checkpoint-like scales (weights below ~0.2, so SwiGLU is not saturated)."""
+    def make(f, shape):
+        return MAKERS[f](rng, shape) if f == "bf16" else MAKERS[f](rng, shape, lo=112, hi=122)
+
+    gu, down = make(fmt, (experts, 2 * inter, hidden)), make(fmt, (experts, hidden, inter))
+    shared = (make(shared_fmt, (inter, hidden)), make(shared_fmt, (inter, hidden)),
+              make(shared_fmt, (hidden, inter)))
+    return gu, down, shared
+
+
+def picks(rng, batch, k, experts):
+    idx = np.stack([rng.choice(experts, k, replace=False) for _ in range(batch)])
+    wts = rng.uniform(0.1, 0.5, (batch, k)).astype(np.float32)
+    return idx.astype(np.int32), wts
+
+
+def test_moe_twin_matches_the_packed_expert_twins():
+    rng = np.random.default_rng(4)
+    inter, hidden, k, batch, limit = 64, 128, 3, 4, 10.0
+    gu, down, shared = small_moe(rng, inter=inter, hidden=hidden)
+    idx, wts = picks(rng, batch, k, 8)
+    x = rng.standard_normal((batch, hidden), dtype=np.float32)
+    y = np.zeros((batch, hidden), np.float32)
+    R.moe_numpy(gu, down, idx, wts, x, None, y, batch, inter, limit, shared)
+    for b in range(batch):
+        act = np.zeros((k, inter), np.float32)
+        P.moe_gate_up_fp4_numpy(gu.codes[:, :inter], gu.scale[:, :inter], gu.codes[:, inter:],
+                                gu.scale[:, inter:], idx[b], wts[b], x[b], act, limit)
+        ref = np.zeros(hidden, np.float32)
+        P.moe_down_fp4_numpy(down.codes, down.scale, idx[b], act, ref)
+        sact = np.zeros((1, inter), np.float32)
+        g, u, d = shared
+        P.moe_gate_up_fp8_numpy(g.codes, g.scale, u.codes, u.scale, 128, None, None, x[b],
+                                sact, limit)
+        P.moe_down_fp8_numpy(d.codes, d.scale, 128, None, sact, ref, accumulate=True)
+        assert np.allclose(y[b], ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+# --- GPU: kernels against twins, batch-invariance, graphs ---
+
+V4_MATVEC = {  # name: (format, rows, cols, rows_per_group)
+    "q_a": (FP8, 1024, 4096, None), "q_b": (FP8, 32768, 1024, None),
+    "kv": (FP8, 512, 4096, None), "o_a": (FP8, 8192, 4096, 1024),
+    "o_b": (FP8, 4096, 8192, None), "router": ("bf16", 256, 4096, None),
+    "shared_gate": (FP8, 2048, 4096, None), "shared_down": (FP8, 4096, 2048, None),
+    "expert_w1": (FP4, 2048, 4096, None), "expert_w2": (FP4, 4096, 2048, None),
+    "odd_fp8": (FP8, 100, 192, None), "odd_fp4": (FP4, 37, 96, None),
+    "odd_bf16": ("bf16", 50, 80, None),
+}
+
+
+def on_device(cp, w):
+    if isinstance(w, PackedMatrix):
+        return PackedMatrix(w.fmt, cp.asarray(w.codes), cp.asarray(w.scale), w.shape[-1],
+                            w.block)
+    return cp.asarray(w)
+
+
+def device_case(cp, name, seed=0):
+    fmt, rows, cols, group = V4_MATVEC[name]
+    rng = np.random.default_rng(seed)
+    w = MAKERS[fmt](rng, (rows, cols))
+    width = cols * (rows // group if group else 1)
+    x = rng.standard_normal((8, width), dtype=np.float32)
+    return w, on_device(cp, w), x, group
+
+
+@gpu_test
+@pytest.mark.parametrize("name", list(V4_MATVEC))
+def test_matvec_kernel_matches_twin_and_reference(name):
+    import cupy as cp
+
+    w, wd_dev, x, group = device_case(cp, name)
+    rows = w.shape[0]
+    wd = R.dense(w)
+    ref = grouped_dense(wd, x, group) if group else x @ wd.T
+    twin = np.zeros((8, rows), np.float32)
+    R.matvec_numpy(w, x, twin, 8, rows_per_group=group)
+    scale = (np.abs(x) @ np.abs(wd).T) if not group else grouped_dense(np.abs(wd), np.abs(x),
+                                                                       group)
+    for batch in (1, 3, 4, 8):
+        y = cp.zeros((batch, rows), cp.float32)
+        R.matvec(wd_dev, cp.asarray(x[:batch]), y, batch, rows_per_group=group)
+        got = y.get()
+        assert np.all(np.abs(got - twin[:batch]) <= TOL * scale[:batch] + 1e-30), name
+        assert np.all(np.abs(got - ref[:batch]) <= TOL * scale[:batch] + 1e-30), name
+
+
+@gpu_test
+@pytest.mark.parametrize("name", ["q_a", "o_a", "router", "expert_w1", "odd_fp4", "odd_bf16"])
+def test_matvec_row_is_bitwise_the_same_in_any_batch(name):
+    import cupy as cp
+
+    _, w, x, group = device_case(cp, name, seed=5)
+    xd = cp.asarray(x)
+    rows = w.shape[0]
+    alone = cp.zeros((8, rows), cp.float32)
+    for b in range(8):
+        R.matvec(w, xd[b:b + 1], alone[b:b + 1], 1, rows_per_group=group)
+    for batch in (2, 4, 5, 8):
+        y = cp.zeros((batch, rows), cp.float32)
+        R.matvec(w, xd[:batch], y, batch, rows_per_group=group)
+        assert cp.array_equal(y, alone[:batch]), (name, batch)
+
+
+@gpu_test
+@pytest.mark.parametrize("fmt", [FP8, FP4])
+@pytest.mark.parametrize("tiles", [(1, 4), (2, 2), (1, 8), (2, 4), (4, 2)])
+def test_every_kernel_variant_matches_twin_and_sums_alike(fmt, tiles):
+    """Tiles per warp and k-tiles per stage change the schedule, never a row's sum order."""
+    import cupy as cp
+
+    rng = np.random.default_rng(13)
+    w = MAKERS[fmt](rng, (1000, 1024))
+    x = rng.standard_normal((8, 1024), dtype=np.float32)
+    twin = np.zeros((8, 1000), np.float32)
+    R.matvec_numpy(w, x, twin, 8)
+    wdev, xd = on_device(cp, w), cp.asarray(x)
+    for batch in (3, 8):
+        y, base = (cp.zeros((batch, 1000), cp.float32) for _ in range(2))
+        R.matvec(wdev, xd, y, batch, tiles=tiles, split=2)
+        R.matvec(wdev, xd, base, batch, tiles=(1, 4), split=2)
+        assert np.all(np.abs(y.get() - twin[:batch]) <= bound(R.dense(w), x[:batch]))
+        assert cp.array_equal(y, base)
+
+
+@gpu_test
+@pytest.mark.parametrize("fmt", [FP8, FP4])
+def test_decoded_words_are_exact_weights(fmt):
+    """The integer bit moves and the bf16x2 multiply on the device (subnormal codes too): the
+    fed words are the weights times 2^-32, bit for bit, over the whole scale range."""
+    import cupy as cp
+
+    rng = np.random.default_rng(6)
+    w = (fp8_matrix(rng, (256, 512), lo=60, hi=150) if fmt == FP8
+         else fp4_matrix(rng, (256, 512), lo=60, hi=150))
+    out = cp.zeros((256, 512), cp.uint16)
+    R.decode_words(on_device(cp, w), out)
+    want = np.zeros((256, 512), np.uint16)
+    R.decode_words_numpy(w, want)
+    assert np.array_equal(out.get(), want)
+
+
+@gpu_test
+def test_many_matches_twin_and_single_launches():
+    import cupy as cp
+
+    rng = np.random.default_rng(7)
+    ws = [fp8_matrix(rng, (1024, 4096)), fp8_matrix(rng, (512, 4096)),
+          bf16_matrix(rng, (1024, 4096)), bf16_matrix(rng, (64, 4096)),
+          rng.standard_normal((48, 4096), dtype=np.float32)]
+    dev = [on_device(cp, w) for w in ws]
+    x = rng.standard_normal((8, 4096), dtype=np.float32)
+    xd = cp.asarray(x)
+    for batch in (1, 6):
+        buf = cp.zeros((batch, 3000), cp.float32)
+        widths = [w.shape[0] for w in ws]
+        starts = np.cumsum([0] + widths)
+        outs = [buf[:, s:s + n] for s, n in zip(starts, widths)]
+        plan = R.matvec_plan(cp, dev, outs)
+        R.matvec_many(plan, xd, batch)
+        for w, wdev, o in zip(ws, dev, outs):
+            one = cp.zeros((batch, o.shape[1]), cp.float32)
+            R.matvec(wdev, xd[:batch], one, batch)
+            assert cp.array_equal(o, one)
+            twin = np.zeros((batch, o.shape[1]), np.float32)
+            R.matvec_numpy(w, x[:batch], twin, batch)
+            wd = R.dense(w)
+            assert np.all(np.abs(o.get() - twin) <= bound(wd, x[:batch]))
+
+
+def v4_moe(cp, rng):
+    """256 experts of 2 x 2048 x 4096 (FP4) and an FP8 shared expert, on the device."""
+    experts, inter, hidden = 256, 2048, 4096
+    codes = cp.random.randint(0, 256, (experts, 2 * inter, hidden // 2), dtype=cp.int32)
+    scale = cp.random.randint(112, 122, (experts, 2 * inter, hidden // 32), dtype=cp.int32)
+    gu = PackedMatrix(FP4, codes.astype(cp.uint8), scale.astype(cp.uint8), hidden)
+    del codes, scale
+    codes = cp.random.randint(0, 256, (experts, hidden, inter // 2), dtype=cp.int32)
+    scale = cp.random.randint(112, 122, (experts, hidden, inter // 32), dtype=cp.int32)
+    down = PackedMatrix(FP4, codes.astype(cp.uint8), scale.astype(cp.uint8), inter)
+    shared = tuple(on_device(cp, fp8_matrix(rng, s, lo=112, hi=122)) for s in
+                   ((inter, hidden), (inter, hidden), (hidden, inter)))
+    return gu, down, shared, inter, hidden
+
+
+@pytest.fixture(scope="module")
+def moe_case():
+    if not cuda_available():
+        pytest.skip("needs CuPy + CUDA")
+    import cupy as cp
+
+    cp.random.seed(8)
+    return v4_moe(cp, np.random.default_rng(8))
+
+
+def run_moe(cp, case, idx, wts, x, batch, shared=True, **kw):
+    gu, down, sh, inter, hidden = case
+    scratch = R.moe_scratch(cp, 8, idx.shape[1], inter, hidden, inter)
+    y = cp.zeros((batch, hidden), cp.float32)
+    R.moe(gu, down, cp.asarray(idx[:batch]), cp.asarray(wts[:batch]), cp.asarray(x[:batch]),
+          scratch, y, batch, inter, 10.0, sh if shared else None, **kw)
+    return y
+
+
+@gpu_test
+def test_moe_kernel_matches_twin_at_v4_shapes(moe_case):
+    import cupy as cp
+
+    rng = np.random.default_rng(9)
+    idx, wts = picks(rng, 8, 6, 256)
+    idx[1, 2] = idx[0, 0]  # two tokens sharing an expert
+    x = rng.standard_normal((8, 4096), dtype=np.float32)
+    y = run_moe(cp, moe_case, idx, wts, x, 2).get()
+    want = np.zeros((2, 4096), np.float32)
+    gu, down, sh, inter, _ = moe_case
+    R.moe_numpy(gu, down, idx[:2], wts[:2], x[:2], None, want, 2, inter, 10.0, sh)
+    assert np.allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@gpu_test
+def test_moe_row_is_bitwise_the_same_in_any_batch(moe_case):
+    import cupy as cp
+
+    rng = np.random.default_rng(10)
+    idx, wts = picks(rng, 8, 6, 256)
+    idx[3, :3] = idx[0, :3]  # overlapping picks
+    x = rng.standard_normal((8, 4096), dtype=np.float32)
+    alone = cp.concatenate([run_moe(cp, moe_case, idx[b:b + 1], wts[b:b + 1], x[b:b + 1], 1)
+                            for b in range(8)])
+    for batch in (2, 4, 8):
+        assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, batch), alone[:batch])
+    for kw in ({"persistent": False}, {"fuse_shared": False}):  # other launch shapes, same sums
+        assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, **kw), alone)
+    routed = cp.concatenate([run_moe(cp, moe_case, idx[b:b + 1], wts[b:b + 1], x[b:b + 1], 1,
+                                     shared=False) for b in range(8)])
+    assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, shared=False), routed)
+
+
+@gpu_test
+@pytest.mark.parametrize("fmt,shared_fmt", [(FP8, FP8), ("bf16", "bf16"), (FP4, "bf16")])
+def test_small_moe_kernel_matches_twin(fmt, shared_fmt):
+    import cupy as cp
+
+    rng = np.random.default_rng(11)
+    gu, down, shared = small_moe(rng, fmt, experts=8, inter=128, hidden=256,
+                                 shared_fmt=shared_fmt)
+    idx, wts = picks(rng, 5, 3, 8)
+    x = rng.standard_normal((5, 256), dtype=np.float32)
+    dev = [on_device(cp, m) for m in (gu, down, *shared)]
+    scratch = R.moe_scratch(cp, 5, 3, 128, 256, 128)
+    y = cp.zeros((5, 256), cp.float32)
+    R.moe(dev[0], dev[1], cp.asarray(idx), cp.asarray(wts), cp.asarray(x), scratch, y, 5, 128,
+          7.0, tuple(dev[2:]))
+    want = np.zeros((5, 256), np.float32)
+    R.moe_numpy(gu, down, idx, wts, x, None, want, 5, 128, 7.0, shared)
+    assert np.allclose(y.get(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@gpu_test
+def test_graph_replay_equals_eager(moe_case):
+    import cupy as cp
+
+    rng = np.random.default_rng(12)
+    _, w, x, _ = device_case(cp, "q_a", seed=12)
+    gu, down, sh, inter, hidden = moe_case
+    xd, y = cp.asarray(x[:4]), cp.zeros((4, 1024), cp.float32)
+    idx, wts = (cp.asarray(a[:4]) for a in picks(rng, 4, 6, 256))
+    h = cp.asarray(rng.standard_normal((4, hidden), dtype=np.float32))
+    scratch, ym = R.moe_scratch(cp, 4, 6, inter, hidden, inter), cp.zeros((4, hidden), cp.float32)
+
+    def step():
+        R.matvec(w, xd, y, 4)
+        R.moe(gu, down, idx, wts, h, scratch, ym, 4, inter, 10.0, sh)
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        step()
+        stream.begin_capture()
+        step()
+        graph = stream.end_capture()
+        xd[...] = cp.asarray(rng.standard_normal((4, 4096), dtype=np.float32))
+        idx[...] = cp.asarray(picks(rng, 4, 6, 256)[0])
+        graph.launch(stream)
+        stream.synchronize()
+        got = (y.copy(), ym.copy())
+        step()
+        stream.synchronize()
+    assert cp.array_equal(got[0], y) and cp.array_equal(got[1], ym)

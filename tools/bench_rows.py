@@ -1,0 +1,197 @@
+"""Micro-benchmark of the batched tensor-core kernels (ds4/kernels/rows.py) at V4-Flash shapes.
+
+For B = 1, 2, 4, 8 rows of x: microseconds per launch, GB/s of the bytes read once (codes +
+scales + x; for the MoE each distinct expert hit once, plus the shared expert), the ratio to a
+device copy measured in the same run, and the old one-vector packed kernel
+(ds4/kernels/packed.py, or gemv.py for bf16) at B = 1. Timing as tools/bench_packed.py: CUDA
+graphs rotating over enough weight copies to leave the L2.
+
+    PYTHONPATH=. python3 tools/bench_rows.py [--batches 1,2,4,8] [--no-moe]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+from bench_packed import (
+    EXPERTS,
+    HIDDEN,
+    INTER,
+    TOP_K,
+    bench_bf16,
+    bench_gemv,
+    copies,
+    copy_rate,
+    fp4_matrix,
+    fp8_matrix,
+    per_launch,
+)
+
+from ds4.kernels import packed as P
+from ds4.kernels import rows as R
+from ds4.model.packed import FP4, FP8, PackedMatrix
+
+SHAPES = {  # name: (format, rows, cols, rows_per_group)
+    "q_a 1024x4096": (FP8, 1024, 4096, None),
+    "q_b 32768x1024": (FP8, 32768, 1024, None),
+    "kv 512x4096": (FP8, 512, 4096, None),
+    "o_a 8192x4096 (8 groups)": (FP8, 8192, 4096, 1024),
+    "o_b 4096x8192": (FP8, 4096, 8192, None),
+    "router 256x4096": ("bf16", 256, 4096, None),
+    "shared gate 2048x4096": (FP8, 2048, 4096, None),
+    "shared down 4096x2048": (FP8, 4096, 2048, None),
+    "expert w1/w3 2048x4096": (FP4, 2048, 4096, None),
+    "expert w2 4096x2048": (FP4, 4096, 2048, None),
+}
+
+
+def weight(cp, fmt: str, rows: int, cols: int):
+    """A random device matrix of the format, as the decoder holds it."""
+    if fmt == FP8:
+        return PackedMatrix(FP8, *fp8_matrix(cp, rows, cols), cols)
+    if fmt == FP4:
+        return PackedMatrix(FP4, *fp4_matrix(cp, rows, cols), cols)
+    return cp.random.randint(0, 1 << 14, (rows, cols), dtype=cp.int32).astype(cp.uint16)
+
+
+def weights(cp, fmt, rows, cols) -> list:
+    """Enough copies of a random matrix to leave the L2 between launches."""
+    return [weight(cp, fmt, rows, cols) for _ in range(copies(rows * cols))]
+
+
+def bench_matvec(cp, mats, group, batch, **kw) -> tuple[float, float]:
+    """(seconds per launch, GB/s) of rows.matvec for `batch` rows of x (kw: tiles, split)."""
+    rows, cols = mats[0].shape
+    width = cols * (rows // group if group else 1)
+    x = cp.random.standard_normal((batch, width), dtype=cp.float32)
+    y = cp.zeros((batch, rows), cp.float32)
+    t = per_launch(cp, [lambda w=w: R.matvec(w, x, y, batch, rows_per_group=group, **kw)
+                        for w in mats])
+    return t, (mats[0].nbytes + x.nbytes) / t
+
+
+def old_b1(cp, fmt, rows, cols, group, copy) -> float:
+    """Seconds of the one-vector kernel the decoder uses today on this shape."""
+    if fmt == "bf16":
+        return 2 * rows * cols / bench_bf16(cp, rows, cols, group)
+    return bench_gemv(cp, fmt, rows, cols, group, copy)[0]
+
+
+def expert_bank(cp):
+    """256 FP4 experts (gate and up stacked as gate_up) and the FP8 shared expert."""
+    gu = PackedMatrix(FP4, *fp4_matrix(cp, EXPERTS * 2 * INTER, HIDDEN), HIDDEN)
+    gu = PackedMatrix(FP4, gu.codes.reshape(EXPERTS, 2 * INTER, -1),
+                      gu.scale.reshape(EXPERTS, 2 * INTER, -1), HIDDEN)
+    dn = PackedMatrix(FP4, *fp4_matrix(cp, EXPERTS * HIDDEN, INTER), INTER)
+    dn = PackedMatrix(FP4, dn.codes.reshape(EXPERTS, HIDDEN, -1),
+                      dn.scale.reshape(EXPERTS, HIDDEN, -1), INTER)
+    shared = tuple(PackedMatrix(FP8, *fp8_matrix(cp, r, c), c)
+                   for r, c in ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)))
+    return gu, dn, shared
+
+
+def bench_moe(cp, bank, batch: int, with_shared: bool, **kw) -> tuple[float, float, int]:
+    """(seconds, GB/s, distinct experts) of rows.moe for `batch` tokens of 6 random picks."""
+    gu, dn, shared = bank
+    rng = np.random.default_rng(batch)
+    scratch = R.moe_scratch(cp, batch, TOP_K, INTER, HIDDEN, INTER)
+    x = cp.random.standard_normal((batch, HIDDEN), dtype=cp.float32)
+    y = cp.zeros((batch, HIDDEN), cp.float32)
+    wts = cp.full((batch, TOP_K), 0.2, cp.float32)
+    picks = [np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(batch)])
+             for _ in range(8)]
+    idxs = [cp.asarray(p.astype(np.int32)) for p in picks]
+    sh = shared if with_shared else None
+    t = per_launch(cp, [lambda i=i: R.moe(gu, dn, i, wts, x, scratch, y, batch, INTER, 10.0, sh,
+                                             **kw)
+                        for i in idxs])
+    distinct = float(np.mean([len(np.unique(p)) for p in picks]))
+    per_expert = (gu.nbytes + dn.nbytes) / EXPERTS
+    total = distinct * per_expert + (sum(m.nbytes for m in shared) if sh else 0) + x.nbytes
+    return t, total / t, distinct
+
+
+def old_moe(cp, bank) -> float:
+    """Seconds of the one-token packed expert kernels (gate_up + down, no shared expert)."""
+    gu, dn, _ = bank
+    rng = np.random.default_rng(0)
+    picks = [cp.asarray(rng.choice(EXPERTS, TOP_K, replace=False).astype(np.int32))
+             for _ in range(8)]
+    wts = cp.full(TOP_K, 0.2, cp.float32)
+    x = cp.random.standard_normal(HIDDEN, dtype=cp.float32)
+    act, y = cp.zeros((TOP_K, INTER), cp.float32), cp.zeros(HIDDEN, cp.float32)
+    halves = (gu.codes[:, :INTER], gu.scale[:, :INTER], gu.codes[:, INTER:], gu.scale[:, INTER:])
+
+    def one(i):
+        P.moe_gate_up_fp4(*halves, i, wts, x, act, 10.0)
+        P.moe_down_fp4(dn.codes, dn.scale, i, act, y)
+
+    return per_launch(cp, [lambda i=i: one(i) for i in picks])
+
+
+def line(name: str, batch: int, seconds: float, rate: float, copy: float, old=None) -> None:
+    extra = "" if old is None else f"   old B=1 {old * 1e6:7.2f} us ({seconds / old:4.2f}x time)"
+    print(f"{name:28s} B={batch}  {seconds * 1e6:8.2f} us {rate / 1e9:7.0f} GB/s "
+          f"{rate / copy:5.2f}x copy{extra}", flush=True)
+
+
+VARIANT_SHAPES = ("q_b 32768x1024", "o_b 4096x8192", "q_a 1024x4096", "kv 512x4096",
+                  "expert w1/w3 2048x4096", "expert w2 4096x2048")
+TILES = ((1, 4), (2, 2), (1, 8), (2, 4), (4, 2))
+
+
+def variants(cp, copy) -> None:
+    """Kernel variants (tiles per warp, k-tiles per stage) and k-splits on a few shapes."""
+    for name in VARIANT_SHAPES:
+        fmt, rows, cols, group = SHAPES[name]
+        mats = weights(cp, fmt, rows, cols)
+        for tiles in TILES:
+            for b in (1, 8):
+                t, rate = bench_matvec(cp, mats, group, b, tiles=tiles)
+                line(f"{name} t{tiles[0]}d{tiles[1]}", b, t, rate, copy)
+        for split in (1, 2, 4, 8):
+            t, rate = bench_matvec(cp, mats, group, 1, split=split)
+            line(f"{name} split {split}", 1, t, rate, copy)
+
+
+def moe_table(cp, copy, batches) -> None:
+    """The routed experts (and + shared) for B tokens, against the one-token kernels."""
+    bank = expert_bank(cp)
+    old = old_moe(cp, bank)
+    for with_shared, kw in ((False, {}), (True, {}), (True, {"fuse_shared": False}),
+                            (True, {"persistent": False})):
+        for b in batches:
+            t, rate, distinct = bench_moe(cp, bank, b, with_shared, **kw)
+            label = (f"moe {distinct:4.1f} experts" + (" +shared" if with_shared else "")
+                     + "".join(f" {k[:4]}={int(v)}" for k, v in kw.items()))
+            line(label, b, t, rate, copy, old if b == 1 and not with_shared else None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--no-moe", action="store_true")
+    ap.add_argument("--variants", action="store_true", help="kernel variants and k-splits too")
+    ap.add_argument("--only-moe", action="store_true", help="the MoE table alone")
+    args = ap.parse_args()
+    import cupy as cp
+
+    batches = [int(b) for b in args.batches.split(",")]
+    copy = copy_rate(cp)
+    print(f"device copy: {copy / 1e9:.0f} GB/s (read + write)\n")
+    for name, (fmt, rows, cols, group) in ({} if args.only_moe else SHAPES).items():
+        old = old_b1(cp, fmt, rows, cols, group, copy)
+        mats = weights(cp, fmt, rows, cols)
+        for b in batches:
+            t, rate = bench_matvec(cp, mats, group, b)
+            line(f"{fmt} {name}", b, t, rate, copy, old if b == 1 else None)
+        del mats
+    if not args.no_moe:
+        moe_table(cp, copy, batches)
+    if args.variants:
+        variants(cp, copy)
+
+
+if __name__ == "__main__":
+    main()
