@@ -1,0 +1,107 @@
+"""The routed-expert stage of a V4-Flash prefill chunk on packed FP4 experts: the grouped kernels
+(ds4/kernels/grouped.cu: codes read in place, one gate/up and one down launch) against the
+current path (a widened bf16 slab per hit expert, cuBLAS on the hi + lo rows) and the floor.
+
+Floor = max(the stage's FLOPs at the fp16 GEMM rate, the packed bytes of the experts hit plus
+x and the output at the copy rate), both rates measured in the same run (bench_engine's
+ceilings). Routing picks top-6 of 256 experts uniformly at random, as the packed random
+weights do (nearly every expert hit at chunk 2048).
+
+    PYTHONPATH=. python3 tools/bench_grouped.py [--chunks 512,2048] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+from bench_engine import ceilings, timed
+
+from ds4.kernels import grouped
+from ds4.model import moe
+from ds4.model.expert_bank import ExpertBank
+from ds4.model.packed import PackedMatrix
+
+EXPERTS, TOP_K, HIDDEN, INTER, LIMIT = 256, 6, 4096, 2048, 10.0
+
+
+def fp4_stack(cp, rows: int, cols: int) -> PackedMatrix:
+    """Random MXFP4 experts [EXPERTS, rows, cols] on the device (scales near 2^-6)."""
+    codes = cp.random.randint(0, 256, (EXPERTS, rows, cols // 2), dtype=cp.int32)
+    scale = cp.random.randint(118, 124, (EXPERTS, rows, cols // 32), dtype=cp.int32)
+    return PackedMatrix("fp4", codes.astype(cp.uint8), scale.astype(cp.uint8), cols)
+
+
+def chunk(cp, S: int, seed: int):
+    """x [S, HIDDEN], ids [S, TOP_K] (distinct experts per token), routing weights."""
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((S, EXPERTS)), axis=1)[:, :TOP_K]
+    x = rng.standard_normal((S, HIDDEN)).astype(np.float32)
+    w = rng.random((S, TOP_K)).astype(np.float32) / TOP_K
+    return cp.asarray(x), cp.asarray(ids), cp.asarray(w), len(np.unique(ids))
+
+
+class _Cfg:
+    moe_intermediate_size, swiglu_limit = INTER, LIMIT
+
+
+def current(cp, bank, x, ids, w):
+    """The per-expert path (slab + cuBLAS per hit expert)."""
+    saved, moe.GROUPED_KERNELS = moe.GROUPED_KERNELS, False
+    try:
+        return moe._routed_grouped(cp, _Cfg, bank, x, ids, w, cp.asnumpy)
+    finally:
+        moe.GROUPED_KERNELS = saved
+
+
+def measure(cp, gate_up, down, S: int, rates: dict) -> dict:
+    """Times and floor of one chunk size."""
+    x, ids, w, hit = chunk(cp, S, S)
+    bank = ExpertBank.from_stacks(cp, gate_up, down)
+    R = S * TOP_K
+    flops = 2 * R * (2 * INTER * HIDDEN + HIDDEN * INTER)
+    per_expert = (gate_up.nbytes + down.nbytes) / EXPERTS
+    nbytes = hit * per_expert + 2 * S * HIDDEN * 4
+    floor = max(flops / rates["gemm_flop_per_s"], nbytes / rates["copy_bytes_per_s"])
+    new = timed(cp, lambda: grouped.routed(cp, gate_up, down, x, ids, w, LIMIT), repeat=10)
+    one = timed(cp, lambda: grouped.routed(cp, gate_up, down, x, ids, w, LIMIT, parts=1),
+                repeat=10)
+    old = timed(cp, lambda: current(cp, bank, x, ids, w), repeat=5, warmup=1)
+    got = grouped.routed(cp, gate_up, down, x, ids, w, LIMIT)
+    want = current(cp, bank, x, ids, w)
+    err = float(cp.abs(got - want).max() / cp.abs(want).max())
+    return {"chunk": S, "experts_hit": hit, "new_ms": new * 1e3, "bf16_ms": one * 1e3,
+            "current_ms": old * 1e3, "floor_ms": floor * 1e3, "tflops_new": flops / new / 1e12,
+            "ratio_new": new / floor, "ratio_current": old / floor, "rel_err": err}
+
+
+def main() -> None:
+    """Print one row per chunk size (and write them as JSON with --json)."""
+    import cupy as cp
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--chunks", default="512,2048")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    os.environ.setdefault("DS4_GEMM", "bf16x2")
+    rates = ceilings(cp)
+    print(f"copy {rates['copy_bytes_per_s'] / 1e12:.2f} TB/s, fp16 GEMM "
+          f"{rates['gemm_flop_per_s'] / 1e12:.0f} TFLOP/s")
+    gate_up, down = fp4_stack(cp, 2 * INTER, HIDDEN), fp4_stack(cp, HIDDEN, INTER)
+    rows = [measure(cp, gate_up, down, int(s), rates) for s in a.chunks.split(",")]
+    print("| chunk | experts hit | grouped | grouped, DS4_GEMM=bf16 | current | floor | "
+          "TFLOP/s | ratio grouped / current | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['chunk']} | {r['experts_hit']} | {r['new_ms']:.2f} ms | {r['bf16_ms']:.2f} ms"
+              f" | {r['current_ms']:.2f} ms | {r['floor_ms']:.2f} ms | {r['tflops_new']:.0f} | "
+              f"{r['ratio_new']:.1f}x / {r['ratio_current']:.1f}x | {r['rel_err']:.1e} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"rates": rates, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
