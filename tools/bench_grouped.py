@@ -56,6 +56,30 @@ def current(cp, bank, x, ids, w):
         moe.GROUPED_KERNELS = saved
 
 
+def launches_ms(cp, gate_up, down, x, ids, w, mt: int) -> dict:
+    """Device ms of the gate/up and the down launch alone (inputs prepared once), tiles of
+    16 * mt rows."""
+    S, k = ids.shape
+    R, E, D = S * k, EXPERTS, HIDDEN
+    flat = ids.reshape(-1)
+    order = cp.argsort(flat).astype(cp.int32)
+    tiles = cp.zeros((grouped.max_tiles(R, E, 16 * mt), 4), cp.int32)
+    n = cp.zeros(1, cp.int32)
+    grouped.expert_tiles(cp.bincount(flat, minlength=E).astype(cp.int64), 16 * mt, tiles, n)
+    words = grouped.split_words(x, grouped.new_words(cp, S, D))
+    wts = cp.ascontiguousarray(w.reshape(-1))
+    act = cp.empty((R, INTER), cp.float32)
+    act_words = grouped.new_words(cp, R, INTER)
+    rows = cp.empty((R, D), cp.float32)
+    return {
+        "mt": mt,
+        "gate_up_ms": 1e3 * timed(cp, lambda: grouped.gate_up(
+            gate_up, words, order, k, wts, tiles, n, mt, act, LIMIT), repeat=10),
+        "split_act_ms": 1e3 * timed(cp, lambda: grouped.split_words(act, act_words), repeat=10),
+        "down_ms": 1e3 * timed(cp, lambda: grouped.gemm(
+            down, act_words, order, tiles, n, mt, rows), repeat=10)}
+
+
 def measure(cp, gate_up, down, S: int, rates: dict) -> dict:
     """Times and floor of one chunk size."""
     x, ids, w, hit = chunk(cp, S, S)
@@ -72,9 +96,12 @@ def measure(cp, gate_up, down, S: int, rates: dict) -> dict:
     got = grouped.routed(cp, gate_up, down, x, ids, w, LIMIT)
     want = current(cp, bank, x, ids, w)
     err = float(cp.abs(got - want).max() / cp.abs(want).max())
-    return {"chunk": S, "experts_hit": hit, "new_ms": new * 1e3, "bf16_ms": one * 1e3,
-            "current_ms": old * 1e3, "floor_ms": floor * 1e3, "tflops_new": flops / new / 1e12,
-            "ratio_new": new / floor, "ratio_current": old / floor, "rel_err": err}
+    row = {"chunk": S, "experts_hit": hit, "new_ms": new * 1e3, "bf16_ms": one * 1e3,
+           "current_ms": old * 1e3, "floor_ms": floor * 1e3, "tflops_new": flops / new / 1e12,
+           "ratio_new": new / floor, "ratio_current": old / floor, "rel_err": err}
+    row["launches"] = [launches_ms(cp, gate_up, down, x, ids, w, mt) for mt in range(1, 5)]
+    row["mt"] = grouped.pick_mt(S * TOP_K, EXPERTS)
+    return row
 
 
 def main() -> None:
@@ -98,6 +125,11 @@ def main() -> None:
         print(f"| {r['chunk']} | {r['experts_hit']} | {r['new_ms']:.2f} ms | {r['bf16_ms']:.2f} ms"
               f" | {r['current_ms']:.2f} ms | {r['floor_ms']:.2f} ms | {r['tflops_new']:.0f} | "
               f"{r['ratio_new']:.1f}x / {r['ratio_current']:.1f}x | {r['rel_err']:.1e} |")
+    for r in rows:
+        print(f"chunk {r['chunk']} (picked m16 tiles per block: {r['mt']}):")
+        for t in r["launches"]:
+            print(f"  m16 tiles {t['mt']}: gate/up {t['gate_up_ms']:.2f} ms, act split "
+                  f"{t['split_act_ms']:.2f} ms, down {t['down_ms']:.2f} ms")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rates": rates, "rows": rows}, f, indent=1)
