@@ -134,7 +134,7 @@ __device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
 }
 
 __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                  "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -252,14 +252,19 @@ __device__ __forceinline__ void load_stage(u8* buf, const uint2* words, long lon
     }
 }
 
-// The bf16x2 scale factors of this lane's rows for stage st: one per n8 tile (FP8: two, one per
-// 16-byte chunk). Columns past the matrix get a harmless 1 (their codes are zeros).
+constexpr int FACTORS = 8;  // scale bytes a lane applies per stage: NT x (WORDS / 4), both formats
+
+// The E8M0 bytes of this lane's rows for stage st, four to a word (loaded a stage ahead: two
+// registers, not eight): one per n8 tile (FP8: two, one per 16-byte chunk). Columns past the
+// matrix get a harmless 127 (their codes are zeros).
 template <class F, int MT, bool GATE_UP>
-__device__ __forceinline__ void load_factors(const Weights& W, int expert, int n0, int st,
-                                             u32* f) {
+__device__ __forceinline__ void load_scales(const Weights& W, int expert, int n0, int st,
+                                            u32* packed) {
+    static_assert(F::NT * (F::WORDS / 4) == FACTORS, "eight scale bytes per lane and stage");
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const u8* s = W.scale + expert * W.s_stride;
     int half = W.rows / (GATE_UP ? 2 : 1);
+    packed[0] = packed[1] = 0u;
 #pragma unroll
     for (int i = 0; i < F::NT; i++) {
         int row = weight_row<GATE_UP>(tile_row<F>(warp, i, g, GATE_UP), Smem<F, MT>::BN, n0, half);
@@ -272,14 +277,15 @@ __device__ __forceinline__ void load_factors(const Weights& W, int expert, int n
                                      : __ldg(s + (long long)(row >> W.shift) * W.sc_ld
                                              + (col >> W.shift));
             }
-            f[i * (F::WORDS / 4) + c] = F::factor(byte);
+            int e = i * (F::WORDS / 4) + c;
+            packed[e >> 2] |= byte << (8 * (e & 3));
         }
     }
 }
 
 // acc += the stage in buf times the lane's decoded weights, 8 k-steps.
 template <class F, int MT, bool GATE_UP>
-__device__ __forceinline__ void stage_mma(const u8* buf, const u32* fac, int parts,
+__device__ __forceinline__ void stage_mma(const u8* buf, const u32* scales, int parts,
                                           float (*acc)[F::NT][4]) {
     using L = Smem<F, MT>;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -295,32 +301,35 @@ __device__ __forceinline__ void stage_mma(const u8* buf, const u32* fac, int par
             q[i][4 * c] = v.x; q[i][4 * c + 1] = v.y; q[i][4 * c + 2] = v.z; q[i][4 * c + 3] = v.w;
         }
     }
+    u32 fac[FACTORS];
+#pragma unroll
+    for (int e = 0; e < FACTORS; e++) fac[e] = F::factor((scales[e >> 2] >> (8 * (e & 3))) & 0xffu);
 #pragma unroll
     for (int s = 0; s < 8; s++) {
         const int j = s >> 1, h = s & 1;
-        u32 a[MT][2][4];
-#pragma unroll
-        for (int m = 0; m < MT; m++) {
-#pragma unroll
-            for (int hl = 0; hl < 2; hl++) {
-                if (hl == 1 && parts == 1) break;
-                const uint2* u = sa + ((unit_of(j, h, hl, 0) >> 2) * L::BM + m * 16 + g) * 4 + t;
-                uint2 top = u[0], low = u[8 * 4];
-                a[m][hl][0] = top.x; a[m][hl][1] = low.x; a[m][hl][2] = top.y; a[m][hl][3] = low.y;
-            }
-        }
+        u32 b[F::NT][2];
 #pragma unroll
         for (int i = 0; i < F::NT; i++) {
-            u32 b0, b1;
-            F::decode(q[i], j, h, b0, b1);
+            F::decode(q[i], j, h, b[i][0], b[i][1]);
             u32 f = fac[i * (F::WORDS / 4) + (F::WORDS == 8 ? j >> 1 : 0)];
-            b0 = bf16x2_mul(b0, f);
-            b1 = bf16x2_mul(b1, f);
+            b[i][0] = bf16x2_mul(b[i][0], f);
+            b[i][1] = bf16x2_mul(b[i][1], f);
+        }
+        // hi rows, then lo rows: the two mmas into one accumulator sit NT * MT mmas apart
+#pragma unroll
+        for (int hl = 0; hl < 2; hl++) {
+            if (hl == 1 && parts == 1) break;
+            u32 a[MT][4];
 #pragma unroll
             for (int m = 0; m < MT; m++) {
-                mma(acc[m][i], a[m][0], b0, b1);
-                if (parts == 2) mma(acc[m][i], a[m][1], b0, b1);
+                const uint2* u = sa + ((unit_of(j, h, hl, 0) >> 2) * L::BM + m * 16 + g) * 4 + t;
+                uint2 top = u[0], low = u[8 * 4];
+                a[m][0] = top.x; a[m][1] = low.x; a[m][2] = top.y; a[m][3] = low.y;
             }
+#pragma unroll
+            for (int i = 0; i < F::NT; i++)
+#pragma unroll
+                for (int m = 0; m < MT; m++) mma(acc[m][i], a[m], b[i][0], b[i][1]);
         }
     }
 }
@@ -401,8 +410,8 @@ __device__ void grouped_gemm(const uint2* __restrict__ words, long long w_ld,
                                        expert, n0, s);
         copy_commit();
     }
-    u32 fac[F::NT * (F::WORDS / 4)];
-    load_factors<F, MT, GATE_UP>(W, expert, n0, 0, fac);
+    u32 scales[2];
+    load_scales<F, MT, GATE_UP>(W, expert, n0, 0, scales);
     for (int st = 0; st < stages; st++) {
         copy_wait<F::STAGES - 2>();
         __syncthreads();
@@ -411,11 +420,11 @@ __device__ void grouped_gemm(const uint2* __restrict__ words, long long w_ld,
             load_stage<F, MT, GATE_UP>(smem + (next % F::STAGES) * L::STAGE, words, w_ld, a_rows,
                                        tile_rows, W, expert, n0, next);
         copy_commit();
-        u32 ahead[F::NT * (F::WORDS / 4)];
-        load_factors<F, MT, GATE_UP>(W, expert, n0, min(st + 1, stages - 1), ahead);
-        stage_mma<F, MT, GATE_UP>(smem + (st % F::STAGES) * L::STAGE, fac, parts, acc);
-#pragma unroll
-        for (int i = 0; i < F::NT * (F::WORDS / 4); i++) fac[i] = ahead[i];
+        u32 ahead[2];
+        load_scales<F, MT, GATE_UP>(W, expert, n0, min(st + 1, stages - 1), ahead);
+        stage_mma<F, MT, GATE_UP>(smem + (st % F::STAGES) * L::STAGE, scales, parts, acc);
+        scales[0] = ahead[0];
+        scales[1] = ahead[1];
     }
     int n_out = GATE_UP ? W.rows / 2 : W.rows;
     store_tile<F, MT, GATE_UP>(acc, row0, tile_rows, n0, n_out, order, wts, limit, out, out_ld);
