@@ -25,6 +25,7 @@ from ds4.model.expert_bank import ExpertBank
 from ds4.model.packed import PackedMatrix
 
 EXPERTS, TOP_K, HIDDEN, INTER, LIMIT = 256, 6, 4096, 2048, 10.0
+SWEEP = [(1, 3), (1, 4), (2, 3), (2, 4), (3, 3), (4, 3)]  # (m16 tiles per block, stages)
 
 
 def fp4_stack(cp, rows: int, cols: int) -> PackedMatrix:
@@ -56,7 +57,7 @@ def current(cp, bank, x, ids, w):
         moe.GROUPED_KERNELS = saved
 
 
-def launches_ms(cp, gate_up, down, x, ids, w, mt: int) -> dict:
+def launches_ms(cp, gate_up, down, x, ids, w, mt: int, depth: int) -> dict:
     """Device ms of the gate/up and the down launch alone (inputs prepared once), tiles of
     16 * mt rows."""
     S, k = ids.shape
@@ -72,12 +73,12 @@ def launches_ms(cp, gate_up, down, x, ids, w, mt: int) -> dict:
     act_words = grouped.new_words(cp, R, INTER)
     rows = cp.empty((R, D), cp.float32)
     return {
-        "mt": mt,
+        "mt": mt, "depth": depth,
         "gate_up_ms": 1e3 * timed(cp, lambda: grouped.gate_up(
-            gate_up, words, order, k, wts, tiles, n, mt, act, LIMIT), repeat=10),
+            gate_up, words, order, k, wts, tiles, n, mt, act, LIMIT, depth=depth), repeat=10),
         "split_act_ms": 1e3 * timed(cp, lambda: grouped.split_words(act, act_words), repeat=10),
         "down_ms": 1e3 * timed(cp, lambda: grouped.gemm(
-            down, act_words, order, tiles, n, mt, rows), repeat=10)}
+            down, act_words, order, tiles, n, mt, rows, depth=depth), repeat=10)}
 
 
 def measure(cp, gate_up, down, S: int, rates: dict) -> dict:
@@ -99,7 +100,8 @@ def measure(cp, gate_up, down, S: int, rates: dict) -> dict:
     row = {"chunk": S, "experts_hit": hit, "new_ms": new * 1e3, "bf16_ms": one * 1e3,
            "current_ms": old * 1e3, "floor_ms": floor * 1e3, "tflops_new": flops / new / 1e12,
            "ratio_new": new / floor, "ratio_current": old / floor, "rel_err": err}
-    row["launches"] = [launches_ms(cp, gate_up, down, x, ids, w, mt) for mt in range(1, 5)]
+    row["launches"] = [launches_ms(cp, gate_up, down, x, ids, w, mt, depth)
+                       for mt, depth in SWEEP]
     row["mt"] = grouped.pick_mt(S * TOP_K, EXPERTS)
     return row
 
@@ -128,8 +130,8 @@ def main() -> None:
     for r in rows:
         print(f"chunk {r['chunk']} (picked m16 tiles per block: {r['mt']}):")
         for t in r["launches"]:
-            print(f"  m16 tiles {t['mt']}: gate/up {t['gate_up_ms']:.2f} ms, act split "
-                  f"{t['split_act_ms']:.2f} ms, down {t['down_ms']:.2f} ms")
+            print(f"  m16 tiles {t['mt']}, {t['depth']} stages: gate/up {t['gate_up_ms']:.2f} ms,"
+                  f" act split {t['split_act_ms']:.2f} ms, down {t['down_ms']:.2f} ms")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rates": rates, "rows": rows}, f, indent=1)

@@ -145,7 +145,6 @@ struct Fp4 {
     static constexpr int ROW_BYTES = 64;  // per stage
     static constexpr int WORDS = 4;  // u32 codes a lane holds per weight row and stage
     static constexpr int NT = 8;  // n8 tiles per warp
-    static constexpr int STAGES = 3;
     // E8M0 byte s -> the bf16x2 factor 2^(s - 127) * 2^126 (both halves).
     __device__ static u32 factor(u32 s) { u32 f = (s + 126u) << 7; return f | (f << 16); }
     // Shared-memory offset of chunk c of a stage row n (no swizzle needed: 4 chunks per row).
@@ -171,7 +170,6 @@ struct Fp8 {
     static constexpr int ROW_BYTES = 128;
     static constexpr int WORDS = 8;
     static constexpr int NT = 4;
-    static constexpr int STAGES = 3;
     __device__ static u32 factor(u32 s) { u32 f = (s + 120u) << 7; return f | (f << 16); }
     // Chunks of odd rows swap pairwise, so the eight lanes of a 16-byte phase (rows g, g + 1)
     // hit eight different bank groups.
@@ -221,7 +219,6 @@ struct Smem {
     static constexpr int A_BYTES = BM * UNITS * 8;
     static constexpr int W_BYTES = BN * F::ROW_BYTES;
     static constexpr int STAGE = A_BYTES + W_BYTES;
-    static constexpr int BYTES = STAGE * F::STAGES;
 };
 
 // Issue the copies of stage st: the tile's activation words (rows a_row(r), zeros past the tile)
@@ -377,7 +374,7 @@ __device__ __forceinline__ void store_tile(float (*acc)[F::NT][4], int row0, int
 // One block: tile blockIdx.y of the table (rows grouped by expert) times weight band
 // blockIdx.x (gate/up: BN/2 columns of act; plain: BN output columns). The activation row of
 // sorted row r is order[r] / k_div for gate/up (order null: r), r for plain (act rows).
-template <class F, int MT, bool GATE_UP>
+template <class F, int MT, bool GATE_UP, int STAGES>
 __device__ void grouped_gemm(const uint2* __restrict__ words, long long w_ld,
                              const int* __restrict__ order, int k_div,
                              const float* __restrict__ wts, const int4* __restrict__ tiles,
@@ -404,7 +401,7 @@ __device__ void grouped_gemm(const uint2* __restrict__ words, long long w_ld,
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[m][i][e] = 0.f;
 #pragma unroll
-    for (int s = 0; s < F::STAGES - 1; s++) {
+    for (int s = 0; s < STAGES - 1; s++) {
         if (s < stages)
             load_stage<F, MT, GATE_UP>(smem + s * L::STAGE, words, w_ld, a_rows, tile_rows, W,
                                        expert, n0, s);
@@ -413,16 +410,16 @@ __device__ void grouped_gemm(const uint2* __restrict__ words, long long w_ld,
     u32 scales[2];
     load_scales<F, MT, GATE_UP>(W, expert, n0, 0, scales);
     for (int st = 0; st < stages; st++) {
-        copy_wait<F::STAGES - 2>();
+        copy_wait<STAGES - 2>();
         __syncthreads();
-        int next = st + F::STAGES - 1;
+        int next = st + STAGES - 1;
         if (next < stages)
-            load_stage<F, MT, GATE_UP>(smem + (next % F::STAGES) * L::STAGE, words, w_ld, a_rows,
+            load_stage<F, MT, GATE_UP>(smem + (next % STAGES) * L::STAGE, words, w_ld, a_rows,
                                        tile_rows, W, expert, n0, next);
         copy_commit();
         u32 ahead[2];
         load_scales<F, MT, GATE_UP>(W, expert, n0, min(st + 1, stages - 1), ahead);
-        stage_mma<F, MT, GATE_UP>(smem + (st % F::STAGES) * L::STAGE, scales, parts, acc);
+        stage_mma<F, MT, GATE_UP>(smem + (st % STAGES) * L::STAGE, scales, parts, acc);
         scales[0] = ahead[0];
         scales[1] = ahead[1];
     }
@@ -435,26 +432,31 @@ __device__ void grouped_gemm(const uint2* __restrict__ words, long long w_ld,
     const int4* __restrict__ tiles, const int* __restrict__ n_tiles, const u8* codes, \
     const u8* scale, long long e_stride, long long s_stride, int rows, int cols, int sc_ld, \
     int shift, int parts, float limit, float* __restrict__ out, long long out_ld
-#define GROUPED(name, F, MT, GATE_UP) \
+#define GROUPED(name, F, MT, GATE_UP, STAGES) \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) name(GROUPED_ARGS) { \
         Weights W{codes, scale, e_stride, s_stride, rows, cols, sc_ld, shift}; \
-        grouped_gemm<F, MT, GATE_UP>(words, w_ld, order, k_div, wts, tiles, n_tiles, W, parts, \
+        grouped_gemm<F, MT, GATE_UP, STAGES>(words, w_ld, order, k_div, wts, tiles, n_tiles, W, parts, \
                                      limit, out, out_ld); \
     }
 
-GROUPED(gate_up_fp4_m1, Fp4, 1, true)
-GROUPED(gate_up_fp4_m2, Fp4, 2, true)
-GROUPED(gate_up_fp4_m3, Fp4, 3, true)
-GROUPED(gate_up_fp4_m4, Fp4, 4, true)
-GROUPED(gemm_fp4_m1, Fp4, 1, false)
-GROUPED(gemm_fp4_m2, Fp4, 2, false)
-GROUPED(gemm_fp4_m3, Fp4, 3, false)
-GROUPED(gemm_fp4_m4, Fp4, 4, false)
-GROUPED(gate_up_fp8_m1, Fp8, 1, true)
-GROUPED(gate_up_fp8_m2, Fp8, 2, true)
-GROUPED(gate_up_fp8_m3, Fp8, 3, true)
-GROUPED(gate_up_fp8_m4, Fp8, 4, true)
-GROUPED(gemm_fp8_m1, Fp8, 1, false)
-GROUPED(gemm_fp8_m2, Fp8, 2, false)
-GROUPED(gemm_fp8_m3, Fp8, 3, false)
-GROUPED(gemm_fp8_m4, Fp8, 4, false)
+GROUPED(gate_up_fp4_m1, Fp4, 1, true, 3)
+GROUPED(gate_up_fp4_m2, Fp4, 2, true, 3)
+GROUPED(gate_up_fp4_m3, Fp4, 3, true, 3)
+GROUPED(gate_up_fp4_m4, Fp4, 4, true, 3)
+GROUPED(gemm_fp4_m1, Fp4, 1, false, 3)
+GROUPED(gemm_fp4_m2, Fp4, 2, false, 3)
+GROUPED(gemm_fp4_m3, Fp4, 3, false, 3)
+GROUPED(gemm_fp4_m4, Fp4, 4, false, 3)
+GROUPED(gate_up_fp8_m1, Fp8, 1, true, 3)
+GROUPED(gate_up_fp8_m2, Fp8, 2, true, 3)
+GROUPED(gate_up_fp8_m3, Fp8, 3, true, 3)
+GROUPED(gate_up_fp8_m4, Fp8, 4, true, 3)
+GROUPED(gemm_fp8_m1, Fp8, 1, false, 3)
+GROUPED(gemm_fp8_m2, Fp8, 2, false, 3)
+GROUPED(gemm_fp8_m3, Fp8, 3, false, 3)
+GROUPED(gemm_fp8_m4, Fp8, 4, false, 3)
+// Deeper pipelines for one-tile blocks (bound by the weights' bytes; benchmarked against 3)
+GROUPED(gate_up_fp4_m1_s4, Fp4, 1, true, 4)
+GROUPED(gemm_fp4_m1_s4, Fp4, 1, false, 4)
+GROUPED(gate_up_fp4_m2_s4, Fp4, 2, true, 4)
+GROUPED(gemm_fp4_m2_s4, Fp4, 2, false, 4)

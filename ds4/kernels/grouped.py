@@ -36,10 +36,10 @@ def block_rows(fmt: str) -> int:
     return 8 * 8 * NT[fmt]
 
 
-def shared_bytes(fmt: str, mt: int) -> int:
-    """Dynamic shared memory of a GEMM launch: STAGES x (activation words + weight codes)."""
+def shared_bytes(fmt: str, mt: int, depth: int = STAGES) -> int:
+    """Dynamic shared memory of a GEMM launch: depth x (activation words + weight codes)."""
     row_bytes = 64 if fmt == "fp4" else 128
-    return STAGES * (16 * mt * UNITS * 8 + block_rows(fmt) * row_bytes)
+    return depth * (16 * mt * UNITS * 8 + block_rows(fmt) * row_bytes)
 
 
 def pick_mt(rows: int, experts: int) -> int:
@@ -159,7 +159,7 @@ def _shift(m) -> int:
 
 
 def _gemm(kind: str, m, words, order, k_div: int, wts, tiles, n_tiles, mt: int, parts: int,
-          limit: float, out):
+          limit: float, out, depth: int = STAGES):
     """One grouped launch of kind gate_up (act rows) or gemm (scattered rows) over packed m
     [E, rows, cols] (a 2-D m: one expert)."""
     codes, scale = m.codes, m.scale
@@ -172,22 +172,24 @@ def _gemm(kind: str, m, words, order, k_div: int, wts, tiles, n_tiles, mt: int, 
             np.int64(scale.strides[0] if stacked else 0), i32(rows), i32(cols),
             i32(scale.shape[-1]), i32(_shift(m)), i32(parts), f32(limit), ptr(out),
             np.int64(out.shape[1]))
-    launch("grouped", f"{kind}_{m.fmt}_m{mt}", grid, (THREADS,), args,
-           shared=shared_bytes(m.fmt, mt))
+    name = f"{kind}_{m.fmt}_m{mt}" + ("" if depth == STAGES else f"_s{depth}")
+    launch("grouped", name, grid, (THREADS,), args, shared=shared_bytes(m.fmt, mt, depth))
     return out
 
 
 def gate_up(m, words, order, k_div: int, wts, tiles, n_tiles, mt: int, act, limit: float,
-            parts: int = 2):
+            parts: int = 2, depth: int = STAGES):
     """act[r] = swiglu(gate_e a, up_e a) * wts[order[r]] for the sorted rows r of each tile
     (expert e), a = the activation row order[r] // k_div (order None: r; wts None: 1);
     m = packed gate/up [E, 2I, D] (gate rows, then up rows)."""
-    return _gemm("gate_up", m, words, order, k_div, wts, tiles, n_tiles, mt, parts, limit, act)
+    return _gemm("gate_up", m, words, order, k_div, wts, tiles, n_tiles, mt, parts, limit, act,
+                 depth)
 
 
-def gemm(m, words, order, tiles, n_tiles, mt: int, out, parts: int = 2):
-    """out[order[r]] = W_e a_r for the sorted rows r of each tile (order None: out[r])."""
-    return _gemm("gemm", m, words, order, 1, None, tiles, n_tiles, mt, parts, 0.0, out)
+def gemm(m, words, order, tiles, n_tiles, mt: int, out, parts: int = 2, depth: int = STAGES):
+    """out[order[r]] = W_e a_r for the sorted rows r of each tile (order None: out[r]); depth =
+    pipeline stages (3; FP4 one- and two-tile kernels also 4)."""
+    return _gemm("gemm", m, words, order, 1, None, tiles, n_tiles, mt, parts, 0.0, out, depth)
 
 
 def _dense(m, e: int):
@@ -211,7 +213,7 @@ def _product(m, e: int, a, rows=None):
 
 
 def gate_up_numpy(m, words, order, k_div: int, wts, tiles, n_tiles, mt: int, act,
-                  limit: float, parts: int = 2):
+                  limit: float, parts: int = 2, depth: int = STAGES):
     """NumPy twin of gate_up (products in float64 of the words' hi + lo values)."""
     a_all = words_values(words, m.shape[-1])
     inter = m.shape[-2] // 2
@@ -224,7 +226,8 @@ def gate_up_numpy(m, words, order, k_div: int, wts, tiles, n_tiles, mt: int, act
     return act
 
 
-def gemm_numpy(m, words, order, tiles, n_tiles, mt: int, out, parts: int = 2):
+def gemm_numpy(m, words, order, tiles, n_tiles, mt: int, out, parts: int = 2,
+               depth: int = STAGES):
     """NumPy twin of gemm."""
     a_all = words_values(words, m.shape[-1])
     for e, start, stop in _tile_rows(tiles, n_tiles):
