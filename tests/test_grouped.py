@@ -163,14 +163,15 @@ def _tiles(xp, ids, E: int, mt: int, tiles_of):
 @pytest.mark.parametrize("fmt,E,D,inter,S,k,block,parts", [
     ("fp4", 5, 96, 64, 7, 3, 128, 2), ("fp8", 4, 160, 96, 9, 2, 32, 2),
     ("fp4", 9, 256, 160, 70, 6, 128, 1), ("fp8", 6, 384, 128, 33, 4, 128, 2)])
-@pytest.mark.parametrize("mt,depth", [(1, 3), (4, 3), (1, 4), (2, 4)])
-def test_kernels_equal_their_twins(fmt, E, D, inter, S, k, block, parts, mt, depth):
+@pytest.mark.parametrize("mt,variant", [(1, ""), (4, ""), (1, "s4"), (2, "s4"), (1, "n4"),
+                                        (2, "n4"), (3, "n4")])
+def test_kernels_equal_their_twins(fmt, E, D, inter, S, k, block, parts, mt, variant):
     """Each launch against its twin on the same inputs: words bit for bit, the tile table
     exactly, gate/up and down within fp32 summation noise."""
     import cupy as cp
 
-    if depth != grouped.STAGES and fmt != "fp4":
-        pytest.skip("deeper pipelines are built for FP4 only")
+    if variant and fmt != "fp4":
+        pytest.skip("the variants are built for FP4 only")
     gate_up, down = experts(fmt, E, D, inter, block=block)
     dev_up, dev_down = _on_device(cp, gate_up), _on_device(cp, down)
     x, ids, weights = routing(S, E, k, D)
@@ -185,13 +186,13 @@ def test_kernels_equal_their_twins(fmt, E, D, inter, S, k, block, parts, mt, dep
     act = grouped.gate_up_numpy(gate_up, want_words, order, k, wts, tiles, n, mt,
                                 np.empty((S * k, inter), np.float32), 7.0, parts)
     got = grouped.gate_up(dev_up, words, d_order, k, cp.asarray(wts), d_tiles, d_n, mt,
-                          cp.empty((S * k, inter), cp.float32), 7.0, parts, depth)
+                          cp.empty((S * k, inter), cp.float32), 7.0, parts, variant)
     assert rel_err(cp.asnumpy(got), act) < 2e-5
     act_words = grouped.split_words_numpy(act, grouped.new_words(np, S * k, inter), parts)
     want = grouped.gemm_numpy(down, act_words, order, tiles, n, mt,
                               np.empty((S * k, D), np.float32), parts)
     got = grouped.gemm(dev_down, cp.asarray(act_words), d_order, d_tiles, d_n, mt,
-                       cp.empty((S * k, D), cp.float32), parts, depth)
+                       cp.empty((S * k, D), cp.float32), parts, variant)
     assert rel_err(cp.asnumpy(got), want) < 2e-5
 
 

@@ -83,13 +83,16 @@ extern "C" __global__ void split_words(const float* __restrict__ x, long long x_
 
 // The tile table of rows grouped by expert: offsets from counts[e] (rows of expert e, in expert
 // order), one entry (expert, first row, rows) per tile of up to bm rows; *n_tiles = entries.
-// One thread: ~E + tiles steps, a few microseconds, and no host round trip.
+// One block; thread 0 walks ~E + tiles steps, a few microseconds, and no host round trip.
 extern "C" __global__ void expert_tiles(const long long* __restrict__ counts, int experts, int bm,
                                         int4* __restrict__ tiles, int* __restrict__ n_tiles) {
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    __shared__ int staged[1024];  // the counts, read in parallel once (not one load per step)
+    for (int e = threadIdx.x; e < min(experts, 1024); e += blockDim.x) staged[e] = (int)counts[e];
+    __syncthreads();
+    if (threadIdx.x != 0) return;
     int row = 0, n = 0;
     for (int e = 0; e < experts; e++) {
-        int c = (int)counts[e];
+        int c = e < 1024 ? staged[e] : (int)counts[e];
         for (int r = 0; r < c; r += bm) tiles[n++] = make_int4(e, row + r, min(bm, c - r), 0);
         row += c;
     }
@@ -140,11 +143,13 @@ __device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// FP4: a lane's 32 columns of a weight row are one 16-byte chunk and one scale.
-struct Fp4 {
+// FP4: a lane's 32 columns of a weight row are one 16-byte chunk and one scale. N = n8 tiles
+// per warp.
+template <int N>
+struct Fp4T {
     static constexpr int ROW_BYTES = 64;  // per stage
     static constexpr int WORDS = 4;  // u32 codes a lane holds per weight row and stage
-    static constexpr int NT = 8;  // n8 tiles per warp
+    static constexpr int NT = N;
     // E8M0 byte s -> the bf16x2 factor 2^(s - 127) * 2^126 (both halves).
     __device__ static u32 factor(u32 s) { u32 f = (s + 126u) << 7; return f | (f << 16); }
     // Shared-memory offset of chunk c of a stage row n (no swizzle needed: 4 chunks per row).
@@ -169,7 +174,7 @@ struct Fp4 {
 struct Fp8 {
     static constexpr int ROW_BYTES = 128;
     static constexpr int WORDS = 8;
-    static constexpr int NT = 4;
+    static constexpr int NT = 4;  // n8 tiles per warp
     __device__ static u32 factor(u32 s) { u32 f = (s + 120u) << 7; return f | (f << 16); }
     // Chunks of odd rows swap pairwise, so the eight lanes of a 16-byte phase (rows g, g + 1)
     // hit eight different bank groups.
@@ -184,6 +189,9 @@ struct Fp8 {
         b1 = (t & S) | ((t >> 4) & M);
     }
 };
+
+using Fp4 = Fp4T<8>;  // 64 weight rows per warp: the most reuse of each activation fragment
+using Fp4Narrow = Fp4T<4>;  // 32 per warp: half the registers, two blocks per SM
 
 // Where a block's weight rows come from: expert e's matrix at codes + e * e_stride, rows of
 // row_bytes, scale rows of sc_ld bytes (FP4: per row; FP8: per 2^shift rows).
@@ -249,15 +257,13 @@ __device__ __forceinline__ void load_stage(u8* buf, const uint2* words, long lon
     }
 }
 
-constexpr int FACTORS = 8;  // scale bytes a lane applies per stage: NT x (WORDS / 4), both formats
-
 // The E8M0 bytes of this lane's rows for stage st, four to a word (loaded a stage ahead: two
 // registers, not eight): one per n8 tile (FP8: two, one per 16-byte chunk). Columns past the
 // matrix get a harmless 127 (their codes are zeros).
 template <class F, int MT, bool GATE_UP>
 __device__ __forceinline__ void load_scales(const Weights& W, int expert, int n0, int st,
                                             u32* packed) {
-    static_assert(F::NT * (F::WORDS / 4) == FACTORS, "eight scale bytes per lane and stage");
+    static_assert(F::NT * (F::WORDS / 4) <= 8, "at most eight scale bytes per lane and stage");
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const u8* s = W.scale + expert * W.s_stride;
     int half = W.rows / (GATE_UP ? 2 : 1);
@@ -298,6 +304,7 @@ __device__ __forceinline__ void stage_mma(const u8* buf, const u32* scales, int 
             q[i][4 * c] = v.x; q[i][4 * c + 1] = v.y; q[i][4 * c + 2] = v.z; q[i][4 * c + 3] = v.w;
         }
     }
+    constexpr int FACTORS = F::NT * (F::WORDS / 4);
     u32 fac[FACTORS];
 #pragma unroll
     for (int e = 0; e < FACTORS; e++) fac[e] = F::factor((scales[e >> 2] >> (8 * (e & 3))) & 0xffu);
@@ -432,31 +439,38 @@ __device__ void grouped_gemm(const uint2* __restrict__ words, long long w_ld,
     const int4* __restrict__ tiles, const int* __restrict__ n_tiles, const u8* codes, \
     const u8* scale, long long e_stride, long long s_stride, int rows, int cols, int sc_ld, \
     int shift, int parts, float limit, float* __restrict__ out, long long out_ld
-#define GROUPED(name, F, MT, GATE_UP, STAGES) \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) name(GROUPED_ARGS) { \
+#define GROUPED(name, F, MT, GATE_UP, STAGES, MIN_BLOCKS) \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) name(GROUPED_ARGS) { \
         Weights W{codes, scale, e_stride, s_stride, rows, cols, sc_ld, shift}; \
         grouped_gemm<F, MT, GATE_UP, STAGES>(words, w_ld, order, k_div, wts, tiles, n_tiles, W, parts, \
                                      limit, out, out_ld); \
     }
 
-GROUPED(gate_up_fp4_m1, Fp4, 1, true, 3)
-GROUPED(gate_up_fp4_m2, Fp4, 2, true, 3)
-GROUPED(gate_up_fp4_m3, Fp4, 3, true, 3)
-GROUPED(gate_up_fp4_m4, Fp4, 4, true, 3)
-GROUPED(gemm_fp4_m1, Fp4, 1, false, 3)
-GROUPED(gemm_fp4_m2, Fp4, 2, false, 3)
-GROUPED(gemm_fp4_m3, Fp4, 3, false, 3)
-GROUPED(gemm_fp4_m4, Fp4, 4, false, 3)
-GROUPED(gate_up_fp8_m1, Fp8, 1, true, 3)
-GROUPED(gate_up_fp8_m2, Fp8, 2, true, 3)
-GROUPED(gate_up_fp8_m3, Fp8, 3, true, 3)
-GROUPED(gate_up_fp8_m4, Fp8, 4, true, 3)
-GROUPED(gemm_fp8_m1, Fp8, 1, false, 3)
-GROUPED(gemm_fp8_m2, Fp8, 2, false, 3)
-GROUPED(gemm_fp8_m3, Fp8, 3, false, 3)
-GROUPED(gemm_fp8_m4, Fp8, 4, false, 3)
+GROUPED(gate_up_fp4_m1, Fp4, 1, true, 3, 1)
+GROUPED(gate_up_fp4_m2, Fp4, 2, true, 3, 1)
+GROUPED(gate_up_fp4_m3, Fp4, 3, true, 3, 1)
+GROUPED(gate_up_fp4_m4, Fp4, 4, true, 3, 1)
+GROUPED(gemm_fp4_m1, Fp4, 1, false, 3, 1)
+GROUPED(gemm_fp4_m2, Fp4, 2, false, 3, 1)
+GROUPED(gemm_fp4_m3, Fp4, 3, false, 3, 1)
+GROUPED(gemm_fp4_m4, Fp4, 4, false, 3, 1)
+GROUPED(gate_up_fp8_m1, Fp8, 1, true, 3, 1)
+GROUPED(gate_up_fp8_m2, Fp8, 2, true, 3, 1)
+GROUPED(gate_up_fp8_m3, Fp8, 3, true, 3, 1)
+GROUPED(gate_up_fp8_m4, Fp8, 4, true, 3, 1)
+GROUPED(gemm_fp8_m1, Fp8, 1, false, 3, 1)
+GROUPED(gemm_fp8_m2, Fp8, 2, false, 3, 1)
+GROUPED(gemm_fp8_m3, Fp8, 3, false, 3, 1)
+GROUPED(gemm_fp8_m4, Fp8, 4, false, 3, 1)
 // Deeper pipelines for one-tile blocks (bound by the weights' bytes; benchmarked against 3)
-GROUPED(gate_up_fp4_m1_s4, Fp4, 1, true, 4)
-GROUPED(gemm_fp4_m1_s4, Fp4, 1, false, 4)
-GROUPED(gate_up_fp4_m2_s4, Fp4, 2, true, 4)
-GROUPED(gemm_fp4_m2_s4, Fp4, 2, false, 4)
+GROUPED(gate_up_fp4_m1_s4, Fp4, 1, true, 4, 1)
+GROUPED(gemm_fp4_m1_s4, Fp4, 1, false, 4, 1)
+GROUPED(gate_up_fp4_m2_s4, Fp4, 2, true, 4, 1)
+GROUPED(gemm_fp4_m2_s4, Fp4, 2, false, 4, 1)
+// Narrow FP4 blocks (256 weight rows, 2 stages): two blocks per SM hide each other's barriers
+GROUPED(gate_up_fp4_m1_n4, Fp4Narrow, 1, true, 2, 2)
+GROUPED(gemm_fp4_m1_n4, Fp4Narrow, 1, false, 2, 2)
+GROUPED(gate_up_fp4_m2_n4, Fp4Narrow, 2, true, 2, 2)
+GROUPED(gemm_fp4_m2_n4, Fp4Narrow, 2, false, 2, 2)
+GROUPED(gate_up_fp4_m3_n4, Fp4Narrow, 3, true, 2, 2)
+GROUPED(gemm_fp4_m3_n4, Fp4Narrow, 3, false, 2, 2)

@@ -20,6 +20,12 @@ UNITS = 64  # 8-byte units of words per row and stage
 THREADS = 256
 NT = {"fp4": 8, "fp8": 4}  # n8 tiles per warp
 STAGES = 3
+# Kernel variants besides the default (NT above, STAGES): FP4 only, name suffix -> (n8 tiles per
+# warp, stages, m16 tile counts built)
+VARIANTS = {"s4": (8, 4, (1, 2)), "n4": (4, 2, (1, 2, 3))}
+# (fmt, pick_mt's m16 tiles) -> (m16 tiles, variant) routed() launches, where measured faster
+# than the default shape (tools/bench_grouped.py)
+TUNED: dict[tuple[str, int], tuple[int, str]] = {}
 MAX_MT = 4  # m16 tiles per block: tiles of up to 64 rows
 # E8M0 bytes whose folded bf16 factor stays finite: 2^(s - 127) * 2^126 (FP4), * 2^120 (FP8)
 MAX_SCALE = {"fp4": 128, "fp8": 134}
@@ -31,15 +37,20 @@ def stages(cols: int) -> int:
     return -(-cols // BK)
 
 
-def block_rows(fmt: str) -> int:
+def shape(fmt: str, variant: str = "") -> tuple[int, int]:
+    """(n8 tiles per warp, pipeline stages) of a kernel variant."""
+    return VARIANTS[variant][:2] if variant else (NT[fmt], STAGES)
+
+
+def block_rows(fmt: str, variant: str = "") -> int:
     """Weight rows one block multiplies (gate/up: half gate, half up)."""
-    return 8 * 8 * NT[fmt]
+    return 8 * 8 * shape(fmt, variant)[0]
 
 
-def shared_bytes(fmt: str, mt: int, depth: int = STAGES) -> int:
-    """Dynamic shared memory of a GEMM launch: depth x (activation words + weight codes)."""
+def shared_bytes(fmt: str, mt: int, variant: str = "") -> int:
+    """Dynamic shared memory of a GEMM launch: stages x (activation words + weight codes)."""
     row_bytes = 64 if fmt == "fp4" else 128
-    return depth * (16 * mt * UNITS * 8 + block_rows(fmt) * row_bytes)
+    return shape(fmt, variant)[1] * (16 * mt * UNITS * 8 + block_rows(fmt, variant) * row_bytes)
 
 
 def pick_mt(rows: int, experts: int) -> int:
@@ -119,7 +130,7 @@ def new_words(xp, rows: int, cols: int):
 def expert_tiles(counts, bm: int, tiles, n_tiles):
     """tiles [>= max_tiles, 4] int32 = (expert, first row, rows, 0) per tile of up to bm rows of
     the rows grouped by expert (counts [E] int64 in expert order); n_tiles [1] = entries."""
-    launch("grouped", "expert_tiles", (1,), (32,),
+    launch("grouped", "expert_tiles", (1,), (256,),
            (ptr(counts), i32(counts.shape[0]), i32(bm), ptr(tiles), ptr(n_tiles)))
     return tiles
 
@@ -159,37 +170,39 @@ def _shift(m) -> int:
 
 
 def _gemm(kind: str, m, words, order, k_div: int, wts, tiles, n_tiles, mt: int, parts: int,
-          limit: float, out, depth: int = STAGES):
+          limit: float, out, variant: str = ""):
     """One grouped launch of kind gate_up (act rows) or gemm (scattered rows) over packed m
     [E, rows, cols] (a 2-D m: one expert)."""
     codes, scale = m.codes, m.scale
     rows, cols = m.shape[-2:]
     stacked = codes.ndim == 3
     width = rows // 2 if kind == "gate_up" else rows
-    grid = (-(-width // (block_rows(m.fmt) // (2 if kind == "gate_up" else 1))), tiles.shape[0])
+    band = block_rows(m.fmt, variant) // (2 if kind == "gate_up" else 1)
+    grid = (-(-width // band), tiles.shape[0])
     args = (ptr(words), np.int64(words.shape[1]), ptr(order), i32(k_div), ptr(wts), ptr(tiles),
             ptr(n_tiles), ptr(codes), ptr(scale), np.int64(codes.strides[0] if stacked else 0),
             np.int64(scale.strides[0] if stacked else 0), i32(rows), i32(cols),
             i32(scale.shape[-1]), i32(_shift(m)), i32(parts), f32(limit), ptr(out),
             np.int64(out.shape[1]))
-    name = f"{kind}_{m.fmt}_m{mt}" + ("" if depth == STAGES else f"_s{depth}")
-    launch("grouped", name, grid, (THREADS,), args, shared=shared_bytes(m.fmt, mt, depth))
+    assert not variant or (m.fmt == "fp4" and mt in VARIANTS[variant][2])
+    name = f"{kind}_{m.fmt}_m{mt}" + (f"_{variant}" if variant else "")
+    launch("grouped", name, grid, (THREADS,), args, shared=shared_bytes(m.fmt, mt, variant))
     return out
 
 
 def gate_up(m, words, order, k_div: int, wts, tiles, n_tiles, mt: int, act, limit: float,
-            parts: int = 2, depth: int = STAGES):
+            parts: int = 2, variant: str = ""):
     """act[r] = swiglu(gate_e a, up_e a) * wts[order[r]] for the sorted rows r of each tile
     (expert e), a = the activation row order[r] // k_div (order None: r; wts None: 1);
     m = packed gate/up [E, 2I, D] (gate rows, then up rows)."""
     return _gemm("gate_up", m, words, order, k_div, wts, tiles, n_tiles, mt, parts, limit, act,
-                 depth)
+                 variant)
 
 
-def gemm(m, words, order, tiles, n_tiles, mt: int, out, parts: int = 2, depth: int = STAGES):
-    """out[order[r]] = W_e a_r for the sorted rows r of each tile (order None: out[r]); depth =
-    pipeline stages (3; FP4 one- and two-tile kernels also 4)."""
-    return _gemm("gemm", m, words, order, 1, None, tiles, n_tiles, mt, parts, 0.0, out, depth)
+def gemm(m, words, order, tiles, n_tiles, mt: int, out, parts: int = 2, variant: str = ""):
+    """out[order[r]] = W_e a_r for the sorted rows r of each tile (order None: out[r]); variant:
+    a key of VARIANTS or "" (the default shape)."""
+    return _gemm("gemm", m, words, order, 1, None, tiles, n_tiles, mt, parts, 0.0, out, variant)
 
 
 def _dense(m, e: int):
@@ -213,7 +226,7 @@ def _product(m, e: int, a, rows=None):
 
 
 def gate_up_numpy(m, words, order, k_div: int, wts, tiles, n_tiles, mt: int, act,
-                  limit: float, parts: int = 2, depth: int = STAGES):
+                  limit: float, parts: int = 2, variant: str = ""):
     """NumPy twin of gate_up (products in float64 of the words' hi + lo values)."""
     a_all = words_values(words, m.shape[-1])
     inter = m.shape[-2] // 2
@@ -227,7 +240,7 @@ def gate_up_numpy(m, words, order, k_div: int, wts, tiles, n_tiles, mt: int, act
 
 
 def gemm_numpy(m, words, order, tiles, n_tiles, mt: int, out, parts: int = 2,
-               depth: int = STAGES):
+               variant: str = ""):
     """NumPy twin of gemm."""
     a_all = words_values(words, m.shape[-1])
     for e, start, stop in _tile_rows(tiles, n_tiles):
@@ -273,7 +286,7 @@ def routed(xp, gate_up_m, down_m, x, ids, weights, limit: float, parts: int = 2)
     flat = ids.reshape(-1)
     order = (np.argsort(flat, kind="stable") if xp is np else xp.argsort(flat)).astype(xp.int32)
     counts = xp.bincount(flat, minlength=E).astype(xp.int64)
-    mt = pick_mt(R, E)
+    mt, variant = TUNED.get((gate_up_m.fmt, pick_mt(R, E)), (pick_mt(R, E), ""))
     tiles = xp.zeros((max_tiles(R, E, 16 * mt), 4), xp.int32)
     n_tiles = xp.zeros(1, xp.int32)
     tiles_of(counts, 16 * mt, tiles, n_tiles)
@@ -281,10 +294,10 @@ def routed(xp, gate_up_m, down_m, x, ids, weights, limit: float, parts: int = 2)
     wts = xp.ascontiguousarray(weights.reshape(-1), dtype=xp.float32)
     act = xp.empty((R, inter), xp.float32)
     up_op(gate_up_m, split(x, new_words(xp, S, D), parts), order, k, wts, tiles, n_tiles, mt,
-          act, limit, parts)
+          act, limit, parts, variant)
     rows = xp.empty((R, D), xp.float32)
     down_op(down_m, split(act, new_words(xp, R, inter), parts), order, tiles, n_tiles, mt, rows,
-            parts)
+            parts, variant)
     return sum_op(rows, k, xp.empty((S, D), xp.float32))
 
 

@@ -112,7 +112,7 @@ def _routed_grouped(xp, cfg, bank, x, ids, weights, to_host):
 def _grouped_kernels_fit(bank, x) -> bool:
     """True when packed experts go through the grouped kernels, which read their codes in place
     (no widened slab per expert, no host round trip for the counts)."""
-    if not (GROUPED_KERNELS and bank.packed):
+    if not (GROUPED_KERNELS and getattr(bank, "packed", False)):
         return False
     from ds4.kernels.grouped import fits
 
