@@ -83,16 +83,13 @@ extern "C" __global__ void split_words(const float* __restrict__ x, long long x_
 
 // The tile table of rows grouped by expert: offsets from counts[e] (rows of expert e, in expert
 // order), one entry (expert, first row, rows) per tile of up to bm rows; *n_tiles = entries.
-// One block; thread 0 walks ~E + tiles steps, a few microseconds, and no host round trip.
+// One thread: ~E + tiles steps, a few microseconds, and no host round trip.
 extern "C" __global__ void expert_tiles(const long long* __restrict__ counts, int experts, int bm,
                                         int4* __restrict__ tiles, int* __restrict__ n_tiles) {
-    __shared__ int staged[1024];  // the counts, read in parallel once (not one load per step)
-    for (int e = threadIdx.x; e < min(experts, 1024); e += blockDim.x) staged[e] = (int)counts[e];
-    __syncthreads();
-    if (threadIdx.x != 0) return;
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
     int row = 0, n = 0;
     for (int e = 0; e < experts; e++) {
-        int c = e < 1024 ? staged[e] : (int)counts[e];
+        int c = (int)counts[e];
         for (int r = 0; r < c; r += bm) tiles[n++] = make_int4(e, row + r, min(bm, c - r), 0);
         row += c;
     }

@@ -130,7 +130,7 @@ def new_words(xp, rows: int, cols: int):
 def expert_tiles(counts, bm: int, tiles, n_tiles):
     """tiles [>= max_tiles, 4] int32 = (expert, first row, rows, 0) per tile of up to bm rows of
     the rows grouped by expert (counts [E] int64 in expert order); n_tiles [1] = entries."""
-    launch("grouped", "expert_tiles", (1,), (256,),
+    launch("grouped", "expert_tiles", (1,), (32,),
            (ptr(counts), i32(counts.shape[0]), i32(bm), ptr(tiles), ptr(n_tiles)))
     return tiles
 
