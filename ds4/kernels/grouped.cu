@@ -1,7 +1,7 @@
-// Grouped expert GEMMs for prefill that read packed weights in place (docs/PERF.md, Official
-// format): rows of activations grouped by expert (a tile table built on the device), each block
-// multiplies one tile of up to 16 * MT rows by a band of one expert's weight rows on tensor
-// cores (mma.sync m16n8k16, bf16 in, fp32 accumulation).
+// Grouped expert GEMMs for prefill that read packed weights in place (docs/PERF.md): rows of
+// activations grouped by expert (a tile table built on the device); each block multiplies one
+// tile of up to 16 * MT rows by a band of one expert's weight rows on tensor cores (mma.sync
+// m16n8k16, bf16 in, fp32 accumulation).
 //
 // Weights: FP4 E2M1 codes (two per byte, low nibble = even column, one E8M0 scale per 32
 // columns) or FP8 E4M3 codes (one E8M0 scale per square block of 2^shift). Codes go from global
