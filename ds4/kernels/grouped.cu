@@ -439,8 +439,8 @@ __device__ void grouped_gemm(const uint2* __restrict__ words, long long w_ld,
 #define GROUPED(name, F, MT, GATE_UP, STAGES, MIN_BLOCKS) \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) name(GROUPED_ARGS) { \
         Weights W{codes, scale, e_stride, s_stride, rows, cols, sc_ld, shift}; \
-        grouped_gemm<F, MT, GATE_UP, STAGES>(words, w_ld, order, k_div, wts, tiles, n_tiles, W, parts, \
-                                     limit, out, out_ld); \
+        grouped_gemm<F, MT, GATE_UP, STAGES>(words, w_ld, order, k_div, wts, tiles, n_tiles, W, \
+                                             parts, limit, out, out_ld); \
     }
 
 GROUPED(gate_up_fp4_m1, Fp4, 1, true, 3, 1)
