@@ -5,7 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from ds4.model.hyper_connection import sigmoid
-from ds4.model.linear import grouped_linear, linear
+from ds4.model.linear import grouped_linear, linear, parts
+from ds4.model.packed import PackedMatrix
+
+GROUPED_KERNELS = True  # packed experts on CuPy through ds4/kernels/grouped.cu (benchmarks flip it)
 
 
 def router_scores(xp, cfg, logits):
@@ -83,6 +86,11 @@ def _routed_many(xp, cfg, bank, x, ids, weights, host_ids: np.ndarray):
 def _routed_grouped(xp, cfg, bank, x, ids, weights, to_host):
     """Prefill: (token, pick) rows sorted by expert, one gate/up and one down GEMM
     per expert hit."""
+    if _grouped_kernels_fit(bank, x):
+        from ds4.kernels import grouped
+
+        gate_up, down = bank.stacked
+        return grouped.routed(xp, gate_up, down, x, ids, weights, cfg.swiglu_limit, parts())
     S, k = ids.shape
     inter = cfg.moe_intermediate_size
     flat = ids.reshape(-1)
@@ -99,6 +107,18 @@ def _routed_grouped(xp, cfg, bank, x, ids, weights, to_host):
     out = xp.empty((S * k, x.shape[1]), xp.float32)
     out[order] = grouped_linear(xp, act, down, groups)
     return out.reshape(S, k, -1).sum(axis=1)
+
+
+def _grouped_kernels_fit(bank, x) -> bool:
+    """True when packed experts go through the grouped kernels, which read their codes in place
+    (no widened slab per expert, no host round trip for the counts)."""
+    if not (GROUPED_KERNELS and getattr(bank, "packed", False)):
+        return False
+    from ds4.kernels.grouped import fits
+
+    gate_up, down = bank.stacked
+    return (isinstance(gate_up, PackedMatrix) and isinstance(down, PackedMatrix)
+            and fits(gate_up, x.shape[1]) and fits(down, gate_up.shape[-2] // 2))
 
 
 def _scaled_swiglu(xp, y, inter: int, scale, limit: float):
