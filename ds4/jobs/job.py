@@ -77,6 +77,7 @@ class Job:
         self.token_times: list[float] = []
         self.announced: set[int] = set()  # indexes of tool calls whose start was emitted
         self.burst_ran = False  # set by a lock-step decode turn before it fires decode_round
+        self.speculator: Any = None  # MTP drafts (greedy jobs of an MTP engine), or None
 
     # -- driving -------------------------------------------------------------------------
 
@@ -86,8 +87,11 @@ class Job:
         return self.state in TERMINAL
 
     def bind(self, slot: Any, tokenizer: Any, timeslice: Timeslice,
-             checkpoints: Any = None) -> None:
-        """Give the job its slot (and the disk checkpoints); its next turn fires `begin`."""
+             checkpoints: Any = None, speculator: Any = None) -> None:
+        """Give the job its slot (and the disk checkpoints, the MTP speculator when its sampling
+        lets drafts be verified); its next turn fires `begin`."""
+        if speculator is not None and speculator.applies(self.request.sampling):
+            self.speculator = speculator
         self.slot = slot
         self.tokenizer = tokenizer
         self.timeslice = timeslice
@@ -182,17 +186,24 @@ class Job:
         if self.burst_ran:  # the scheduler ran this burst in lock-step with other jobs
             self.burst_ran = False
             return
-        for _ in range(self.timeslice.decode_tokens):
-            if not self.burst_token(self.slot.session):
+        start = len(self.attempt.tokens)  # a burst counts emitted tokens, not rounds
+        while (left := self.timeslice.decode_tokens - (len(self.attempt.tokens) - start)) > 0:
+            if not self.burst_token(self.slot.session, left):
                 break
 
-    def burst_token(self, session: Any) -> bool:
-        """One token of a burst through `session`; False (nothing done) once it must end."""
+    @property
+    def speculates(self) -> bool:
+        """True when the job decodes in MTP draft/verify rounds (then never in a batch)."""
+        return self.speculator is not None
+
+    def burst_token(self, session: Any, room: int = 1) -> bool:
+        """One step of a burst through `session` (a speculating job may take up to `room`
+        tokens); False (nothing done) once it must end."""
         if self.attempt.over or self.cancel_requested.is_set():
             return False
         if self.checkpoints is not None:
             self.checkpoints.decoding()
-        self._emit_all(self.attempt.step(session))
+        self._emit_all(self.attempt.step(session, room))
         return True
 
     def decode_over(self, _event: Any = None) -> bool:
@@ -293,7 +304,7 @@ class Job:
         room = self.slot.session.ctx_size - len(self.request.prompt_tokens)
         cap = max(0, min(self.request.max_tokens, room))
         return DecodeAttempt(self.request, self.tokenizer, rng, cap, greedy=greedy,
-                             id_seed=self.id_seed)
+                             id_seed=self.id_seed, speculator=self.speculator)
 
     def _emit_all(self, events: list[TokenEvents]) -> None:
         for event in events:

@@ -64,7 +64,8 @@ class TokenCounters:
         self.stats = stats
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        """ds4_prompt_tokens, ds4_prompt_tokens_cached and ds4_generated_tokens (as _total)."""
+        """ds4_prompt_tokens, ds4_prompt_tokens_cached, ds4_generated_tokens (as _total) and
+        the ds4_mtp_* figures."""
         s = self.stats() or SchedulerStats()
         yield CounterMetricFamily("ds4_prompt_tokens", "Prompt tokens evaluated or reused",
                                   value=s.prompt_tokens_computed + s.prompt_tokens_reused)
@@ -73,6 +74,22 @@ class TokenCounters:
                                   value=s.prompt_tokens_reused)
         yield CounterMetricFamily("ds4_generated_tokens", "Tokens generated",
                                   value=s.generated_tokens)
+        yield from speculation_metrics(s.speculation)
+
+
+def speculation_metrics(spec) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    """MTP draft/verify counters (as _total), acceptance rate and tokens per verify round."""
+    yield CounterMetricFamily("ds4_mtp_verify_rounds", "MTP rounds that verified drafts",
+                              value=spec.verify_rounds)
+    yield CounterMetricFamily("ds4_mtp_draft_tokens", "MTP drafts verified",
+                              value=spec.drafted)
+    yield CounterMetricFamily("ds4_mtp_accepted_tokens", "MTP drafts accepted",
+                              value=spec.accepted)
+    yield GaugeMetricFamily("ds4_mtp_acceptance_rate", "Accepted over verified MTP drafts",
+                            value=spec.acceptance_rate)
+    yield GaugeMetricFamily("ds4_mtp_tokens_per_round",
+                            "Tokens emitted per MTP verify round (1 + accepted drafts)",
+                            value=spec.tokens_per_round)
 
 
 class KVDiskCounters:
