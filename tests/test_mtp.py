@@ -70,8 +70,8 @@ def assert_same_state(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("text", PROMPTS)
 def test_speculated_tokens_equal_plain_greedy(engine, text, draft):
     ids = prompt(engine, text)
-    out, spec, _ = speculated(engine, ids, 16, draft)
-    assert out == plain_greedy(engine, ids, 16)
+    out, spec, _ = speculated(engine, ids, 10, draft)
+    assert out == plain_greedy(engine, ids, 10)
     assert spec.stats.drafted > 0 and spec.stats.verify_rounds > 0
 
 
@@ -199,3 +199,15 @@ def test_a_checkpoint_without_an_mtp_block_is_refused_with_mtp(tmp_path):
     Engine.open(tmp_path, backend="numpy")  # fine without --mtp
     with pytest.raises(WeightsError, match="no MTP block"):
         Engine.open(tmp_path, backend="numpy", mtp=True)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_dummy_weights_draw_an_mtp_block(tmp_path, packed):
+    from ds4.model.official_format import write_official
+
+    path = write_official(default_model_dir(), tmp_path / "p") if packed else default_model_dir()
+    e = Engine.open(path, backend="numpy", load_format="dummy", mtp=True, seed=3)
+    assert e.memory_report()["mtp_bytes"] > 0
+    ids = list(range(100, 120))
+    out, spec, _ = speculated(e, ids, 6, 2)
+    assert out == plain_greedy(e, ids, 6) and spec.stats.drafted > 0

@@ -125,6 +125,8 @@ def generate_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     report_speed(err, len(prompt), prefill_s, generated, decode_s)
     if speculator is not None:
         print(speculator.stats.summary(), file=err)
+    elif args.mtp:
+        print("mtp: off (only greedy generation, --temperature 0, drafts)", file=err)
     return 0
 
 
