@@ -211,3 +211,45 @@ def test_dummy_weights_draw_an_mtp_block(tmp_path, packed):
     ids = list(range(100, 120))
     out, spec, _ = speculated(e, ids, 6, 2)
     assert out == plain_greedy(e, ids, 6) and spec.stats.drafted > 0
+
+
+def test_the_block_input_and_head_follow_the_formula(engine, monkeypatch):
+    """With the decoder layer taken out, logits = head(e_proj(norm(embed)) + h_proj(norm(H)))
+    computed here from the checkpoint's own mtp.0.* tensors."""
+    from ds4.model.safetensors_file import read_checkpoint
+
+    t = {k: v.widen() for k, v in read_checkpoint(default_model_dir()).items()
+         if k.startswith("mtp.0.") or k in ("model.embed_tokens.weight", "lm_head.weight")}
+    cfg, eps = engine.config, engine.config.rms_norm_eps
+
+    def norm(x, w):
+        return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * w
+
+    H = np.random.default_rng(1).standard_normal((cfg.hc_mult, cfg.hidden_size), np.float32)
+    token = 777
+    e = norm(t["model.embed_tokens.weight"][token], t["mtp.0.enorm.weight"])
+    X = e @ t["mtp.0.e_proj.weight"].T + norm(H, t["mtp.0.hnorm.weight"]) @ t[
+        "mtp.0.h_proj.weight"].T
+    flat = X.reshape(-1)
+    mix = t["mtp.0.hc_head_fn"] @ flat / np.sqrt((flat * flat).mean() + eps)
+    pre = 1 / (1 + np.exp(-(mix * t["mtp.0.hc_head_scale"][0] + t["mtp.0.hc_head_base"])))
+    y = norm((pre + cfg.hc_eps) @ X, t["mtp.0.norm.weight"])
+    want = t["lm_head.weight"] @ y
+    monkeypatch.setattr(type(engine.mtp), "_layer", lambda self, state, X, ids, pos: X)
+    got, streams = engine.mtp.step(engine.mtp.new_state(), H, token, 0)
+    np.testing.assert_allclose(streams, X, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_window_attends_only_rows_it_holds(engine):
+    H = np.random.default_rng(2).standard_normal((engine.config.hc_mult,
+                                                  engine.config.hidden_size), np.float32)
+    empty, junk = engine.mtp.new_state(), engine.mtp.new_state()
+    junk.raw[...] = 5.0  # rows no position owns: masked out
+    a, _ = engine.mtp.step(empty, H, 10, 7)
+    b, _ = engine.mtp.step(junk, H, 10, 7)
+    np.testing.assert_array_equal(a, b)
+    c, _ = engine.mtp.step(empty, H, 10, 8)  # now sees its row of position 7
+    fresh, _ = engine.mtp.step(engine.mtp.new_state(), H, 10, 8)
+    assert not np.allclose(c, fresh)
+    assert list(np.flatnonzero(empty.positions >= 0)) == [7, 8]
