@@ -179,6 +179,7 @@ class Speculated:
     arrays: dict  # the fixed-size state arrays before it (copies)
     tokens: list[int]  # what it appended
     kept: tuple | None  # MtpState.keep of the draft rows (None: no drafts ran)
+    streams: object = None  # the pass's final streams [S, hc, D] (the next draft's input)
 
 
 @dataclass
@@ -367,7 +368,7 @@ class Session:
 
     def _run_rows(self, ids: list[int], every_row: bool = False):
         """`_run` through the model code, noting the last token's final streams for the MTP;
-        returns the logits of every token (host, [S, V]) when every_row."""
+        returns (logits of every token (host, [S, V]) when every_row, final streams)."""
         try:
             logits, X = self.engine.model.forward_rows(self.state, ids, every_row)
             host = np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32)
@@ -377,7 +378,7 @@ class Session:
         self._took(ids, host[-1].copy(), logits[-1])
         if self.mtp_state is not None:
             self.mtp_state.hidden, self.mtp_state.hidden_at = X[-1], len(self.tokens)
-        return host
+        return host, X
 
     def _took(self, ids: list[int], host: np.ndarray, device_logits) -> None:
         """The state now covers `ids` too; its logits are `host` (and `device_logits` there)."""

@@ -53,13 +53,13 @@ def verify(session, first: int, drafts: Sequence[int]) -> list[int]:
     start, n0 = len(session.tokens), session.state.n
     copies = _copy_state(session, session._verify_arrays)
     session._verify_arrays = copies
-    rows = session._run_rows(ids, every_row=True)
+    rows, streams = session._run_rows(ids, every_row=True)
     picks = rows[:-1].argmax(axis=-1)  # what greedy decoding takes after each row's token
     accepted = 1
     while accepted < len(ids) and ids[accepted] == int(picks[accepted - 1]):
         accepted += 1
     kept = _draft_rows(session, start)
-    speculated = Speculated(start, n0, copies, ids[:accepted], kept)
+    speculated = Speculated(start, n0, copies, ids[:accepted], kept, streams)
     if accepted < len(ids):
         _rollback(session, speculated, accepted)
     elif kept is not None:  # rows drafted past what was verified go back too
@@ -82,12 +82,17 @@ def keep_speculated(session, count: int) -> None:
 
 
 def _rollback(session, spec, keep: int) -> None:
-    """Back to the state before the verify, then the first `keep` of its tokens as one chunk."""
+    """Back to the state before the verify, then the first `keep` of its tokens as one chunk
+    (one token: the plain decode step, on the GPU its CUDA graph; the next draft then starts
+    from the verify pass's streams of that token)."""
     for name, arr in session.state.frontier_arrays().items():
         arr[...] = spec.arrays[name]
     session.state.n = spec.n
     del session.tokens[spec.start:]
-    session._run_rows(spec.tokens[:keep])
+    session._run(spec.tokens[:keep])
+    state = session.mtp_state
+    if state is not None and state.hidden_at != len(session.tokens):
+        state.hidden, state.hidden_at = spec.streams[keep - 1], len(session.tokens)
     if session.mtp_state is not None and spec.kept is not None:
         session.mtp_state.undo(spec.kept, spec.start + keep)
 
