@@ -111,7 +111,9 @@ def generate_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             break
         try:
             took = evaluate(session, token, speculator, args.max_tokens - generated)
-        except ContextOverflow:
+        except ContextOverflow:  # the sampled token is still output; nothing follows it
+            generated += 1
+            out.write(text.decode(engine.tokenizer.token_bytes(token)))
             print(f"\n[context of {args.ctx} tokens is full]", file=err)
             break
         generated += len(took)
