@@ -17,9 +17,10 @@ from ds4.builtin_model import make_tiny as make_tiny
 from ds4.model.config import ModelConfig
 from ds4.model.dummy import CONFIG_DIR, LOAD_FORMATS, dummy_weights, model_path
 from ds4.model.forward import Model
+from ds4.model.mtp import MtpBlock, dummy_mtp, load_mtp, mtp_bytes
 from ds4.model.placement import ReplacementRule, weight_budget
 from ds4.model.state import SessionState, state_bytes
-from ds4.model.weights import load_weights
+from ds4.model.weights import load_weights, weight_block
 from ds4.sampling import sample
 from ds4.snapshot import (
     FRONTIER_LOGITS,
@@ -47,18 +48,20 @@ class Engine:
         self.model = model
         self.backend = model.backend
         self.prefill_chunk = prefill_chunk
+        self.mtp: MtpBlock | None = None  # the draft block, when opened with mtp=True
         self._tokenizer = None
 
     @classmethod
     def open(cls, model_dir: str | Path, backend: str = "auto", prefill_chunk: int = 512,
              resident_experts: bool = True, quantize: bool | None = None,
              load_format: str = "auto", seed: int = 0, gpu_memory_gib: float | None = None,
-             parallel: int = 1, ctx: int = 4096) -> Engine:
+             parallel: int = 1, ctx: int = 4096, mtp: bool = False) -> Engine:
         """Load a model directory (or a shipped config's name with load_format="dummy": random
         weights from config.json alone, drawn by `seed`); quantize=None simulates FP8/FP4 only
         for quantised checkpoints. gpu_memory_gib caps the weights' device memory (default on
         the GPU: free memory less `parallel` sessions of `ctx` tokens and the scratch); experts
-        beyond it live in mapped host memory."""
+        beyond it live in mapped host memory. mtp=True also loads the checkpoint's MTP block
+        (`mtp.0.*`) for drafting (ds4.mtp)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if load_format not in LOAD_FORMATS:
@@ -67,6 +70,8 @@ class Engine:
         cfg = ModelConfig.from_dir(model_dir)
         be = get_backend(backend)
         budget = weight_budget(be, cfg, gpu_memory_gib, parallel, ctx, prefill_chunk)
+        if mtp and budget is not None:  # the block stays in device memory beside the rest
+            budget -= mtp_bytes(cfg)
         if load_format == "dummy":
             weights = dummy_weights(cfg, be.xp, seed, budget)
         elif model_dir.parent == CONFIG_DIR:
@@ -77,7 +82,12 @@ class Engine:
                                    budget=budget)
         if quantize is None:
             quantize = weights.low_precision or cfg.quantization_config is not None
-        return cls(model_dir, cfg, Model(cfg, weights, be, quantize), prefill_chunk)
+        engine = cls(model_dir, cfg, Model(cfg, weights, be, quantize), prefill_chunk)
+        if mtp:
+            block = (dummy_mtp(cfg, be.xp, seed) if load_format == "dummy" else
+                     load_mtp(weights.mtp, cfg, be.xp, weights.low_precision, weight_block(cfg)))
+            engine.mtp = MtpBlock(engine.model, block)
+        return engine
 
     @property
     def tokenizer(self):
@@ -104,6 +114,8 @@ class Engine:
             "state_fixed_bytes": fixed,
             "scratch_bytes": self.model.scratch.nbytes,
         }
+        if self.mtp is not None:
+            report["mtp_bytes"] = self.mtp.w.nbytes
         if weights.placement is not None:
             report["host_expert_bytes"] = weights.host_nbytes
             report["expert_placement"] = weights.placement.split().describe()
@@ -175,6 +187,18 @@ class Engine:
 
 
 @dataclass
+class Speculated:
+    """The last verify of a session: enough to hold fewer of its tokens (`keep_speculated`)."""
+
+    start: int  # tokens held before it
+    n: int  # state position before it
+    arrays: dict  # the fixed-size state arrays before it (copies)
+    tokens: list[int]  # what it appended
+    kept: tuple | None  # MtpState.keep of the draft rows (None: no drafts ran)
+    streams: object = None  # the pass's final streams [S, hc, D] (the next draft's input)
+
+
+@dataclass
 class Frontier:
     """The end of the last synced prompt: regenerating it costs no prefill.
 
@@ -201,6 +225,10 @@ class Session:
         self.logits: np.ndarray | None = None
         self._device_logits = None  # the same logits where the backend left them (GPU: CuPy)
         self._frontier: Frontier | None = None
+        self.mtp_state = engine.mtp.new_state() if engine.mtp is not None else None
+        self._speculated: Speculated | None = None  # the last verify, while it may be trimmed
+        self._draft_kept = None  # (position, MtpState.keep) of the last draft
+        self._verify_arrays: dict | None = None  # state copies a verify rolls back to
 
     def reusable_prefix(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of token_ids sync would keep without recomputing."""
@@ -235,6 +263,30 @@ class Session:
         self._run([int(token_id)])
         return self.logits
 
+    def draft(self, first: int, count: int, margin: float = 0.0) -> list[int]:
+        """Up to `count` MTP drafts of the tokens after `first` (the token the held logits
+        chose), each the block's argmax; drafting stops at the first whose top-1 logit beats
+        the runner-up by less than `margin`. Empty without an MTP block or without the main
+        model's streams of the last held token (e.g. after a batched step)."""
+        from ds4.mtp import draft
+
+        return draft(self, first, count, margin)
+
+    def verify(self, first: int, drafts: Sequence[int]) -> list[int]:
+        """Append `first` and the longest prefix of `drafts` that greedy decoding confirms,
+        verified in ONE forward pass of 1 + len(drafts) tokens; returns the tokens appended.
+        A rejected suffix is rolled back exactly (the state is that of never drafting)."""
+        from ds4.mtp import verify
+
+        return verify(self, first, drafts)
+
+    def keep_speculated(self, count: int) -> None:
+        """Right after `verify`, hold only the first `count` (>= 1) of the tokens it appended
+        (their consumer stopped early: a stop string, a forced text)."""
+        from ds4.mtp import keep_speculated
+
+        keep_speculated(self, count)
+
     def sample(self, opts, rng: np.random.Generator) -> int:
         """Next token drawn from the last logits where they live (GPU: only the id comes back)."""
         # the same seed gives the same tokens as ds4.sampling.sample on s.logits
@@ -246,6 +298,8 @@ class Session:
     def snapshot(self) -> bytes:
         """Exact resumable state as bytes (tokens, logits, every live state row)."""
         arrays = self.state.export(self.engine.backend.to_numpy)
+        if self.mtp_state is not None:
+            arrays.update(self.mtp_state.export(self.engine.backend.to_numpy))
         meta = {"version": SNAPSHOT_VERSION, "fingerprint": self.engine.fingerprint(),
                 "n": self.state.n,
                 "tokens": self.tokens}
@@ -278,6 +332,9 @@ class Session:
     def _load(self, arrays: dict, meta: dict) -> None:
         self.state.load(arrays, meta["n"])
         self.tokens = list(meta["tokens"])
+        self._speculated = None
+        if self.mtp_state is not None:
+            self.mtp_state.load(arrays)
         self.logits, self._device_logits = _read_only(arrays.get(LOGITS)), None
         self._save_frontier()
         if "frontier" in meta:
@@ -306,13 +363,32 @@ class Session:
         self._check_vocabulary([int(token_id)])
 
     def _run(self, ids: list[int]) -> None:
+        self._speculated = None
+        model = self.engine.model
+        if self.mtp_state is not None and (len(ids) > 1 or model.kernel_decoder is None):
+            self._run_rows(ids)  # keeps the streams the next draft starts from
+            return
         try:
-            logits = self.engine.model.forward(self.state, ids)
+            logits = model.forward(self.state, ids)
             host = np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32)
         except BaseException:
             self._rewind_after_failure()
             raise
         self._took(ids, host, logits)
+
+    def _run_rows(self, ids: list[int], every_row: bool = False):
+        """`_run` through the model code, noting the last token's final streams for the MTP;
+        returns (logits of every token (host, [S, V]) when every_row, final streams)."""
+        try:
+            logits, X = self.engine.model.forward_rows(self.state, ids, every_row)
+            host = np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32)
+        except BaseException:
+            self._rewind_after_failure()
+            raise
+        self._took(ids, host[-1].copy(), logits[-1])
+        if self.mtp_state is not None:
+            self.mtp_state.hidden, self.mtp_state.hidden_at = X[-1], len(self.tokens)
+        return host, X
 
     def _took(self, ids: list[int], host: np.ndarray, device_logits) -> None:
         """The state now covers `ids` too; its logits are `host` (and `device_logits` there)."""
@@ -330,6 +406,9 @@ class Session:
         when that is every held token, because the arrays no longer match them)."""
         if keep == len(self.tokens) and not force:
             return
+        self._speculated = None
+        if self.mtp_state is not None:
+            self.mtp_state.forget_from(keep)
         if self._frontier is not None and keep == len(self._frontier.tokens) and keep > 0:
             self._restore_frontier()
         else:
@@ -344,6 +423,8 @@ class Session:
 
     def _reset(self) -> None:
         self.state.reset()
+        if self.mtp_state is not None:
+            self.mtp_state.reset()
         self.tokens, self.logits, self._device_logits = [], None, None
         self._frontier = None  # its compressed rows are about to be overwritten
 

@@ -40,8 +40,10 @@ def test_half_the_experts_in_host_memory_give_the_resident_logits(model: Path) -
     assert placed.model.kernel_decoder is not None  # the decode CUDA graph runs them
     a, b = resident.new_session(256), placed.new_session(256)
     np.testing.assert_allclose(b.sync(PROMPT), a.sync(PROMPT), rtol=1e-4, atol=1e-4)
+    # resident experts decode through ds4/kernels/rows.py (x as bf16 hi + lo words), placed
+    # ones through placed.cu in fp32: tests/test_gpu_engine.py's ROWS_TOL apart
     np.testing.assert_allclose(decode_logits(b, STEPS), decode_logits(a, STEPS),
-                               rtol=1e-4, atol=1e-4)
+                               rtol=0, atol=5e-4)
     assert placed.model.weights.placement.counts().sum() == len(STEPS) * 2 * 6
 
 

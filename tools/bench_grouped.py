@@ -25,7 +25,7 @@ from ds4.model.expert_bank import ExpertBank
 from ds4.model.packed import PackedMatrix
 
 EXPERTS, TOP_K, HIDDEN, INTER, LIMIT = 256, 6, 4096, 2048, 10.0
-SWEEP = [(1, ""), (1, "s4"), (1, "n4"), (2, ""), (2, "s4"), (2, "n4"), (3, ""), (3, "n4"),
+SWEEP = [(1, ""), (1, "s4"), (2, ""), (2, "s4"), (3, ""),
          (4, "")]  # (m16 tiles per block, kernel variant: grouped.VARIANTS)
 
 

@@ -19,3 +19,41 @@ class ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
 def add_version(p: argparse.ArgumentParser) -> None:
     """`--version`: the program's name and the ds4 version, then exit 0."""
     p.add_argument("--version", action="version", version=f"%(prog)s (ds4) {__version__}")
+
+
+def draft_count(text: str) -> int:
+    """--mtp-draft: an integer 1..16."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 1 <= value <= 16:
+        raise argparse.ArgumentTypeError(f"must be 1..16, got {value}")
+    return value
+
+
+def margin(text: str) -> float:
+    """--mtp-margin: a float >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def add_mtp(p: argparse.ArgumentParser) -> None:
+    """`--mtp`, `--mtp-draft N`, `--mtp-margin X`: speculative decoding of greedy requests."""
+    p.add_argument("--mtp", action="store_true",
+                   help="speculative decoding with the checkpoint's MTP block: greedy "
+                        "(temperature 0) generations draft tokens and verify them in one "
+                        "forward pass; output is identical to plain greedy decoding; sampled "
+                        "ones decode normally. Greedy MTP jobs decode alone (never in a "
+                        "batched decode step)")
+    p.add_argument("--mtp-draft", type=draft_count, default=1, metavar="N",
+                   help="MTP drafts per verify round (1..16)")
+    p.add_argument("--mtp-margin", type=margin, default=0.0, metavar="X",
+                   help="propose a draft only when the MTP's top-1 logit beats its runner-up "
+                        "by at least X logits (raw logits, before any temperature); drafting "
+                        "stops at the first draft below it; 0: always propose")

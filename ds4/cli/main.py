@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from ds4.cli.flags import ShowDefaults, add_version
+from ds4.cli.flags import ShowDefaults, add_mtp, add_version
 from ds4.jobs.events import SamplingOptions
 from ds4.tokenizer import EOS_ID
 
@@ -64,6 +64,7 @@ def generate_flags(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--ctx", type=int, default=4096, help="context size in tokens")
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt text as is, no chat template")
+    add_mtp(gen)
 
 
 def make_tiny_command(args: argparse.Namespace, out: TextIO) -> int:
@@ -90,7 +91,8 @@ def generate_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     model = args.model or default_model_dir()
     engine = Engine.open(model, backend=args.backend, load_format=args.load_format,
-                         seed=args.seed or 0, gpu_memory_gib=args.gpu_memory_gib, ctx=args.ctx)
+                         seed=args.seed or 0, gpu_memory_gib=args.gpu_memory_gib, ctx=args.ctx,
+                         mtp=args.mtp)
     check_vocabulary(engine)  # as the server does: no id may fall outside the embedding
     options = SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed)
@@ -100,24 +102,52 @@ def generate_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     logits = session.sync(prompt)  # ContextOverflow (a ValueError) is reported by main
     prefill_s = time.perf_counter() - start
     rng, text = make_rng(args.seed), codecs.getincrementaldecoder("utf-8")(errors="replace")
+    speculator = mtp_speculator(args, options)
     generated, start = 0, time.perf_counter()
     while generated < args.max_tokens:
         token = sample(logits, options, rng)
-        generated += 1
         if token == EOS_ID:
+            generated += 1
             break
-        out.write(text.decode(engine.tokenizer.token_bytes(token)))
-        out.flush()
         try:
-            logits = session.decode(token)
-        except ContextOverflow:
+            took = evaluate(session, token, speculator, args.max_tokens - generated)
+        except ContextOverflow:  # the sampled token is still output; nothing follows it
+            generated += 1
+            out.write(text.decode(engine.tokenizer.token_bytes(token)))
             print(f"\n[context of {args.ctx} tokens is full]", file=err)
             break
+        generated += len(took)
+        for tok in took:
+            out.write(text.decode(engine.tokenizer.token_bytes(tok)))
+        out.flush()
+        logits = session.logits
     decode_s = time.perf_counter() - start
     out.write(text.decode(b"", final=True) + "\n")
     out.flush()  # the text's last line before the speed lines on stderr
     report_speed(err, len(prompt), prefill_s, generated, decode_s)
+    if speculator is not None:
+        print(speculator.stats.summary(), file=err)
+    elif args.mtp:
+        print("mtp: off (only greedy generation, --temperature 0, drafts)", file=err)
     return 0
+
+
+def mtp_speculator(args: argparse.Namespace, options: SamplingOptions):
+    """The MTP policy of a --mtp run whose sampling is greedy (None: decode plainly)."""
+    if not args.mtp:
+        return None
+    from ds4.jobs.speculative import SpeculationConfig, Speculator
+
+    speculator = Speculator(SpeculationConfig(args.mtp_draft, args.mtp_margin))
+    return speculator if speculator.applies(options) else None
+
+
+def evaluate(session, token: int, speculator, room: int) -> list[int]:
+    """Decode `token` (with --mtp: and the verified drafts after it); the tokens taken."""
+    if speculator is None:
+        session.decode(token)
+        return [token]
+    return speculator.round(session, token, room)
 
 
 def report_speed(err: TextIO, prompt_tokens: int, prefill_s: float, generated: int,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from ds4.cli.flags import ShowDefaults, add_version
+from ds4.cli.flags import ShowDefaults, add_mtp, add_version
 from ds4.jobs.ssd_streaming import ssd_streaming_refusal
 from ds4.server.config import DEFAULT_MAX_TOKENS, ServerConfig
 
@@ -102,6 +102,7 @@ def parser() -> argparse.ArgumentParser:
                    help="checkpoint every N prompt tokens")
     p.add_argument("--kv-disk-min-tokens", type=positive_int, default=512,
                    help="shortest prefix worth a checkpoint")
+    add_mtp(p)
     return p
 
 
@@ -119,7 +120,8 @@ def config_from(argv: list[str] | None) -> ServerConfig:
                         kv_disk_dir=a.kv_disk_dir, kv_disk_space_mb=a.kv_disk_space_mb,
                         kv_disk_interval=a.kv_disk_interval,
                         kv_disk_min_tokens=a.kv_disk_min_tokens,
-                        load_format=a.load_format, seed=a.seed, gpu_memory_gib=a.gpu_memory_gib)
+                        load_format=a.load_format, seed=a.seed, gpu_memory_gib=a.gpu_memory_gib,
+                        mtp=a.mtp, mtp_draft=a.mtp_draft, mtp_margin=a.mtp_margin)
 
 
 def figure(name: str, value: object) -> str:

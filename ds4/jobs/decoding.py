@@ -16,6 +16,7 @@ from ds4.jobs.stop import StopText
 from ds4.tokenizer import EOS_ID
 
 if TYPE_CHECKING:
+    from ds4.jobs.speculative import Speculator
     from ds4.tokenizer import Tokenizer
 
 GREEDY = SamplingOptions(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
@@ -38,12 +39,14 @@ class DecodeAttempt:
 
     def __init__(self, request: JobRequest, tokenizer: Tokenizer,
                  rng: np.random.Generator, cap: int,
-                 greedy: bool = False, id_seed: str = ""):
+                 greedy: bool = False, id_seed: str = "",
+                 speculator: Speculator | None = None):
         self.request = request
         self.tokenizer = tokenizer
         self.rng = rng
         self.cap = cap
         self.greedy = greedy  # a redecode samples the rest of the block greedily
+        self.speculator = speculator  # a jobs.speculative.Speculator for a greedy job, or None
         self.parser = OutputParser(thinking=request.thinking, tools_active=request.tools_active,
                                    id_prefix=request.id_prefix, id_seed=id_seed)
         self.stop = StopText(request.stop)
@@ -78,19 +81,37 @@ class DecodeAttempt:
             return self._end("length", [])
         return []
 
-    def step(self, session: DecodeTarget) -> list[TokenEvents]:
-        """One token: choose, evaluate, parse; returns what the sink should get."""
-        tok = self.forced.popleft() if self.forced else self._sample(session)
+    def step(self, session: DecodeTarget, room: int = 1) -> list[TokenEvents]:
+        """One token (a speculating job: up to `room` verified ones): choose, evaluate, parse;
+        returns what the sink should get."""
+        forced = bool(self.forced)
+        tok = self.forced.popleft() if forced else self._sample(session)
         if tok == EOS_ID:
             self.eos = True
             return self._end("stop", [], carrier=EOS_ID)
-        session.decode(tok)
-        events = self.stop.filter(self._take(tok))
-        self._force_if_due()
-        reason = self._reason_after_token()
-        if reason is not None:
-            return self._end(reason, events, carrier=tok)
-        return [TokenEvents(tok, tuple(events))]
+        took = self._evaluate(session, tok, forced, room)
+        out: list[TokenEvents] = []
+        for i, tok in enumerate(took):
+            events = self.stop.filter(self._take(tok))
+            self._force_if_due()
+            reason = self._reason_after_token()
+            cut = i + 1 < len(took) and (reason is not None or bool(self.forced))
+            if cut:
+                session.keep_speculated(i + 1)  # the rest would follow a stop or forced text
+            if reason is not None:
+                return out + self._end(reason, events, carrier=tok)
+            out.append(TokenEvents(tok, tuple(events)))
+            if cut:
+                break
+        return out
+
+    def _evaluate(self, session: DecodeTarget, tok: int, forced: bool, room: int) -> list[int]:
+        """Decode `tok` (a speculating job: verify drafts after it); the tokens the session
+        took."""
+        if self.speculator is None or forced:
+            session.decode(tok)
+            return [tok]
+        return self.speculator.round(session, tok, max(1, min(room, self.cap - len(self.tokens))))
 
     def recovery_tokens(self) -> int:
         """Tokens to keep for a redecode: the last token boundary at or before valid_offset."""

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ds4.engine import Session
     from ds4.jobs.kvstore import SlotCheckpoints
     from ds4.jobs.slot import Slot
+    from ds4.jobs.speculative import Speculator
     from ds4.tokenizer import Tokenizer
 
 MAX_REDECODES = 2
@@ -78,6 +79,7 @@ class Job:
         self.token_times: list[float] = []
         self.announced: set[int] = set()  # indexes of tool calls whose start was emitted
         self.burst_ran = False  # set by a lock-step decode turn before it fires decode_round
+        self.speculator: Speculator | None = None  # MTP drafts (greedy jobs of an MTP engine)
 
     # -- driving -------------------------------------------------------------------------
 
@@ -87,8 +89,12 @@ class Job:
         return self.state in TERMINAL
 
     def bind(self, slot: Slot, tokenizer: Tokenizer, timeslice: Timeslice,
-             checkpoints: SlotCheckpoints | None = None) -> None:
-        """Give the job its slot (and the disk checkpoints); its next turn fires `begin`."""
+             checkpoints: SlotCheckpoints | None = None,
+             speculator: Speculator | None = None) -> None:
+        """Give the job its slot (and the disk checkpoints, the MTP speculator when its sampling
+        lets drafts be verified); its next turn fires `begin`."""
+        if speculator is not None and speculator.applies(self.request.sampling):
+            self.speculator = speculator
         self.slot = slot
         self.tokenizer = tokenizer
         self.timeslice = timeslice
@@ -183,17 +189,24 @@ class Job:
         if self.burst_ran:  # the scheduler ran this burst in lock-step with other jobs
             self.burst_ran = False
             return
-        for _ in range(self.timeslice.decode_tokens):
-            if not self.burst_token(self.slot.session):
+        start = len(self.attempt.tokens)  # a burst counts emitted tokens, not rounds
+        while (left := self.timeslice.decode_tokens - (len(self.attempt.tokens) - start)) > 0:
+            if not self.burst_token(self.slot.session, left):
                 break
 
-    def burst_token(self, session: DecodeTarget) -> bool:
-        """One token of a burst through `session`; False (nothing done) once it must end."""
+    @property
+    def speculates(self) -> bool:
+        """True when the job decodes in MTP draft/verify rounds (then never in a batch)."""
+        return self.speculator is not None
+
+    def burst_token(self, session: DecodeTarget, room: int = 1) -> bool:
+        """One step of a burst through `session` (a speculating job may take up to `room`
+        tokens); False (nothing done) once it must end."""
         if self.attempt.over or self.cancel_requested.is_set():
             return False
         if self.checkpoints is not None:
             self.checkpoints.decoding()
-        self._emit_all(self.attempt.step(session))
+        self._emit_all(self.attempt.step(session, room))
         return True
 
     def decode_over(self, _event: EventData | None = None) -> bool:
@@ -294,7 +307,7 @@ class Job:
         room = self.slot.session.ctx_size - len(self.request.prompt_tokens)
         cap = max(0, min(self.request.max_tokens, room))
         return DecodeAttempt(self.request, self.tokenizer, rng, cap, greedy=greedy,
-                             id_seed=self.id_seed)
+                             id_seed=self.id_seed, speculator=self.speculator)
 
     def _emit_all(self, events: list[TokenEvents]) -> None:
         for event in events:

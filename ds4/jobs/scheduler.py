@@ -23,6 +23,7 @@ from ds4.jobs.job import Job, Timeslice
 from ds4.jobs.kvstore import KVStore, SlotCheckpoints
 from ds4.jobs.placement_policy import ReplacementPolicy
 from ds4.jobs.slot import Slot
+from ds4.jobs.speculative import SpeculationConfig, Speculator
 from ds4.jobs.ssd_streaming import ssd_streaming_refusal
 from ds4.jobs.stats import SchedulerStats
 from ds4.jobs.trace import TraceWriter, job_record
@@ -46,6 +47,8 @@ class SchedulerConfig:
     decode_tokens: int = 6
     trace_path: str | None = None
     ssd_streaming: bool = False
+    mtp_draft: int = 0  # MTP drafts per round of a greedy job (0: no speculation)
+    mtp_margin: float = 0.0
 
     def __post_init__(self) -> None:
         if self.parallel < 1:
@@ -154,6 +157,7 @@ class Scheduler:
         self.rotation = BatchRotation()  # a lock-step decode of every decoding job is one turn
         self.lockstep = LockStepDecode(engine, self.config.decode_tokens)
         self.replacement = ReplacementPolicy(engine)  # experts follow the routing counts
+        self.speculator = self._speculator()  # its `oracle` may be set before start()
         self.trace = TraceWriter(self.config.trace_path) if self.config.trace_path else None
         self.turns = 0
         self._seq = 0
@@ -219,7 +223,7 @@ class Scheduler:
         acted = self._admit()
         slot = self.rotation.next(self.slots)
         if slot is not None:
-            batch = self.lockstep.members(self.slots, slot)
+            batch = self._lockstep_members(slot)
             if len(batch) > 1:
                 self._advance_batch(batch)
             else:
@@ -229,6 +233,22 @@ class Scheduler:
             self.replacement.after_turn(self.stats)  # between steps, never inside one
         self.stats.busy_slots = sum(s.busy for s in self.slots)
         return acted
+
+    def _lockstep_members(self, slot: Slot) -> list[Slot]:
+        """Who decodes with `slot` this turn; a speculating job decodes alone (its verify is
+        a pass of its own) and never joins another's batch."""
+        if slot.job.speculates:
+            return []
+        return [s for s in self.lockstep.members(self.slots, slot) if not s.job.speculates]
+
+    def _speculator(self) -> Speculator | None:
+        """The MTP policy every greedy job shares (None without --mtp)."""
+        if self.config.mtp_draft < 1:
+            return None
+        if getattr(self.engine, "mtp", None) is None:
+            raise ValueError("MTP speculation needs an engine opened with its MTP block")
+        config = SpeculationConfig(self.config.mtp_draft, self.config.mtp_margin)
+        return Speculator(config, self.stats.speculation)
 
     def others_waiting(self, job: Job) -> bool:
         """True when someone other than `job` could run now."""
@@ -275,7 +295,7 @@ class Scheduler:
         slot.job = job
         timeslice = Timeslice(self.config.prefill_ms / 1000.0, self.config.decode_tokens,
                               lambda: self.others_waiting(job))
-        job.bind(slot, self.engine.tokenizer, timeslice, self._checkpoints(slot))
+        job.bind(slot, self.engine.tokenizer, timeslice, self._checkpoints(slot), self.speculator)
 
     def _checkpoints(self, slot: Slot) -> SlotCheckpoints | None:
         """The disk store as this slot's job sees it (None without a store)."""

@@ -6,6 +6,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ds4.jobs.speculative import SpeculationStats
+
 Observer = Callable[[float], None]
 
 
@@ -32,6 +34,7 @@ class SchedulerStats:
     inter_token: deque = field(default_factory=lambda: deque(maxlen=4096))
     ttft_observers: list[Observer] = field(default_factory=list)
     inter_token_observers: list[Observer] = field(default_factory=list)
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)  # MTP rounds
 
     def observe_ttft(self, seconds: float) -> None:
         """Time from arrival to a job's first token."""

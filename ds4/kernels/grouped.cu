@@ -188,7 +188,6 @@ struct Fp8 {
 };
 
 using Fp4 = Fp4T<8>;  // 64 weight rows per warp: the most reuse of each activation fragment
-using Fp4Narrow = Fp4T<4>;  // 32 per warp: half the registers, two blocks per SM
 
 // Where a block's weight rows come from: expert e's matrix at codes + e * e_stride, rows of
 // row_bytes, scale rows of sc_ld bytes (FP4: per row; FP8: per 2^shift rows).
@@ -464,10 +463,3 @@ GROUPED(gate_up_fp4_m1_s4, Fp4, 1, true, 4, 1)
 GROUPED(gemm_fp4_m1_s4, Fp4, 1, false, 4, 1)
 GROUPED(gate_up_fp4_m2_s4, Fp4, 2, true, 4, 1)
 GROUPED(gemm_fp4_m2_s4, Fp4, 2, false, 4, 1)
-// Narrow FP4 blocks (256 weight rows, 2 stages): two blocks per SM hide each other's barriers
-GROUPED(gate_up_fp4_m1_n4, Fp4Narrow, 1, true, 2, 2)
-GROUPED(gemm_fp4_m1_n4, Fp4Narrow, 1, false, 2, 2)
-GROUPED(gate_up_fp4_m2_n4, Fp4Narrow, 2, true, 2, 2)
-GROUPED(gemm_fp4_m2_n4, Fp4Narrow, 2, false, 2, 2)
-GROUPED(gate_up_fp4_m3_n4, Fp4Narrow, 3, true, 2, 2)
-GROUPED(gemm_fp4_m3_n4, Fp4Narrow, 3, false, 2, 2)

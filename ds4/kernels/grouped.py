@@ -22,7 +22,7 @@ NT = {"fp4": 8, "fp8": 4}  # n8 tiles per warp
 STAGES = 3
 # Kernel variants besides the default (NT above, STAGES): FP4 only, name suffix -> (n8 tiles per
 # warp, stages, m16 tile counts built)
-VARIANTS = {"s4": (8, 4, (1, 2)), "n4": (4, 2, (1, 2, 3))}
+VARIANTS = {"s4": (8, 4, (1, 2))}
 # (fmt, pick_mt's m16 tiles) -> (m16 tiles, variant) routed() launches, where measured faster
 # than the default shape (tools/bench_grouped.py)
 TUNED: dict[tuple[str, int], tuple[int, str]] = {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from ds4.model.config import CSA, HCA, ModelConfig
+from ds4.model.config import CSA, HCA, SLIDING, ModelConfig
 from ds4.model.safetensors_file import StoredTensor
 
 # Official per-layer names (after "layers.{i}.") -> HF names (after "model.layers.{i}.").
@@ -84,7 +84,19 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def mtp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The MTP block's layer tensors (HF names inside a layer): a sliding, non-hash layer."""
+    mix = (2 + cfg.hc_mult) * cfg.hc_mult
+    return _block_shapes(cfg, SLIDING, False, 0, mix)
+
+
 def _layer_shapes(cfg: ModelConfig, i: int, mix: int) -> dict[str, tuple[int, ...]]:
+    hashed = cfg.mlp_layer_types[i] == "hash_moe"
+    return _block_shapes(cfg, cfg.layer_types[i], hashed, cfg.compress_ratio(i), mix)
+
+
+def _block_shapes(cfg: ModelConfig, kind: str, hashed: bool, m: int,
+                  mix: int) -> dict[str, tuple[int, ...]]:
     D, H, d, E = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.n_routed_experts
     inter = cfg.moe_intermediate_size * cfg.n_shared_experts
     s = {
@@ -103,11 +115,10 @@ def _layer_shapes(cfg: ModelConfig, i: int, mix: int) -> dict[str, tuple[int, ..
         s.update({"mlp.shared_experts.gate_proj.weight": (inter, D),
                   "mlp.shared_experts.up_proj.weight": (inter, D),
                   "mlp.shared_experts.down_proj.weight": (D, inter)})
-    if cfg.mlp_layer_types[i] == "hash_moe":
+    if hashed:
         s["mlp.gate.tid2eid"] = (cfg.vocab_size, cfg.num_experts_per_tok)
     else:
         s["mlp.gate.e_score_correction_bias"] = (E,)
-    kind, m = cfg.layer_types[i], cfg.compress_ratio(i)
     if kind in (CSA, HCA):
         c = 2 if kind == CSA else 1
         s.update({f"self_attn.compressor.{k}": v

@@ -56,6 +56,17 @@ class Model:
         """Run tokens at positions state.n.. through every layer; logits [V] of the last one."""
         if self.kernel_decoder is not None and len(token_ids) == 1:
             return self.kernel_decoder.decode(state, token_ids[0])
+        return self._head(self._streams(state, token_ids)[-1:])[0]
+
+    def forward_rows(self, state: SessionState, token_ids: list[int], every_row: bool = True):
+        """`forward` through the model code (no CUDA graph), keeping what drafting needs:
+        (logits [S, V], final streams [S, hc, D]) of every token, or of the last one only."""
+        X = self._streams(state, token_ids)
+        X = X if every_row else X[-1:]
+        return self._head(X), X
+
+    def _streams(self, state: SessionState, token_ids: list[int]):
+        """The final streams [S, hc, D] of tokens at positions state.n.. (state advanced)."""
         xp, cfg = self.xp, self.cfg
         step = self._step(state.n, token_ids)
         x = widen(self.weights["model.embed_tokens.weight"][step.token_ids], xp)
@@ -64,7 +75,7 @@ class Model:
         for i, layer_state in enumerate(state.layers):
             X = self._layer(i, layer_state, X, step)
         state.n += len(token_ids)
-        return self._head(X[-1:])[0]
+        return X
 
     def decode_many(self, states: list[SessionState], token_ids: list[int]) -> list:
         """Logits [V] per session of one token each: one batched pass when `batch_rows`, else

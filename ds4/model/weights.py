@@ -31,7 +31,7 @@ class Weights:
     def __init__(self, tensors: dict, experts: list, mtp: dict, low_precision: bool):
         self.tensors = tensors
         self.experts = experts
-        self.mtp = mtp  # official `mtp.*` tensors, mapped but unused (no MTP inference here)
+        self.mtp = mtp  # official `mtp.*` tensors, mapped; ds4.model.mtp loads them on request
         self.low_precision = low_precision
         self.placement = None  # an ExpertPlacement when some experts live in host memory
 
@@ -134,6 +134,20 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
 
         weights.placement = ExpertPlacement(experts, budget)
     return weights
+
+
+def device_tensors(xp, named: dict, packed: bool, block: tuple[int, int]) -> dict:
+    """Stored tensors by name in the form the forward pass reads them (as load_weights holds
+    them: packed matrices packed, bf16 words where the products read words, else fp32)."""
+    return {name: _device_tensor(xp, name, t, _held(t, name, block, packed))
+            for name, t in named.items()}
+
+
+def official_bank(xp, stored: dict, cfg: ModelConfig, layer: int,
+                  block: tuple[int, int]) -> ExpertBank:
+    """Layer `layer`'s routed experts from official per-expert names, held in device memory."""
+    gate_up, down = _expert_sources(stored, cfg, layer, True, block)
+    return ExpertBank(xp, gate_up, down, True, isinstance(gate_up[0][0], PackedMatrix))
 
 
 def _resident_mask(cfg: ModelConfig, sources: list, budget: int | None, tensors: dict,

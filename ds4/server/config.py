@@ -39,3 +39,6 @@ class ServerConfig:
     ping_interval_s: float = 5.0
     client_timeout_s: float = 10.0  # a request's headers or body may stall this long
     quiet: bool = False  # ds4-server writes no access log
+    mtp: bool = False  # MTP speculative decoding of greedy jobs
+    mtp_draft: int = 1
+    mtp_margin: float = 0.0

@@ -65,7 +65,8 @@ class TokenCounters:
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """ds4_prompt_tokens, _cached, ds4_generated_tokens, ds4_expert_replacements and
-        ds4_experts_moved (as _total), and the gauge ds4_expert_host_read_share."""
+        ds4_experts_moved (as _total), the gauge ds4_expert_host_read_share, and the ds4_mtp_*
+        figures."""
         s = self.stats() or SchedulerStats()
         yield CounterMetricFamily("ds4_prompt_tokens", "Prompt tokens evaluated or reused",
                                   value=s.prompt_tokens_computed + s.prompt_tokens_reused)
@@ -82,6 +83,22 @@ class TokenCounters:
         yield GaugeMetricFamily("ds4_expert_host_read_share",
                                 "Share of counted routed-expert picks read from host memory",
                                 value=s.expert_host_read_share)
+        yield from speculation_metrics(s.speculation)
+
+
+def speculation_metrics(spec) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    """MTP draft/verify counters (as _total), acceptance rate and tokens per verify round."""
+    yield CounterMetricFamily("ds4_mtp_verify_rounds", "MTP rounds that verified drafts",
+                              value=spec.verify_rounds)
+    yield CounterMetricFamily("ds4_mtp_draft_tokens", "MTP drafts verified",
+                              value=spec.drafted)
+    yield CounterMetricFamily("ds4_mtp_accepted_tokens", "MTP drafts accepted",
+                              value=spec.accepted)
+    yield GaugeMetricFamily("ds4_mtp_acceptance_rate", "Accepted over verified MTP drafts",
+                            value=spec.acceptance_rate)
+    yield GaugeMetricFamily("ds4_mtp_tokens_per_round",
+                            "Tokens emitted per MTP verify round (1 + accepted drafts)",
+                            value=spec.tokens_per_round)
 
 
 class KVDiskCounters:

@@ -83,7 +83,7 @@ def open_engine(model_dir: str, cfg: ServerConfig) -> Engine:
     engine = Engine.open(model_dir, backend=cfg.backend, prefill_chunk=cfg.prefill_chunk,
                          resident_experts=not cfg.ssd_streaming, load_format=cfg.load_format,
                          seed=cfg.seed, gpu_memory_gib=cfg.gpu_memory_gib,
-                         parallel=cfg.parallel, ctx=cfg.ctx)
+                         parallel=cfg.parallel, ctx=cfg.ctx, mtp=cfg.mtp)
     check_vocabulary(engine)
     return engine
 
@@ -179,7 +179,9 @@ class Runtime:
                 self.kvstore.use_model(model_fingerprint(self.engine))
             sched_cfg = SchedulerConfig.from_env(parallel=cfg.parallel, ctx_size=cfg.ctx,
                                                  trace_path=cfg.trace,
-                                                 ssd_streaming=cfg.ssd_streaming)
+                                                 ssd_streaming=cfg.ssd_streaming,
+                                                 mtp_draft=cfg.mtp_draft if cfg.mtp else 0,
+                                                 mtp_margin=cfg.mtp_margin)
             self.scheduler = Scheduler(self.engine, sched_cfg, time.monotonic, self.kvstore)
             self.write_trace_header(str(self.engine.model_dir))
         except Exception as exc:  # any load failure: the server stays up, /health says why
