@@ -133,3 +133,24 @@ def test_a_bf16_checkpoint_under_a_budget_loads_whole_or_says_why() -> None:
     np.testing.assert_array_equal(logits_of(budgeted, ids), logits_of(whole, ids))
     with pytest.raises(WeightsError, match=r"need \d+\.\d GiB .* budget is 0\.0 GiB; only packed"):
         Engine.open(model, backend="numpy", gpu_memory_gib=0.001)
+
+
+def test_placed_prefill_runs_each_memory_through_the_grouped_kernels(small_model: Path) -> None:
+    """A chunk's picks over a bank split between the memories: the resident ones through the
+    grouped kernels over the device stacks, the host ones over the host stacks (their NumPy
+    twins here), summed, equal the model's per-expert prefill loop."""
+    from ds4.model.moe import _placed_kernels_fit, _routed_many, _routed_placed
+
+    placed = Engine.open(small_model, backend="numpy", load_format="dummy", seed=2,
+                         gpu_memory_gib=half_budget_gib(small_packed()))
+    cfg, bank = placed.config, placed.model.weights.experts[4]
+    rng = np.random.default_rng(4)
+    S, k = 9, cfg.num_experts_per_tok
+    x = rng.standard_normal((S, cfg.hidden_size)).astype(np.float32)
+    ids = np.stack([rng.permutation(bank.count)[:k] for _ in range(S)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (S, k)).astype(np.float32)
+    assert _placed_kernels_fit(bank, x)
+    got = _routed_placed(np, cfg, bank, x, ids, weights)
+    want = _routed_many(np, cfg, bank, x, ids, weights, ids)
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 3e-5 * scale  # bf16 hi + lo words of x and of act

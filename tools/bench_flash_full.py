@@ -168,7 +168,7 @@ def step_split(engine: Engine, cp, session, step_ms: float) -> dict:
     """One decode step's device time split: placed graph, host reads off (resident time),
     host-read time, launch overhead of its node count, and the Python step around it."""
     decoder = engine.model.kernel_decoder.decoder
-    graph, stream = decoder.graphs[session.state], decoder.stream
+    graph, stream = decoder.graphs[1], decoder.stream  # one graph per batch size: B = 1
     placement = engine.model.weights.placement
     banks = [b for b in placement.banks if b.placed_stacks] if placement is not None else []
     counted = [b.counts.copy() for b in banks]  # replays of one token must not count as picks

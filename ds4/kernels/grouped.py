@@ -278,24 +278,25 @@ def _ops(xp):
 def routed(xp, gate_up_m, down_m, x, ids, weights, limit: float, parts: int = 2):
     """sum_k weights[:, k] * expert_{ids[:, k]}(x) for x [S, D] with packed experts gate/up
     [E, 2I, D] and down [E, D, I]: the rows grouped by expert on the device, one gate/up and
-    one down launch over all of them, picks summed per token in a fixed order."""
+    one down launch over all of them, picks summed per token in a fixed order. A pick whose
+    id is E (no expert of these stacks: it lives in another memory) adds nothing."""
     split, tiles_of, up_op, down_op, sum_op = _ops(xp)
     S, k = ids.shape
     R, E, D = S * k, gate_up_m.shape[0], x.shape[1]
     inter = down_m.shape[-1]
     flat = ids.reshape(-1)
     order = (np.argsort(flat, kind="stable") if xp is np else xp.argsort(flat)).astype(xp.int32)
-    counts = xp.bincount(flat, minlength=E).astype(xp.int64)
+    counts = xp.bincount(flat, minlength=E + 1)[:E].astype(xp.int64)  # picks of id E sort last
     mt, variant = TUNED.get((gate_up_m.fmt, pick_mt(R, E)), (pick_mt(R, E), ""))
     tiles = xp.zeros((max_tiles(R, E, 16 * mt), 4), xp.int32)
     n_tiles = xp.zeros(1, xp.int32)
     tiles_of(counts, 16 * mt, tiles, n_tiles)
     x = xp.ascontiguousarray(x, dtype=xp.float32)
     wts = xp.ascontiguousarray(weights.reshape(-1), dtype=xp.float32)
-    act = xp.empty((R, inter), xp.float32)
+    act = xp.zeros((R, inter), xp.float32)  # skipped picks' rows: split, never multiplied
     up_op(gate_up_m, split(x, new_words(xp, S, D), parts), order, k, wts, tiles, n_tiles, mt,
           act, limit, parts, variant)
-    rows = xp.empty((R, D), xp.float32)
+    rows = xp.zeros((R, D), xp.float32)  # rows of skipped picks are in no tile: they stay 0
     down_op(down_m, split(act, new_words(xp, R, inter), parts), order, tiles, n_tiles, mt, rows,
             parts, variant)
     return sum_op(rows, k, xp.empty((S, D), xp.float32))

@@ -91,6 +91,8 @@ def _routed_grouped(xp, cfg, bank, x, ids, weights, to_host):
 
         gate_up, down = bank.stacked
         return grouped.routed(xp, gate_up, down, x, ids, weights, cfg.swiglu_limit, parts())
+    if _placed_kernels_fit(bank, x):
+        return _routed_placed(xp, cfg, bank, x, ids, weights)
     S, k = ids.shape
     inter = cfg.moe_intermediate_size
     flat = ids.reshape(-1)
@@ -119,6 +121,53 @@ def _grouped_kernels_fit(bank, x) -> bool:
     gate_up, down = bank.stacked
     return (isinstance(gate_up, PackedMatrix) and isinstance(down, PackedMatrix)
             and fits(gate_up, x.shape[1]) and fits(down, gate_up.shape[-2] // 2))
+
+
+def _placed_kernels_fit(bank, x) -> bool:
+    """True when a bank split over device and mapped host memory (ds4/model/placement.py) can
+    run its two halves through the grouped kernels."""
+    if not (GROUPED_KERNELS and bank.placed_stacks):
+        return False
+    from ds4.kernels.grouped import fits
+
+    gate_up, down = bank.placed_stacks
+    same = (np.array_equal(gate_up.resident, down.resident)
+            and np.array_equal(gate_up.slot, down.slot))
+    return same and all(fits(m, cols) for memory in ("device", "host")
+                        for m, cols in _halves(gate_up, down, memory, x.shape[1]))
+
+
+def _halves(gate_up, down, memory: str, hidden: int) -> list:
+    """[(gate_up, cols), (down, cols)] PackedMatrix stacks over one memory of placed stacks,
+    made once per stack (re-placement swaps bytes inside the same arrays, so they stay valid;
+    the grouped kernels' scale check is then cached on them)."""
+    out = []
+    for stack, cols in ((gate_up, hidden), (down, gate_up.shape[-2] // 2)):
+        views = stack.__dict__.setdefault("grouped_views", {})
+        if memory not in views:
+            codes, scale = getattr(stack, memory)
+            views[memory] = PackedMatrix(stack.fmt, codes, scale, stack.shape[-1], stack.block)
+        out.append((views[memory], cols))
+    return out
+
+
+def _routed_placed(xp, cfg, bank, x, ids, weights):
+    """Prefill of a placed bank: the picks of resident experts through the grouped kernels
+    over the device stacks, then those of host experts over the mapped host stacks (read in
+    place over PCIe); a pick of the other memory gets the id one past its stack (skipped)."""
+    from ds4.kernels import grouped
+
+    gate_up, down = bank.placed_stacks
+    resident, slot = gate_up.resident, gate_up.slot
+    out = None
+    for memory, here in (("device", resident), ("host", ~resident)):
+        if not here.any():
+            continue
+        (gu, _), (dn, _) = _halves(gate_up, down, memory, x.shape[1])
+        remap = xp.asarray(np.where(here, slot, int(here.sum())).astype(np.int32))
+        part = grouped.routed(xp, gu, dn, x, remap[ids], weights, cfg.swiglu_limit, parts())
+        out = part if out is None else out + part
+    return out
 
 
 def _scaled_swiglu(xp, y, inter: int, scale, limit: float):
