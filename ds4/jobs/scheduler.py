@@ -71,74 +71,6 @@ class SchedulerConfig:
         return cls(**values)
 
 
-def refuse_ssd_streaming_on_gpu(engine: Engine, config: SchedulerConfig) -> None:
-    """The CuPy backend cannot stream experts from disk yet: say so instead of pretending."""
-    backend = getattr(engine, "backend", None)
-    name = getattr(backend, "name", backend)
-    if config.ssd_streaming and name == "cupy":  # the engine's backend is resolved already
-        raise ValueError(ssd_streaming_refusal(backend="cupy"))
-
-
-class PendingQueue:
-    """Jobs waiting for a slot, oldest first; shared with submitting threads."""
-
-    def __init__(self) -> None:
-        self._jobs: deque[Job] = deque()
-        self._lock = threading.Lock()
-
-    def push(self, job: Job) -> None:
-        """Append a job."""
-        with self._lock:
-            self._jobs.append(job)
-
-    def jobs(self) -> list[Job]:
-        """The waiting jobs, oldest first (a copy)."""
-        with self._lock:
-            return list(self._jobs)
-
-    def remove(self, job: Job) -> None:
-        """Take a job out (it got a slot, or was cancelled)."""
-        with self._lock:
-            self._jobs.remove(job)
-
-    def __len__(self) -> int:
-        return len(self._jobs)
-
-
-class SlotPicker:
-    """Where a queued job runs: its call-id slot, else the best reusable prefix, else LRU."""
-
-    def bound_slot(self, job: Job, slots: list[Slot]) -> Slot | None:
-        """The slot holding one of the job's continued call ids, busy or not."""
-        ids = job.request.call_ids
-        if not ids:
-            return None
-        return next((s for s in slots if s.holds_any(ids)), None)
-
-    def pick(self, job: Job, slots: list[Slot]) -> Slot | None:
-        """An idle slot for the job, or None when it must wait (its bound slot is busy)."""
-        bound = self.bound_slot(job, slots)
-        if bound is not None:
-            return None if bound.busy else bound
-        idle = [s for s in slots if not s.busy]
-        if not idle:
-            return None
-        prompt = job.request.prompt_tokens
-        reuse = {s.index: s.session.reusable_prefix(prompt) for s in idle}
-        best = max(idle, key=lambda s: (reuse[s.index], -s.last_used))
-        if reuse[best.index] > 0:
-            return best
-        # a slot still bound to call ids awaits that conversation's tool results: keep it
-        return min(idle, key=lambda s: (bool(s.live_call_ids()), s.last_used))
-
-    def could_start(self, job: Job, slots: list[Slot]) -> bool:
-        """Cheap test: would the job get a slot now? (No prefix scoring.)"""
-        bound = self.bound_slot(job, slots)
-        if bound is not None:
-            return not bound.busy
-        return any(not s.busy for s in slots)
-
-
 class Scheduler:
     """Owns the engine; runs jobs on N slots, one transition per turn."""
 
@@ -377,3 +309,71 @@ class Scheduler:
                 self._release(slot, job)
         self.stats.queue_depth = 0
         self.stats.busy_slots = 0
+def refuse_ssd_streaming_on_gpu(engine: Engine, config: SchedulerConfig) -> None:
+    """The CuPy backend cannot stream experts from disk yet: say so instead of pretending."""
+    backend = getattr(engine, "backend", None)
+    name = getattr(backend, "name", backend)
+    if config.ssd_streaming and name == "cupy":  # the engine's backend is resolved already
+        raise ValueError(ssd_streaming_refusal(backend="cupy"))
+
+
+class PendingQueue:
+    """Jobs waiting for a slot, oldest first; shared with submitting threads."""
+
+    def __init__(self) -> None:
+        self._jobs: deque[Job] = deque()
+        self._lock = threading.Lock()
+
+    def push(self, job: Job) -> None:
+        """Append a job."""
+        with self._lock:
+            self._jobs.append(job)
+
+    def jobs(self) -> list[Job]:
+        """The waiting jobs, oldest first (a copy)."""
+        with self._lock:
+            return list(self._jobs)
+
+    def remove(self, job: Job) -> None:
+        """Take a job out (it got a slot, or was cancelled)."""
+        with self._lock:
+            self._jobs.remove(job)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+
+class SlotPicker:
+    """Where a queued job runs: its call-id slot, else the best reusable prefix, else LRU."""
+
+    def bound_slot(self, job: Job, slots: list[Slot]) -> Slot | None:
+        """The slot holding one of the job's continued call ids, busy or not."""
+        ids = job.request.call_ids
+        if not ids:
+            return None
+        return next((s for s in slots if s.holds_any(ids)), None)
+
+    def pick(self, job: Job, slots: list[Slot]) -> Slot | None:
+        """An idle slot for the job, or None when it must wait (its bound slot is busy)."""
+        bound = self.bound_slot(job, slots)
+        if bound is not None:
+            return None if bound.busy else bound
+        idle = [s for s in slots if not s.busy]
+        if not idle:
+            return None
+        prompt = job.request.prompt_tokens
+        reuse = {s.index: s.session.reusable_prefix(prompt) for s in idle}
+        best = max(idle, key=lambda s: (reuse[s.index], -s.last_used))
+        if reuse[best.index] > 0:
+            return best
+        # a slot still bound to call ids awaits that conversation's tool results: keep it
+        return min(idle, key=lambda s: (bool(s.live_call_ids()), s.last_used))
+
+    def could_start(self, job: Job, slots: list[Slot]) -> bool:
+        """Cheap test: would the job get a slot now? (No prefix scoring.)"""
+        bound = self.bound_slot(job, slots)
+        if bound is not None:
+            return not bound.busy
+        return any(not s.busy for s in slots)
+
+

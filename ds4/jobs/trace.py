@@ -25,6 +25,57 @@ class TraceError(ValueError):
     """A trace file that cannot be read; the message names the file and line."""
 
 
+class TraceWriter:
+    """Appends job records to a file; one `write` call per job so lines never interleave."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        # open for the server's lifetime, closed by close(); truncates, like ds4
+        self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115
+
+    def write(self, record: dict) -> None:
+        """Write one record (or the header) as one line and flush it."""
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        with self._lock:
+            self._file.close()
+
+
+@dataclass
+class Trace:
+    """A trace file read whole: its header (empty for an old trace) and its job records."""
+
+    header: dict = field(default_factory=dict)
+    records: list[dict] = field(default_factory=list)
+
+
+def read_trace_file(path: str | Path) -> Trace:
+    """Header and records of a trace file; TraceError (naming the line) when it is not one."""
+    trace = Trace()
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TraceError(f"{path}:{number}: not UTF-8 text") from None
+            if not line.strip():
+                continue
+            value = parse_line(path, number, line)
+            if "ds4_trace" in value:
+                if number != 1:
+                    raise TraceError(f"{path}:{number}: a header line after the first line")
+                trace.header = value
+            else:
+                trace.records.append(check_record(path, number, value))
+    return trace
+
+
 def weight_shapes(model_dir: Path) -> list[tuple[str, str, list[int]]]:
     """(name, dtype, shape) of every tensor in the directory's safetensors headers, sorted."""
     out = []
@@ -87,36 +138,6 @@ def job_record(job: Job) -> dict:
     }
 
 
-class TraceWriter:
-    """Appends job records to a file; one `write` call per job so lines never interleave."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self._lock = threading.Lock()
-        # open for the server's lifetime, closed by close(); truncates, like ds4
-        self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115
-
-    def write(self, record: dict) -> None:
-        """Write one record (or the header) as one line and flush it."""
-        line = json.dumps(record, ensure_ascii=False) + "\n"
-        with self._lock:
-            self._file.write(line)
-            self._file.flush()
-
-    def close(self) -> None:
-        """Close the file."""
-        with self._lock:
-            self._file.close()
-
-
-@dataclass
-class Trace:
-    """A trace file read whole: its header (empty for an old trace) and its job records."""
-
-    header: dict = field(default_factory=dict)
-    records: list[dict] = field(default_factory=list)
-
-
 def parse_line(path: str | Path, number: int, line: str) -> dict:
     """One line as a JSON object, or a TraceError naming the line."""
     try:
@@ -139,27 +160,6 @@ def check_record(path: str | Path, number: int, record: dict) -> dict:
             not isinstance(record["prompt_token_ids"], list):
         raise TraceError(f"{path}:{number}: token ids must be lists")
     return record
-
-
-def read_trace_file(path: str | Path) -> Trace:
-    """Header and records of a trace file; TraceError (naming the line) when it is not one."""
-    trace = Trace()
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise TraceError(f"{path}:{number}: not UTF-8 text") from None
-            if not line.strip():
-                continue
-            value = parse_line(path, number, line)
-            if "ds4_trace" in value:
-                if number != 1:
-                    raise TraceError(f"{path}:{number}: a header line after the first line")
-                trace.header = value
-            else:
-                trace.records.append(check_record(path, number, value))
-    return trace
 
 
 def read_trace(path: str | Path) -> list[dict]:

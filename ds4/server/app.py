@@ -26,43 +26,6 @@ CORS_HEADERS = [(b"access-control-allow-origin", b"*"),
                 (b"access-control-allow-headers", b"*")]
 
 
-class Gate:
-    """ASGI layer before routing: OPTIONS → 204, CORS headers, API key on /v1 paths."""
-
-    def __init__(self, app: ASGIApp, config: ServerConfig):
-        self.app = app
-        self.cors = config.cors
-        self.api_key = config.api_key
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        send = self.with_cors(send) if self.cors else send
-        if scope["method"] == "OPTIONS":
-            return await Response(status_code=204)(scope, receive, send)
-        if self.api_key and scope["path"].startswith("/v1/") and not self.authorized(scope):
-            err = ApiError(401, "invalid or missing API key", code="invalid_api_key")
-            return await error_response(err, protocol_of_path(scope["path"]))(scope, receive, send)
-        await self.app(scope, receive, send)
-
-    def authorized(self, scope: Scope) -> bool:
-        """`Authorization: Bearer KEY` (OpenAI) or `x-api-key: KEY` (Anthropic)."""
-        headers = dict(scope["headers"])
-        bearer = headers.get(b"authorization", b"").decode("latin-1")
-        given = bearer[7:] if bearer.lower().startswith("bearer ") else ""
-        given = given or headers.get(b"x-api-key", b"").decode("latin-1")
-        return hmac.compare_digest(given.encode(), self.api_key.encode())
-
-    @staticmethod
-    def with_cors(send: Send) -> Send:
-        """`send` that adds the CORS headers to the response start."""
-        async def cors_send(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": list(message.get("headers", [])) + CORS_HEADERS}
-            await send(message)
-        return cors_send
-
-
 def build_app(config: ServerConfig, runtime: Runtime | None = None, load: bool = True) -> Starlette:
     """The ASGI app; with `load` the model loads in the background at start-up."""
     runtime = runtime or Runtime(config)
@@ -99,6 +62,43 @@ def build_app(config: ServerConfig, runtime: Runtime | None = None, load: bool =
     app.add_middleware(Gate, config=config)
     app.add_middleware(ExchangeLayer, metrics=runtime.metrics)
     return app
+
+
+class Gate:
+    """ASGI layer before routing: OPTIONS → 204, CORS headers, API key on /v1 paths."""
+
+    def __init__(self, app: ASGIApp, config: ServerConfig):
+        self.app = app
+        self.cors = config.cors
+        self.api_key = config.api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        send = self.with_cors(send) if self.cors else send
+        if scope["method"] == "OPTIONS":
+            return await Response(status_code=204)(scope, receive, send)
+        if self.api_key and scope["path"].startswith("/v1/") and not self.authorized(scope):
+            err = ApiError(401, "invalid or missing API key", code="invalid_api_key")
+            return await error_response(err, protocol_of_path(scope["path"]))(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def authorized(self, scope: Scope) -> bool:
+        """`Authorization: Bearer KEY` (OpenAI) or `x-api-key: KEY` (Anthropic)."""
+        headers = dict(scope["headers"])
+        bearer = headers.get(b"authorization", b"").decode("latin-1")
+        given = bearer[7:] if bearer.lower().startswith("bearer ") else ""
+        given = given or headers.get(b"x-api-key", b"").decode("latin-1")
+        return hmac.compare_digest(given.encode(), self.api_key.encode())
+
+    @staticmethod
+    def with_cors(send: Send) -> Send:
+        """`send` that adds the CORS headers to the response start."""
+        async def cors_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": list(message.get("headers", [])) + CORS_HEADERS}
+            await send(message)
+        return cors_send
 
 
 async def api_error(request: Request, exc: ApiError) -> Response:

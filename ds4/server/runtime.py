@@ -37,104 +37,6 @@ class LoadError(ValueError):
     """A model directory that cannot be served; the message says what and where."""
 
 
-def check_model_dir(model_dir: str) -> None:
-    """Refuse a missing, unreadable or config-less directory before any weight is read."""
-    path = Path(model_dir)
-    if not path.exists():
-        raise LoadError("no such directory")
-    if not path.is_dir():
-        raise LoadError("not a directory")
-    if not os.access(path, os.R_OK | os.X_OK):
-        raise LoadError("directory is not readable")
-    config = path / "config.json"
-    if not config.is_file():
-        raise LoadError("no config.json in it")
-    try:
-        json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise LoadError(f"{config.name} cannot be read as JSON: {exc}") from exc
-
-
-def check_vocabulary(engine: Engine) -> None:
-    """Every id the tokenizer can produce must have a row in the model's embedding: checked
-    at load, so no request meets an out-of-range id."""
-    tokenizer, rows = engine.tokenizer, engine.config.vocab_size
-    if tokenizer.vocab_size > rows:
-        raise LoadError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the "
-                        f"model's vocab_size is {rows}; they do not belong together")
-
-
-def trace_file_id(path: str | Path) -> str | None:
-    """A digest of the file's device and inode: equal for every path (link, relative, other
-    mount) to one file, and it tells nothing of the server's directories; None if absent."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return hashlib.sha256(f"{st.st_dev}:{st.st_ino}".encode()).hexdigest()[:32]
-
-
-def open_engine(model_dir: str, cfg: ServerConfig) -> Engine:
-    """The checked engine of a model directory."""
-    from ds4.engine import Engine, model_path
-
-    model_dir = str(model_path(model_dir))  # a shipped config's name resolves to its directory
-    check_model_dir(model_dir)
-    engine = Engine.open(model_dir, backend=cfg.backend, prefill_chunk=cfg.prefill_chunk,
-                         resident_experts=not cfg.ssd_streaming, load_format=cfg.load_format,
-                         seed=cfg.seed, gpu_memory_gib=cfg.gpu_memory_gib,
-                         parallel=cfg.parallel, ctx=cfg.ctx, mtp=cfg.mtp)
-    check_vocabulary(engine)
-    return engine
-
-
-def load_failure(exc: BaseException) -> str:
-    """One line for a failed load: the checks' own words, else the error's type and text."""
-    if isinstance(exc, (LoadError, OSError, ValueError, RuntimeError)):
-        return str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {exc}"
-
-
-class Running:
-    """A submitted job: its scheduler handle, its event queue and its timings."""
-
-    def __init__(self, runtime: Runtime, turn: Turn, prompt: Prompt):
-        self.runtime = runtime
-        self.turn = turn
-        self.prompt = prompt
-        self.events = JobEvents(asyncio.get_running_loop())
-        self.job = None
-        self.ended = False
-        self.cancelled = False
-
-    async def next(self, timeout: float) -> JobEvent | None:
-        """The next job event (None on timeout), with counters and tool memory kept up to date."""
-        event = await self.events.next(timeout)
-        if isinstance(event, (Finished, Failed)):
-            self._end(event)
-        return event
-
-    def cancel(self) -> None:
-        """Stop the job (client gone); safe to call more than once."""
-        if not self.ended:
-            self.ended = self.cancelled = True
-            self.runtime.metrics.requests.labels(self.turn.endpoint, "cancelled").inc()
-            self.runtime.scheduler.cancel(self.job)
-
-    def _end(self, event: Finished | Failed) -> None:
-        self.ended = True
-        metrics = self.runtime.metrics
-        if isinstance(event, Failed):
-            metrics.requests.labels(self.turn.endpoint, "failed").inc()
-            return
-        metrics.requests.labels(self.turn.endpoint, event.finish_reason).inc()
-        note_tokens(event.usage.prompt_tokens, event.usage.completion_tokens)
-        calls = event.output.tool_calls
-        if calls and event.output.raw_block:
-            self.runtime.tool_memory.remember([c.id for c in calls], event.output.raw_block,
-                                              event.output.reasoning)
-
-
 class Runtime:
     """Loads the model in the background and runs jobs through the scheduler."""
 
@@ -308,3 +210,101 @@ class Runtime:
                        f"is {ctx} tokens", param=turn.prompt_field,
                        code="context_length_exceeded",
                        extra={"n_prompt_tokens": n_prompt, "n_ctx": ctx})
+class Running:
+    """A submitted job: its scheduler handle, its event queue and its timings."""
+
+    def __init__(self, runtime: Runtime, turn: Turn, prompt: Prompt):
+        self.runtime = runtime
+        self.turn = turn
+        self.prompt = prompt
+        self.events = JobEvents(asyncio.get_running_loop())
+        self.job = None
+        self.ended = False
+        self.cancelled = False
+
+    async def next(self, timeout: float) -> JobEvent | None:
+        """The next job event (None on timeout), with counters and tool memory kept up to date."""
+        event = await self.events.next(timeout)
+        if isinstance(event, (Finished, Failed)):
+            self._end(event)
+        return event
+
+    def cancel(self) -> None:
+        """Stop the job (client gone); safe to call more than once."""
+        if not self.ended:
+            self.ended = self.cancelled = True
+            self.runtime.metrics.requests.labels(self.turn.endpoint, "cancelled").inc()
+            self.runtime.scheduler.cancel(self.job)
+
+    def _end(self, event: Finished | Failed) -> None:
+        self.ended = True
+        metrics = self.runtime.metrics
+        if isinstance(event, Failed):
+            metrics.requests.labels(self.turn.endpoint, "failed").inc()
+            return
+        metrics.requests.labels(self.turn.endpoint, event.finish_reason).inc()
+        note_tokens(event.usage.prompt_tokens, event.usage.completion_tokens)
+        calls = event.output.tool_calls
+        if calls and event.output.raw_block:
+            self.runtime.tool_memory.remember([c.id for c in calls], event.output.raw_block,
+                                              event.output.reasoning)
+
+
+def check_model_dir(model_dir: str) -> None:
+    """Refuse a missing, unreadable or config-less directory before any weight is read."""
+    path = Path(model_dir)
+    if not path.exists():
+        raise LoadError("no such directory")
+    if not path.is_dir():
+        raise LoadError("not a directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise LoadError("directory is not readable")
+    config = path / "config.json"
+    if not config.is_file():
+        raise LoadError("no config.json in it")
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise LoadError(f"{config.name} cannot be read as JSON: {exc}") from exc
+
+
+def check_vocabulary(engine: Engine) -> None:
+    """Every id the tokenizer can produce must have a row in the model's embedding: checked
+    at load, so no request meets an out-of-range id."""
+    tokenizer, rows = engine.tokenizer, engine.config.vocab_size
+    if tokenizer.vocab_size > rows:
+        raise LoadError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the "
+                        f"model's vocab_size is {rows}; they do not belong together")
+
+
+def trace_file_id(path: str | Path) -> str | None:
+    """A digest of the file's device and inode: equal for every path (link, relative, other
+    mount) to one file, and it tells nothing of the server's directories; None if absent."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return hashlib.sha256(f"{st.st_dev}:{st.st_ino}".encode()).hexdigest()[:32]
+
+
+def open_engine(model_dir: str, cfg: ServerConfig) -> Engine:
+    """The checked engine of a model directory."""
+    from ds4.engine import Engine, model_path
+
+    model_dir = str(model_path(model_dir))  # a shipped config's name resolves to its directory
+    check_model_dir(model_dir)
+    engine = Engine.open(model_dir, backend=cfg.backend, prefill_chunk=cfg.prefill_chunk,
+                         resident_experts=not cfg.ssd_streaming, load_format=cfg.load_format,
+                         seed=cfg.seed, gpu_memory_gib=cfg.gpu_memory_gib,
+                         parallel=cfg.parallel, ctx=cfg.ctx, mtp=cfg.mtp)
+    check_vocabulary(engine)
+    return engine
+
+
+def load_failure(exc: BaseException) -> str:
+    """One line for a failed load: the checks' own words, else the error's type and text."""
+    if isinstance(exc, (LoadError, OSError, ValueError, RuntimeError)):
+        return str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {exc}"
+
+
