@@ -24,13 +24,18 @@ def prompt(engine, text: str) -> list[int]:
 
 def plain_greedy(engine, ids: list[int], n: int) -> list[int]:
     """n tokens of plain greedy decoding, one decode per token."""
+    return plain_session(engine, ids, n)[0]
+
+
+def plain_session(engine, ids: list[int], n: int) -> tuple:
+    """(n tokens of plain greedy decoding, the session that decoded them)."""
     s = engine.new_session(512)
     s.sync(ids)
-    out = []
+    out: list[int] = []
     for _ in range(n):
         out.append(int(np.argmax(s.logits)))
         s.decode(out[-1])
-    return out
+    return out, s
 
 
 def speculated(engine, ids: list[int], n: int, draft: int, oracle=None):

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_mtp import plain_session, speculated
 
 from ds4.backend import cuda_available
 from ds4.engine import Engine, default_model_dir
-from ds4.jobs.speculative import DraftOracle, SpeculationConfig, Speculator
+from ds4.jobs.speculative import DraftOracle
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
@@ -23,31 +24,11 @@ def ids_of(engine) -> list[int]:
     return engine.tokenizer.encode("Tell me a story about a fox and the sea.")
 
 
-def plain(engine, ids, n):
-    s = engine.new_session(512)
-    s.sync(ids)
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(s.logits)))
-        s.decode(out[-1])
-    return out, s
-
-
-def speculated(engine, ids, n, draft, oracle=None):
-    s = engine.new_session(512)
-    s.sync(ids)
-    spec = Speculator(SpeculationConfig(draft), oracle=oracle)
-    out: list[int] = []
-    while len(out) < n:
-        out += spec.round(s, int(np.argmax(s.logits)), n - len(out))
-    return out, spec, s
-
-
 @pytest.mark.parametrize("draft", [1, 2, 3])
 def test_speculated_equals_plain_graph_decode(engines, draft):
     e = engines["cupy"]
     ids = ids_of(e)
-    want, ref = plain(e, ids, 16)
+    want, ref = plain_session(e, ids, 16)
     got, spec, s = speculated(e, ids, 16, draft)
     assert got == want and spec.stats.drafted > 0
     a = s.state.export(e.backend.to_numpy)
@@ -60,7 +41,7 @@ def test_speculated_equals_plain_graph_decode(engines, draft):
 def test_forced_acceptance_on_the_gpu(engines):
     e = engines["cupy"]
     ids = ids_of(e)
-    want, _ = plain(e, ids, 24)
+    want, _ = plain_session(e, ids, 24)
     got, spec, _ = speculated(e, ids, 24, 3, DraftOracle([ids + want]))
     assert got == want and spec.stats.acceptance_rate == 1.0
 

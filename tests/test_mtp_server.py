@@ -8,9 +8,9 @@ import sys
 import threading
 
 import httpx
-import numpy as np
 import pytest
 from test_jobs_support import Recorder, StepClock
+from test_mtp import plain_greedy
 from test_server_support import GREEDY, live_server
 
 from ds4.engine import Engine, default_model_dir
@@ -91,19 +91,9 @@ def engine():
     return Engine.open(default_model_dir(), backend="numpy", prefill_chunk=16, mtp=True)
 
 
-def plain_tokens(engine, ids: list[int], n: int) -> list[int]:
-    s = engine.new_session(512)
-    s.sync(ids)
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(s.logits)))
-        s.decode(out[-1])
-    return out
-
-
 def test_forced_acceptance_bursts_count_emitted_tokens_and_speculators_decode_alone(engine):
     ids = [engine.tokenizer.encode(p) for p in PROMPTS]
-    refs = [plain_tokens(engine, p, 20) for p in ids]
+    refs = [plain_greedy(engine, p, 20) for p in ids]
     cfg = SchedulerConfig(parallel=2, ctx_size=512, decode_tokens=4, mtp_draft=3)
     sched = Scheduler(engine, cfg, clock=StepClock(0.001))
     sched.speculator.oracle = DraftOracle([p + r for p, r in zip(ids, refs)])
