@@ -8,16 +8,14 @@ It runs between turns, so never inside an engine step."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from ds4.engine import ReplacementRule
+from ds4.engine import Engine, ReplacementRule
 from ds4.jobs.stats import SchedulerStats
 
 
 class ReplacementPolicy:
     """The scheduler's clock for expert re-placement, and its figures for /metrics."""
 
-    def __init__(self, engine: Any, every_tokens: int = 256, half_life_tokens: float = 4096,
+    def __init__(self, engine: Engine, every_tokens: int = 256, half_life_tokens: float = 4096,
                  rule: ReplacementRule | None = None):
         self.engine = engine
         self.every_tokens, self.half_life_tokens = every_tokens, half_life_tokens

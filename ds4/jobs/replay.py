@@ -7,11 +7,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ds4.jobs.events import Failed, Finished, JobRequest, SamplingOptions
 from ds4.jobs.latency import JobTiming
 from ds4.jobs.scheduler import Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:
+    from ds4.engine import Engine
+    from ds4.jobs.events import JobEvent
+    from ds4.jobs.job import Job
 
 ASAP, ORIGINAL = "asap", "original"
 ENDED_ON_ITS_OWN = ("stop", "length", "tool_calls")
@@ -56,7 +61,7 @@ class Waiter:
         self.ended_at: float | None = None
         self.done = threading.Event()
 
-    def __call__(self, event: Any) -> None:
+    def __call__(self, event: JobEvent) -> None:
         if isinstance(event, (Finished, Failed)) and not self.done.is_set():
             self.ended_at = self.clock()
             self.done.set()
@@ -67,7 +72,7 @@ class Waiter:
 class TraceRun:
     """Submits recorded jobs to a scheduler, at their recorded gaps or as slots free up."""
 
-    def __init__(self, engine: Any, config: SchedulerConfig, timing: str = ASAP,
+    def __init__(self, engine: Engine, config: SchedulerConfig, timing: str = ASAP,
                  on_end: Callable[[], None] = lambda: None):
         self.scheduler = Scheduler(engine, config, time.monotonic)
         self.timing = timing
@@ -86,7 +91,7 @@ class TraceRun:
         finally:
             self.scheduler.stop()
 
-    def submit(self, record: dict, first: dict) -> tuple[Any, Waiter]:
+    def submit(self, record: dict, first: dict) -> tuple[Job, Waiter]:
         """Wait for the record's turn, then queue its job."""
         if self.timing == ORIGINAL:
             gap = record.get("arrived_at", 0.0) - first.get("arrived_at", 0.0)
@@ -95,7 +100,7 @@ class TraceRun:
         waiter = Waiter(time.monotonic, self.room, self.on_end)
         return self.scheduler.submit(job_request(record), waiter), waiter
 
-    def collect(self, record: dict, job: Any, waiter: Waiter) -> Replayed:
+    def collect(self, record: dict, job: Job, waiter: Waiter) -> Replayed:
         """The job's outcome once it ended."""
         waiter.done.wait()
         at = self.origin

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ds4.sampling import is_greedy
 from ds4.tokenizer import EOS_ID
+
+if TYPE_CHECKING:
+    from ds4.engine import Session
+    from ds4.jobs.events import SamplingOptions
 
 MAX_DRAFT = 16
 
@@ -102,11 +106,11 @@ class Speculator:
         self.stats = stats if stats is not None else SpeculationStats()
         self.oracle = oracle
 
-    def applies(self, sampling: Any) -> bool:
+    def applies(self, sampling: SamplingOptions) -> bool:
         """True for greedy sampling options (the only ones whose drafts can be verified here)."""
         return is_greedy(sampling)
 
-    def round(self, session: Any, first: int, room: int) -> list[int]:
+    def round(self, session: Session, first: int, room: int) -> list[int]:
         """`first` and what the session's verify keeps of the drafts after it, at most `room`
         tokens in all (what the burst and the cap leave); the session holds them after."""
         count = min(self.config.draft, room - 1)
