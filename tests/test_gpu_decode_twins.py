@@ -172,11 +172,11 @@ def test_member_table_layout():
 
 @pytest.fixture
 def row_twins(twins, monkeypatch):
-    """The twins, with the shared matrices and experts through ds4/kernels/rows.py's twins."""
-    from ds4.kernels import rows
+    """The twins, with the shared matrices and experts through ds4/kernels/rows(_moe).py's twins."""
+    from ds4.kernels import rows, rows_moe
 
-    for name in ("matvec", "matvec_many", "moe"):
-        monkeypatch.setattr(rows, name, getattr(rows, name + "_numpy"))
+    for module, name in ((rows, "matvec"), (rows, "matvec_many"), (rows_moe, "moe")):
+        monkeypatch.setattr(module, name, getattr(module, name + "_numpy"))
     monkeypatch.setattr(gpu_batch, "row_kernels", rows)
     return twins
 

@@ -10,6 +10,7 @@ import pytest
 from ds4.backend import cuda_available
 from ds4.kernels import packed as P
 from ds4.kernels import rows as R
+from ds4.kernels import rows_moe as RM
 from ds4.kernels import to_bf16, widen
 from ds4.model.packed import FP4, FP8, PackedMatrix
 
@@ -156,7 +157,7 @@ def test_moe_twin_matches_the_packed_expert_twins():
     idx, wts = picks(rng, batch, k, 8)
     x = rng.standard_normal((batch, hidden), dtype=np.float32)
     y = np.zeros((batch, hidden), np.float32)
-    R.moe_numpy(gu, down, idx, wts, x, None, y, batch, inter, limit, shared)
+    RM.moe_numpy(gu, down, idx, wts, x, None, y, batch, inter, limit, shared)
     for b in range(batch):
         act = np.zeros((k, inter), np.float32)
         P.moe_gate_up_fp4_numpy(gu.codes[:, :inter], gu.scale[:, :inter], gu.codes[:, inter:],
@@ -331,9 +332,9 @@ def moe_case():
 
 def run_moe(cp, case, idx, wts, x, batch, shared=True, **kw):
     gu, down, sh, inter, hidden = case
-    scratch = R.moe_scratch(cp, 8, idx.shape[1], inter, hidden, inter)
+    scratch = RM.moe_scratch(cp, 8, idx.shape[1], inter, hidden, inter)
     y = cp.zeros((batch, hidden), cp.float32)
-    R.moe(gu, down, cp.asarray(idx[:batch]), cp.asarray(wts[:batch]), cp.asarray(x[:batch]),
+    RM.moe(gu, down, cp.asarray(idx[:batch]), cp.asarray(wts[:batch]), cp.asarray(x[:batch]),
           scratch, y, batch, inter, 10.0, sh if shared else None, **kw)
     return y
 
@@ -349,7 +350,7 @@ def test_moe_kernel_matches_twin_at_v4_shapes(moe_case):
     y = run_moe(cp, moe_case, idx, wts, x, 2).get()
     want = np.zeros((2, 4096), np.float32)
     gu, down, sh, inter, _ = moe_case
-    R.moe_numpy(gu, down, idx[:2], wts[:2], x[:2], None, want, 2, inter, 10.0, sh)
+    RM.moe_numpy(gu, down, idx[:2], wts[:2], x[:2], None, want, 2, inter, 10.0, sh)
     assert np.allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
@@ -383,12 +384,12 @@ def test_small_moe_kernel_matches_twin(fmt, shared_fmt):
     idx, wts = picks(rng, 5, 3, 8)
     x = rng.standard_normal((5, 256), dtype=np.float32)
     dev = [on_device(cp, m) for m in (gu, down, *shared)]
-    scratch = R.moe_scratch(cp, 5, 3, 128, 256, 128)
+    scratch = RM.moe_scratch(cp, 5, 3, 128, 256, 128)
     y = cp.zeros((5, 256), cp.float32)
-    R.moe(dev[0], dev[1], cp.asarray(idx), cp.asarray(wts), cp.asarray(x), scratch, y, 5, 128,
+    RM.moe(dev[0], dev[1], cp.asarray(idx), cp.asarray(wts), cp.asarray(x), scratch, y, 5, 128,
           7.0, tuple(dev[2:]))
     want = np.zeros((5, 256), np.float32)
-    R.moe_numpy(gu, down, idx, wts, x, None, want, 5, 128, 7.0, shared)
+    RM.moe_numpy(gu, down, idx, wts, x, None, want, 5, 128, 7.0, shared)
     assert np.allclose(y.get(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
@@ -402,11 +403,11 @@ def test_graph_replay_equals_eager(moe_case):
     xd, y = cp.asarray(x[:4]), cp.zeros((4, 1024), cp.float32)
     idx, wts = (cp.asarray(a[:4]) for a in picks(rng, 4, 6, 256))
     h = cp.asarray(rng.standard_normal((4, hidden), dtype=np.float32))
-    scratch, ym = R.moe_scratch(cp, 4, 6, inter, hidden, inter), cp.zeros((4, hidden), cp.float32)
+    scratch, ym = RM.moe_scratch(cp, 4, 6, inter, hidden, inter), cp.zeros((4, hidden), cp.float32)
 
     def step():
         R.matvec(w, xd, y, 4)
-        R.moe(gu, down, idx, wts, h, scratch, ym, 4, inter, 10.0, sh)
+        RM.moe(gu, down, idx, wts, h, scratch, ym, 4, inter, 10.0, sh)
 
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:

@@ -30,6 +30,7 @@ from bench_packed import (
 
 from ds4.kernels import packed as P
 from ds4.kernels import rows as R
+from ds4.kernels import rows_moe as RM
 from ds4.model.packed import FP4, FP8, PackedMatrix
 
 SHAPES = {  # name: (format, rows, cols, rows_per_group)
@@ -95,7 +96,7 @@ def bench_moe(cp, bank, batch: int, with_shared: bool, **kw) -> tuple[float, flo
     """(seconds, GB/s, distinct experts) of rows.moe for `batch` tokens of 6 random picks."""
     gu, dn, shared = bank
     rng = np.random.default_rng(batch)
-    scratch = R.moe_scratch(cp, batch, TOP_K, INTER, HIDDEN, INTER)
+    scratch = RM.moe_scratch(cp, batch, TOP_K, INTER, HIDDEN, INTER)
     x = cp.random.standard_normal((batch, HIDDEN), dtype=cp.float32)
     y = cp.zeros((batch, HIDDEN), cp.float32)
     wts = cp.full((batch, TOP_K), 0.2, cp.float32)
@@ -103,7 +104,7 @@ def bench_moe(cp, bank, batch: int, with_shared: bool, **kw) -> tuple[float, flo
              for _ in range(8)]
     idxs = [cp.asarray(p.astype(np.int32)) for p in picks]
     sh = shared if with_shared else None
-    t = per_launch(cp, [lambda i=i: R.moe(gu, dn, i, wts, x, scratch, y, batch, INTER, 10.0, sh,
+    t = per_launch(cp, [lambda i=i: RM.moe(gu, dn, i, wts, x, scratch, y, batch, INTER, 10.0, sh,
                                              **kw)
                         for i in idxs])
     distinct = float(np.mean([len(np.unique(p)) for p in picks]))

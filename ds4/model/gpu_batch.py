@@ -23,7 +23,7 @@ import numpy as np
 from ds4.kernels.gemv import gemv, gemv_many, gemv_table
 from ds4.model.packed import FP8, PackedMatrix
 
-try:  # the row kernels of helper branch `rows` (matvec, matvec_plan, matvec_many, moe)
+try:  # ds4/kernels/rows.py (tests swap it for None: the per-row fallback through twins)
     from ds4.kernels import rows as row_kernels
 except ImportError:
     row_kernels = None

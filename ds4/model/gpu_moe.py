@@ -1,12 +1,12 @@
 """The MoE of one decode layer for the members of a batch graph (ds4/model/gpu_decode.py).
 
-`moe_rows` goes through ds4/kernels/rows.py's `moe` (each distinct expert read once for all
+`moe_rows` goes through ds4/kernels/rows_moe.py's `moe` (each distinct expert read once for all
 members) where it reads the layer's experts; placed experts (device + mapped host memory, whose
-kernel takes one token) and formats rows.moe lacks run the single-token kernels per member."""
+kernel takes one token) and formats rows_moe.moe lacks run the single-token kernels per member."""
 
 from __future__ import annotations
 
-from ds4.kernels import moe
+from ds4.kernels import moe, rows, rows_moe
 from ds4.model import gpu_batch
 from ds4.model.packed import FP8, PackedMatrix
 
@@ -15,15 +15,15 @@ SHARED = ("gate_proj", "up_proj", "down_proj")
 
 def moe_rows(cfg, t: dict, buf: dict, rows: list, batch: int, scratch=None) -> None:
     """buf["y"][b] = routed experts + shared expert of buf["h"][b], routes in buf["idx"/"wts"];
-    scratch: rows.moe's buffers where it reads this layer (row_moe_fits), else None."""
+    scratch: rows_moe.moe's buffers where it reads this layer (row_moe_fits), else None."""
     if scratch is not None:
         shared = shared_of(t)
-        gpu_batch.row_kernels.moe(t["experts.gate_up"], t["experts.down"], buf["idx"],
-                                  buf["wts"], buf["h"], scratch, buf["y"], batch,
-                                  cfg.moe_intermediate_size, cfg.swiglu_limit, shared=shared)
+        rows_moe.moe(t["experts.gate_up"], t["experts.down"], buf["idx"], buf["wts"],
+                     buf["h"], scratch, buf["y"], batch, cfg.moe_intermediate_size,
+                     cfg.swiglu_limit, shared=shared)
         return
     # the single-token kernels once per member: placed experts (their kernel takes one token;
-    # device + mapped host memory), and what rows.moe does not read
+    # device + mapped host memory), and what rows_moe.moe does not read
     for b in range(batch):
         experts_one(cfg, t, rows[b])
 
@@ -35,28 +35,28 @@ def shared_of(t: dict) -> tuple | None:
 
 
 def row_moe_fits(t: dict, members: int, k: int) -> bool:
-    """Whether rows.moe reads this layer's routed and shared experts for `members` tokens."""
-    rk = gpu_batch.row_kernels
+    """Whether rows_moe.moe reads this layer's routed and shared experts for `members` tokens."""
     gu, down = t["experts.gate_up"], t["experts.down"]
-    if rk is None or getattr(gu, "placed", False) or members * k > rk.MAX_PAIRS:
+    if gpu_batch.row_kernels is None or getattr(gu, "placed", False) \
+            or members * k > rows_moe.MAX_PAIRS:  # (None: the twins tests' per-row fallback)
         return False
-    ops = [rk.operand(gu), rk.operand(down)]
-    sops = [rk.operand(m) for m in (shared_of(t) or ())]
+    ops = [rows.operand(gu), rows.operand(down)]
+    sops = [rows.operand(m) for m in (shared_of(t) or ())]
     if None in ops + sops or ops[0].fmt != ops[1].fmt:
         return False
-    return not sops or (ops[0].fmt, sops[0].fmt) in rk.MOE_KERNELS
+    return not sops or (ops[0].fmt, sops[0].fmt) in rows_moe.MOE_KERNELS
 
 
 def row_moe_scratch(xp, cfg, layers: list[dict], members: int):
-    """rows.moe's buffers for `members` tokens, sized for every layer's shared expert; None
-    when no layer is read by rows.moe."""
+    """rows_moe.moe's buffers for `members` tokens, sized for every layer's shared expert; None
+    when no layer is read by rows_moe.moe."""
     k = cfg.num_experts_per_tok
     if not any(row_moe_fits(t, members, k) for t in layers):
         return None
     inter = max([t["mlp.shared_experts.gate_proj.weight"].shape[0] for t in layers
                  if "mlp.shared_experts.gate_proj.weight" in t] + [0])
-    return gpu_batch.row_kernels.moe_scratch(xp, members, k, cfg.moe_intermediate_size,
-                                             cfg.hidden_size, inter)
+    return rows_moe.moe_scratch(xp, members, k, cfg.moe_intermediate_size, cfg.hidden_size,
+                                inter)
 
 
 def experts_one(cfg, t: dict, r: dict) -> None:
