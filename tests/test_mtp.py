@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ds4.engine import Engine, default_model_dir
-from ds4.jobs.speculative import DraftOracle, SpeculationConfig, Speculator
+from ds4.jobs.speculative import DraftOracle, SpeculationConfig, SpeculationStats, Speculator
 from ds4.model.weights import WeightsError
 
 PROMPTS = ["Tell me a story about a fox.", "2 + 2 =", "Write a haiku about rain, please."]
@@ -258,3 +258,34 @@ def test_the_window_attends_only_rows_it_holds(engine):
     fresh, _ = engine.mtp.step(engine.mtp.new_state(), H, 10, 8)
     assert not np.allclose(c, fresh)
     assert list(np.flatnonzero(empty.positions >= 0)) == [7, 8]
+
+
+def test_draft_counts_and_margins_outside_their_range_are_refused():
+    assert SpeculationConfig().draft == 1 and SpeculationConfig().margin == 0.0
+    for draft in (1, 16):
+        assert SpeculationConfig(draft).draft == draft
+    for draft in (0, 17):
+        with pytest.raises(ValueError, match="--mtp-draft must be 1..16"):
+            SpeculationConfig(draft)
+    with pytest.raises(ValueError, match="--mtp-margin must be >= 0"):
+        SpeculationConfig(1, -0.5)
+
+
+def test_the_summary_counts_rounds_drafts_and_steps_without_one():
+    stats = SpeculationStats()
+    assert stats.summary() == ("mtp: 0 verify rounds, 0/0 drafts accepted (0.0%), 0.00 tokens "
+                               "per verify round, 0 steps without a draft")
+    stats.observe(3, 2)
+    stats.observe(0, 0)
+    stats.observe(1, 0)
+    assert (stats.verify_rounds, stats.drafted, stats.accepted, stats.plain_steps) == (2, 4, 2, 1)
+    assert stats.summary() == ("mtp: 2 verify rounds, 2/4 drafts accepted (50.0%), 2.00 tokens "
+                               "per verify round, 1 steps without a draft")
+
+
+def test_the_oracle_proposes_only_after_a_known_prefix():
+    oracle = DraftOracle([[5, 6, 7, 8, 9]])
+    assert oracle.proposals([5, 6], 7, 2) == [8, 9]
+    assert oracle.proposals([5, 6], 7, 5) == [8, 9]
+    assert oracle.proposals([5, 6], 4, 2) is None
+    assert oracle.proposals([5, 6, 7, 8], 9, 1) is None  # nothing after the reference's end

@@ -37,6 +37,8 @@ TARGETS = {
     "ds4/sampling.py": ["tests/test_sampling.py"],
     "ds4/model/rope.py": ["tests/test_rope.py", "tests/test_engine_blocks.py",
                           "tests/test_parity_tiny.py"],
+    "ds4/jobs/speculative.py": ["tests/test_mtp.py"],
+    "ds4/mtp.py": ["tests/test_mtp.py"],
 }
 COMPARE_SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,
                  ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In,
