@@ -289,3 +289,11 @@ def test_the_oracle_proposes_only_after_a_known_prefix():
     assert oracle.proposals([5, 6], 7, 5) == [8, 9]
     assert oracle.proposals([5, 6], 4, 2) is None
     assert oracle.proposals([5, 6, 7, 8], 9, 1) is None  # nothing after the reference's end
+
+
+def test_only_greedy_jobs_speculate():
+    from ds4.sampling import SamplingOptions
+
+    spec = Speculator(SpeculationConfig(2))
+    assert spec.applies(SamplingOptions(temperature=0.0)) is True
+    assert spec.applies(SamplingOptions(temperature=0.7)) is False
