@@ -297,3 +297,22 @@ def test_only_greedy_jobs_speculate():
     spec = Speculator(SpeculationConfig(2))
     assert spec.applies(SamplingOptions(temperature=0.0)) is True
     assert spec.applies(SamplingOptions(temperature=0.7)) is False
+
+
+def test_drafts_end_before_an_end_of_sequence():
+    """Greedy decoding stops at EOS, so a round never asks the verify about drafts after it."""
+    from ds4.tokenizer import EOS_ID
+
+    class Drafting:  # a session's draft/verify seam, recording what the verify was asked
+        tokens: list[int] = []
+
+        def draft(self, first, count, margin):
+            return [4, EOS_ID, 7][:count]
+
+        def verify(self, first, drafts):
+            self.asked = list(drafts)
+            return [first, *drafts]
+
+    session = Drafting()
+    assert Speculator(SpeculationConfig(3)).round(session, 9, 8) == [9, 4]
+    assert session.asked == [4]
