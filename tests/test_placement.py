@@ -154,3 +154,11 @@ def test_placed_prefill_runs_each_memory_through_the_grouped_kernels(small_model
     want = _routed_many(np, cfg, bank, x, ids, weights, ids)
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= 3e-5 * scale  # bf16 hi + lo words of x and of act
+
+
+def test_the_weight_budget_is_the_flag_or_the_free_memory_less_the_reserve() -> None:
+    from ds4.model.placement import GIB, device_budget
+
+    assert device_budget(100 * GIB, 30 * GIB, None) == 70 * GIB
+    assert device_budget(20 * GIB, 30 * GIB, None) == 0  # never negative
+    assert device_budget(100 * GIB, 30 * GIB, 12.5) == int(12.5 * GIB)
