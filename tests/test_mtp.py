@@ -316,3 +316,23 @@ def test_drafts_end_before_an_end_of_sequence():
     session = Drafting()
     assert Speculator(SpeculationConfig(3)).round(session, 9, 8) == [9, 4]
     assert session.asked == [4]
+
+
+def test_drafts_and_verification_stop_at_the_context_and_the_vocabulary(engine):
+    """Near the end of the context a round drafts only what still fits; a token outside the
+    vocabulary, or one more than the context holds, is refused as by plain decoding."""
+    from ds4.engine import ContextOverflow
+
+    ids = prompt(engine, "Tell me a story about a fox and the sea.")
+    s = engine.new_session(len(ids) + 3)
+    s.sync(ids)
+    first = int(np.argmax(s.logits))
+    spec = Speculator(SpeculationConfig(5))
+    assert len(spec.round(s, first, 8)) <= 3  # what is left of a 3-token room
+    assert spec.stats.drafted <= 2  # no draft proposed past the context
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        s.verify(engine.config.vocab_size, [])
+    while len(s.tokens) < s.ctx_size:
+        s.decode(int(np.argmax(s.logits)))
+    with pytest.raises(ContextOverflow):
+        s.verify(int(np.argmax(s.logits)), [])
