@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def draft(session, first: int, count: int, margin: float = 0.0) -> list[int]:
+def draft(session, first: int, count: int, margin: float) -> list[int]:
     """See `Session.draft`."""
     mtp, state = session.engine.mtp, session.mtp_state
     start = len(session.tokens)
