@@ -75,3 +75,16 @@ def test_generate_and_replay_help_show_defaults() -> None:
     entries = help_entries(run("ds4.cli.replay", "--help").stdout)
     assert "send the requests to the server at this base URL" in entries["--url"]
     assert "(default: asap)" in entries["--timing"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["ds4.cli.server", "--port", "70000"], "is not a port number (0-65535)"),
+    (["ds4.cli.server", "--gpu-memory-gib", "0"], "must be > 0"),
+    (["ds4", "generate", "-p", "hi", "--gpu-memory-gib", "-3"], "must be > 0"),
+    (["ds4", "generate", "-p", "hi", "--mtp-draft", "x"], "'x' is not an integer"),
+    (["ds4.cli.server", "--mtp-margin", "-1"], "must be >= 0"),
+])
+def test_numbers_out_of_range_exit_2_saying_what_is_wanted(argv, says):
+    r = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and says in r.stderr

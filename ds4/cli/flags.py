@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from ds4 import __version__
 
@@ -21,26 +22,28 @@ def add_version(p: argparse.ArgumentParser) -> None:
     p.add_argument("--version", action="version", version=f"%(prog)s (ds4) {__version__}")
 
 
-def draft_count(text: str) -> int:
-    """--mtp-draft: an integer 1..16."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 1 <= value <= 16:
-        raise argparse.ArgumentTypeError(f"must be 1..16, got {value}")
-    return value
+def argument_type(convert: Callable[[str], float], noun: str, accept: Callable[[float], bool],
+                  wanted: str) -> Callable[[str], float]:
+    """An argparse type: `convert` the text (else "'x' is not <noun>"), then refuse values
+    `accept` rejects ("x <wanted>"): both exit 2 with argparse's usage line."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"{text} {wanted}")
+        return value
+
+    return parse
 
 
-def margin(text: str) -> float:
-    """--mtp-margin: a float >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+port_number = argument_type(int, "an integer", lambda v: 0 <= v <= 65535,
+                            "is not a port number (0-65535)")  # 0: any free port
+positive_float = argument_type(float, "a number", lambda v: v > 0, "must be > 0")
+draft_count = argument_type(int, "an integer", lambda v: 1 <= v <= 16, "must be 1..16")
+margin = argument_type(float, "a number", lambda v: v >= 0, "must be >= 0")
 
 
 def add_mtp(p: argparse.ArgumentParser) -> None:

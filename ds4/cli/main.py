@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from ds4.cli.flags import ShowDefaults, add_mtp, add_version
+from ds4.cli.flags import ShowDefaults, add_mtp, add_version, positive_float
 from ds4.jobs.events import SamplingOptions
 from ds4.tokenizer import EOS_ID
 
@@ -50,7 +50,7 @@ def generate_flags(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                      help="dummy: random weights in the checkpoint's formats from config.json "
                           "alone (drawn by --seed, 0 when unset)")
-    gen.add_argument("--gpu-memory-gib", type=float, default=None, metavar="N",
+    gen.add_argument("--gpu-memory-gib", type=positive_float, default=None, metavar="N",
                      help="device memory for the weights; routed experts beyond it live in "
                           "mapped host memory")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from ds4.cli.flags import ShowDefaults, add_mtp, add_version
+from ds4.cli.flags import ShowDefaults, add_mtp, add_version, port_number, positive_float
 from ds4.jobs.ssd_streaming import ssd_streaming_refusal
 from ds4.server.config import DEFAULT_MAX_TOKENS, ServerConfig
 
@@ -30,28 +30,6 @@ def positive_int(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be > 0")
-    return value
-
-
-def port_number(text: str) -> int:
-    """argparse type: a TCP port, 0-65535 (0: any free port)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text} is not a port number (0-65535)")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} must be > 0")
     return value
 
