@@ -142,6 +142,9 @@ def test_keep_speculated_trims_to_the_state_of_fewer_tokens(engine):
     s.sync(ids)
     s.draft(reference[0], 3)
     assert s.verify(reference[0], reference[1:]) == reference
+    for count in (0, 5):
+        with pytest.raises(ValueError, match=f"keep {count} of the 4 verified tokens"):
+            s.keep_speculated(count)
     s.keep_speculated(2)
     ref = engine.new_session(512)
     ref.sync(ids)
