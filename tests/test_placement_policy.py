@@ -179,3 +179,20 @@ def test_metrics_expose_the_re_placements_and_the_host_read_share() -> None:
     assert "ds4_expert_replacements_total 2.0" in text
     assert "ds4_experts_moved_total 12.0" in text
     assert "ds4_expert_host_read_share 0.25" in text
+
+
+def test_the_cut_is_the_share_of_host_reads_a_plan_moves_onto_the_device(model: Path) -> None:
+    engine = placed(model)
+    placement = engine.model.weights.placement
+    resident = placement.resident()
+    counts = np.full(resident.shape, 10)
+    hot = np.nonzero(~resident[0])[0][0]
+    counts[0, hot] = 50  # one host expert of layer 0 far hotter than every resident one
+    set_counts(engine, counts)
+    placement.observe()
+    plan = placement.plan(ReplacementRule(margin=0.25))
+    assert [len(swaps) for swaps in plan] == [1] + [0] * (len(plan) - 1)
+    going, coming = plan[0][0]
+    assert coming == hot and resident[0, going]
+    host = 10 * (~resident).sum() + 40  # the host experts' heat before the swap
+    assert placement.cut(plan) == pytest.approx(40 / host)  # 50 comes on, a 10 goes off
