@@ -162,3 +162,26 @@ def test_the_weight_budget_is_the_flag_or_the_free_memory_less_the_reserve() -> 
     assert device_budget(100 * GIB, 30 * GIB, None) == 70 * GIB
     assert device_budget(20 * GIB, 30 * GIB, None) == 0  # never negative
     assert device_budget(100 * GIB, 30 * GIB, 12.5) == int(12.5 * GIB)
+
+
+def test_the_default_budget_leaves_room_for_the_sessions_and_the_scratch() -> None:
+    """On a GPU the weights get the free memory (the driver's and CuPy's pool's) less
+    `parallel` sessions of `ctx` tokens and the scratch; a budget <= 0 is refused."""
+    from types import SimpleNamespace
+
+    from ds4.model.config import ModelConfig
+    from ds4.model.placement import GIB, scratch_estimate, weight_budget
+    from ds4.model.state import state_bytes
+
+    cfg = ModelConfig.from_dir(default_model_dir())
+    xp = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(
+        memGetInfo=lambda: (40 * GIB, 80 * GIB))),
+        get_default_memory_pool=lambda: SimpleNamespace(free_bytes=lambda: 2 * GIB))
+    gpu = SimpleNamespace(is_gpu=True, xp=xp)
+    per_token, fixed = state_bytes(cfg)
+    want = 42 * GIB - int(3 * (fixed + per_token * 4096)) - scratch_estimate(cfg, 512)
+    assert weight_budget(gpu, cfg, None, 3, 4096, 512) == want
+    assert weight_budget(SimpleNamespace(is_gpu=False), cfg, None, 3, 4096, 512) is None
+    assert weight_budget(gpu, cfg, 7.5, 3, 4096, 512) == int(7.5 * GIB)
+    with pytest.raises(ValueError, match="gpu_memory_gib must be > 0"):
+        weight_budget(gpu, cfg, 0.0, 3, 4096, 512)
