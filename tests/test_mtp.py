@@ -339,3 +339,16 @@ def test_drafts_and_verification_stop_at_the_context_and_the_vocabulary(engine):
         s.decode(int(np.argmax(s.logits)))
     with pytest.raises(ContextOverflow):
         s.verify(int(np.argmax(s.logits)), [])
+
+
+def test_verify_keeps_drafts_up_to_the_first_wrong_one(engine):
+    """Each draft is checked against greedy's choice after the one before it: a right draft
+    then a wrong one keeps exactly the right one, and the session holds what greedy would."""
+    ids = prompt(engine, PROMPTS[0])
+    reference = plain_greedy(engine, ids, 4)
+    wrong = (reference[2] + 1) % engine.config.vocab_size
+    s = engine.new_session(512)
+    s.sync(ids)
+    assert s.verify(reference[0], [reference[1], wrong, reference[3]]) == reference[:2]
+    assert s.tokens == ids + reference[:2]
+    assert int(np.argmax(s.logits)) == reference[2]
