@@ -335,6 +335,10 @@ def test_drafts_and_verification_stop_at_the_context_and_the_vocabulary(engine):
     assert spec.stats.drafted <= 2  # no draft proposed past the context
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         s.verify(engine.config.vocab_size, [])
+    t = engine.new_session(len(ids) + 3)
+    t.sync(ids)
+    took = t.verify(first, plain_greedy(engine, ids, 6)[1:])  # 5 drafts, room for 2 of them
+    assert 1 <= len(took) <= 3 and len(t.tokens) <= t.ctx_size
     while len(s.tokens) < s.ctx_size:
         s.decode(int(np.argmax(s.logits)))
     with pytest.raises(ContextOverflow):
@@ -352,3 +356,10 @@ def test_verify_keeps_drafts_up_to_the_first_wrong_one(engine):
     assert s.verify(reference[0], [reference[1], wrong, reference[3]]) == reference[:2]
     assert s.tokens == ids + reference[:2]
     assert int(np.argmax(s.logits)) == reference[2]
+
+
+def test_the_margin_is_the_top_logit_less_the_runner_up():
+    from ds4.mtp import top_gap
+
+    top, gap = top_gap(np, np.array([1.0, 5.0, 3.5, -2.0], np.float32))
+    assert top == 1 and gap == pytest.approx(1.5)
