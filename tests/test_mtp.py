@@ -363,3 +363,17 @@ def test_the_margin_is_the_top_logit_less_the_runner_up():
 
     top, gap = top_gap(np, np.array([1.0, 5.0, 3.5, -2.0], np.float32))
     assert top == 1 and gap == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("draft", [1, 2])
+def test_forced_rounds_emit_at_most_the_room_they_are_given(engine, draft):
+    """A round never emits more than `room` tokens (what the burst and max_tokens leave), and
+    with forced acceptance a round of one draft emits two."""
+    ids = prompt(engine, PROMPTS[1])
+    reference = plain_greedy(engine, ids, 8)
+    s = engine.new_session(512)
+    s.sync(ids)
+    spec = Speculator(SpeculationConfig(draft), oracle=DraftOracle([ids + reference]))
+    assert spec.round(s, reference[0], 2) == reference[:2]
+    assert spec.round(s, reference[2], 1) == reference[2:3]
+    assert spec.stats.accepted == spec.stats.drafted == 1
