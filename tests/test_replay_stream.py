@@ -7,7 +7,14 @@ import itertools
 import json
 
 from ds4.cli.replay_http import returned_view
-from ds4.cli.replay_stream import CHAT, MESSAGES, RESPONSES, fold_stream, streamed_request
+from ds4.cli.replay_stream import (
+    CHAT,
+    COMPLETIONS,
+    MESSAGES,
+    RESPONSES,
+    fold_stream,
+    streamed_request,
+)
 
 
 def frames(*events: tuple[str | None, object]) -> list[str]:
@@ -88,9 +95,32 @@ def test_an_error_in_the_stream_is_a_failure():
     assert failed.error == '{"message": "x"}'
     anthropic, _ = fold(MESSAGES, frames(("error", {"type": "error", "error": {"type": "t"}})))
     assert anthropic.error == '{"type": "t"}'
+    responses, _ = fold(RESPONSES, frames(("response.failed", {
+        "type": "response.failed", "response": {"error": {"code": "server_error"}}})))
+    assert responses.error == '{"code": "server_error"}'
+
+
+def test_a_last_frame_without_its_blank_line_still_counts():
+    last = 'data: {"choices": [{"delta": {"content": "k"}}]}'  # the stream ends right after it
+    lines = frames(chunk({"content": "O"}))[:-1] + ["", last]
+    folded, times = fold(CHAT, lines)
+    assert folded.body["choices"][0]["message"]["content"] == "Ok" and times == [1.0, 2.0]
 
 
 def test_openai_routes_ask_for_the_usage_chunk():
     sent = streamed_request(CHAT, {"stream": False, "stream_options": {"x": 1}})
     assert sent == {"stream": True, "stream_options": {"x": 1, "include_usage": True}}
     assert streamed_request(MESSAGES, {"max_tokens": 3}) == {"max_tokens": 3, "stream": True}
+
+
+def test_text_completion_chunks_fold_into_one_text():
+    def piece(text: str, usage: dict | None = None) -> tuple[None, dict]:
+        extra = {"usage": usage} if usage else {}
+        return None, {"choices": [{"index": 0, "text": text}], **extra}
+
+    lines = frames(piece("Once"), piece(""), piece(" upon"), piece(" a time"),
+                   (None, {"choices": [], "usage": {"completion_tokens": 3}}), (None, "[DONE]"))
+    folded, times = fold(COMPLETIONS, lines)
+    assert folded.error is None and times == [1.0, 2.0, 3.0]  # the empty piece is no token
+    assert folded.body == {"choices": [{"text": "Once upon a time"}],
+                           "usage": {"completion_tokens": 3}}

@@ -40,6 +40,8 @@ TARGETS = {
     "ds4/jobs/speculative.py": ["tests/test_mtp.py"],
     "ds4/mtp.py": ["tests/test_mtp.py"],
     "ds4/model/placement.py": ["tests/test_placement_policy.py", "tests/test_placement.py"],
+    "ds4/cli/replay_stream.py": ["tests/test_replay_stream.py"],
+    "ds4/jobs/placement_policy.py": ["tests/test_placement_policy.py"],
 }
 COMPARE_SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,
                  ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In,
