@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -77,9 +78,10 @@ ParserEvent = ReasoningDelta | TextDelta | ToolCallStart | ToolArgsDelta | ToolC
 R = TypeVar("R")  # what a protocol answers to one event: frames, (type, fields) pairs
 
 
-class ParserEvents(Generic[R]):
+class ParserEvents(ABC, Generic[R]):
     """One method per parser event, and `on` routing an event to it: the one dispatch every
-    protocol's stream shares. A method not overridden answers `ignored()`."""
+    protocol's stream shares. A method not overridden answers `ignored()`, which each
+    protocol must define (its empty answer)."""
 
     def on(self, e: ParserEvent) -> R:
         """The answer to one parser event."""
@@ -98,9 +100,9 @@ class ParserEvents(Generic[R]):
                 return self.on_done(e)
         return self.ignored()
 
+    @abstractmethod
     def ignored(self) -> R:
         """The answer to an event this protocol does not show."""
-        raise NotImplementedError
 
     def on_reasoning(self, e: ReasoningDelta) -> R:
         """More reasoning text."""
