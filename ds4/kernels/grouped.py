@@ -275,11 +275,13 @@ def _ops(xp):
     return split_words, expert_tiles, gate_up, gemm, slot_sum
 
 
-def routed(xp, gate_up_m, down_m, x, ids, weights, limit: float, parts: int = 2):
+def routed(xp, gate_up_m, down_m, x, ids, weights, limit: float, parts: int = 2,
+           skips: bool = False):
     """sum_k weights[:, k] * expert_{ids[:, k]}(x) for x [S, D] with packed experts gate/up
     [E, 2I, D] and down [E, D, I]: the rows grouped by expert on the device, one gate/up and
-    one down launch over all of them, picks summed per token in a fixed order. A pick whose
-    id is E (no expert of these stacks: it lives in another memory) adds nothing."""
+    one down launch over all of them, picks summed per token in a fixed order. With `skips`,
+    a pick whose id is E (no expert of these stacks: it lives in another memory) adds
+    nothing."""
     split, tiles_of, up_op, down_op, sum_op = _ops(xp)
     S, k = ids.shape
     R, E, D = S * k, gate_up_m.shape[0], x.shape[1]
@@ -293,10 +295,11 @@ def routed(xp, gate_up_m, down_m, x, ids, weights, limit: float, parts: int = 2)
     tiles_of(counts, 16 * mt, tiles, n_tiles)
     x = xp.ascontiguousarray(x, dtype=xp.float32)
     wts = xp.ascontiguousarray(weights.reshape(-1), dtype=xp.float32)
-    act = xp.zeros((R, inter), xp.float32)  # skipped picks' rows: split, never multiplied
+    act = xp.empty((R, inter), xp.float32)  # skipped picks' rows: split, never multiplied
     up_op(gate_up_m, split(x, new_words(xp, S, D), parts), order, k, wts, tiles, n_tiles, mt,
           act, limit, parts, variant)
-    rows = xp.zeros((R, D), xp.float32)  # rows of skipped picks are in no tile: they stay 0
+    # rows of skipped picks are in no tile, so only they need the zeros
+    rows = (xp.zeros if skips else xp.empty)((R, D), xp.float32)
     down_op(down_m, split(act, new_words(xp, R, inter), parts), order, tiles, n_tiles, mt, rows,
             parts, variant)
     return sum_op(rows, k, xp.empty((S, D), xp.float32))

@@ -166,7 +166,8 @@ def _routed_placed(xp, cfg, bank, x, ids, weights):
             continue
         (gu, _), (dn, _) = _halves(gate_up, down, memory, x.shape[1])
         remap = xp.asarray(np.where(here, slot, int(here.sum())).astype(np.int32))
-        part = grouped.routed(xp, gu, dn, x, remap[ids], weights, cfg.swiglu_limit, parts())
+        part = grouped.routed(xp, gu, dn, x, remap[ids], weights, cfg.swiglu_limit, parts(),
+                              skips=True)
         out = part if out is None else out + part
     return out
 
