@@ -137,23 +137,27 @@ def line(name: str, batch: int, seconds: float, rate: float, copy: float, old=No
           f"{rate / copy:5.2f}x copy{extra}", flush=True)
 
 
-VARIANT_SHAPES = ("q_b 32768x1024", "o_b 4096x8192", "q_a 1024x4096", "kv 512x4096",
-                  "expert w1/w3 2048x4096", "expert w2 4096x2048")
 TILES = ((1, 4), (2, 2), (1, 8), (2, 4), (4, 2))
+SPLITS = (1, 2, 4, 8)
 
 
 def variants(cp, copy) -> None:
-    """Kernel variants (tiles per warp, k-tiles per stage) and k-splits on a few shapes."""
-    for name in VARIANT_SHAPES:
-        fmt, rows, cols, group = SHAPES[name]
+    """Every kernel variant (tiles per warp, k-tiles per stage) with every k-split, per shape,
+    at B = 1 and 8 (bf16 has two variants); the fastest at B = 1 is marked."""
+    for name, (fmt, rows, cols, group) in SHAPES.items():
         mats = weights(cp, fmt, rows, cols)
-        for tiles in TILES:
-            for b in (1, 8):
-                t, rate = bench_matvec(cp, mats, group, b, tiles=tiles)
-                line(f"{name} t{tiles[0]}d{tiles[1]}", b, t, rate, copy)
-        for split in (1, 2, 4, 8):
-            t, rate = bench_matvec(cp, mats, group, 1, split=split)
-            line(f"{name} split {split}", 1, t, rate, copy)
+        best = None
+        for tiles in TILES[:2] if fmt == "bf16" else TILES:
+            if group and group % (16 * tiles[0]):
+                continue
+            for split in SPLITS:
+                for b in (1, 8):
+                    t, rate = bench_matvec(cp, mats, group, b, tiles=tiles, split=split)
+                    line(f"{name} t{tiles[0]}d{tiles[1]} s{split}", b, t, rate, copy)
+                    if b == 1 and (best is None or t < best[0]):
+                        best = (t, tiles, split)
+        print(f"best B=1 {name}: t{best[1][0]}d{best[1][1]} s{best[2]} {best[0] * 1e6:.2f} us")
+        del mats
 
 
 def moe_table(cp, copy, batches) -> None:
@@ -167,6 +171,19 @@ def moe_table(cp, copy, batches) -> None:
             label = (f"moe {distinct:4.1f} experts" + (" +shared" if with_shared else "")
                      + "".join(f" {k[:4]}={int(v)}" for k, v in kw.items()))
             line(label, b, t, rate, copy, old if b == 1 and not with_shared else None)
+
+
+def moe_splits(cp, copy) -> None:
+    """The MoE kernels at fixed k-splits (rows_moe picks one by shape), B = 1 and 8, + shared."""
+    bank, chosen = expert_bank(cp), RM.pick_split
+    try:
+        for split in SPLITS:
+            RM.pick_split = lambda groups, k_tiles, s=split: s
+            for b in (1, 8):
+                t, rate, distinct = bench_moe(cp, bank, b, True)
+                line(f"moe +shared split {split}", b, t, rate, copy)
+    finally:
+        RM.pick_split = chosen
 
 
 def main() -> None:
@@ -191,6 +208,7 @@ def main() -> None:
     if not args.no_moe:
         moe_table(cp, copy, batches)
     if args.variants:
+        moe_splits(cp, copy)
         variants(cp, copy)
 
 
