@@ -30,6 +30,9 @@ class Step:
     token_ids: Array  # xp int64 [S]
     cos_sin: dict[str, tuple[Array, Array]]  # rope kind -> (cos, sin) at the chunk's positions
     window_bias: Array  # xp f32 [S, window + S]: raw-row mask, the same for every layer
+    # every ring row of the window's positions is held (the fused chunk-attention kernel masks
+    # by position alone); False where window_bias hides rows too (the MTP block's sparse window)
+    dense_window: bool = True
 
 
 class Model:

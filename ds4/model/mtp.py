@@ -240,7 +240,7 @@ class MtpBlock:
         held = np.append(state.positions, position)
         visible = (held >= 0) & (held <= position) & (held > position - W)
         bias = xp.asarray(np.where(visible, 0.0, -np.inf).astype(np.float32)[None, :])
-        return Step(position, positions, ids, cos_sin, bias)
+        return Step(position, positions, ids, cos_sin, bias, dense_window=False)
 
     def _hc(self, name: str, X):
         cfg = self.model.cfg
