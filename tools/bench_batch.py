@@ -151,6 +151,26 @@ def report(res: dict, label: str) -> None:
               f"{100 * r['of_bound']:7.1f}% |")
 
 
+def first_layers(model: str, layers: int) -> str:
+    """A temporary model directory whose config.json is the model's with its first `layers`
+    layers (and the MTP block's compress ratio); weights come from --load-format dummy."""
+    import tempfile
+    from pathlib import Path
+
+    from ds4.model.dummy import model_path
+
+    cfg = json.loads((model_path(model) / "config.json").read_text())
+    ratios = cfg.get("compress_ratios")
+    if ratios is not None:
+        cfg["compress_ratios"] = ratios[:layers] + ratios[cfg["num_hidden_layers"]:]
+    cfg["num_hidden_layers"] = layers
+    if "num_hash_layers" in cfg:
+        cfg["num_hash_layers"] = min(cfg["num_hash_layers"], layers)
+    out = Path(tempfile.mkdtemp(prefix="ds4-layers-"))
+    (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the batch mode's flags, measure, print the table (and JSON when asked)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -159,13 +179,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="numpy", choices=("numpy", "cupy", "auto"))
     ap.add_argument("--prompt", type=int, default=64, help="tokens each session holds first")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per batch size")
+    ap.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                    help="dummy: random weights from the model's config.json (a shipped name)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep only the first N layers of the config (with --load-format dummy)")
     ap.add_argument("--json")
     args, _ = ap.parse_known_args(argv)
     if args.model is None:
         from ds4.engine import default_model_dir
 
         args.model = str(default_model_dir())
-    engine = Engine.open(args.model, backend=args.backend, prefill_chunk=256)
+    model = args.model if args.layers is None else first_layers(args.model, args.layers)
+    engine = Engine.open(model, backend=args.backend, prefill_chunk=256,
+                         load_format=args.load_format)
     res = batch_bench(engine, [int(b) for b in args.batch.split(",")], args.prompt, args.steps)
     if engine.model.batch_rows:
         mode = "one batched pass of the model code"
