@@ -77,9 +77,8 @@ struct Fp8 {
     __device__ static const u8* scale_row(const u8* s, int row, int ld, int shift) {
         return s + (size_t)(row >> shift) * ld;
     }
-    static constexpr int BIAS = 120 - 32;
-    __device__ static u32 scale_byte(const u8* srow, int col, int shift) {
-        return __ldg(srow + (col >> shift));
+    __device__ static u32 mul(const u8* srow, int col, int shift) {
+        return multiplier(__ldg(srow + (col >> shift)), 120 - 32);
     }
     // Word m holds columns 4m..4m+3: pairs (4m, 4m+2) and (4m+1, 4m+3).
     __device__ static void decode(const uint4* q, int m, u32 mul, u32& lo, u32& hi) {
@@ -97,9 +96,8 @@ struct Fp4 {
     __device__ static const u8* scale_row(const u8* s, int row, int ld, int) {
         return s + (size_t)row * ld;
     }
-    static constexpr int BIAS = 126 - 32;
-    __device__ static u32 scale_byte(const u8* srow, int col, int) {
-        return __ldg(srow + (col >> 5));
+    __device__ static u32 mul(const u8* srow, int col, int) {
+        return multiplier(__ldg(srow + (col >> 5)), 126 - 32);
     }
     // Nibbles i and i + 4 of a word as one bf16x2 pair (columns 8w + i, 8w + i + 4).
     __device__ static u32 nibbles(u32 w, int i) {
@@ -124,8 +122,7 @@ struct Bf16 {
     static constexpr bool SCALED = false, NONE = false;
     __device__ static size_t bytes(long long cols) { return cols * 2; }
     __device__ static const u8* scale_row(const u8*, int, int, int) { return nullptr; }
-    static constexpr int BIAS = 0;
-    __device__ static u32 scale_byte(const u8*, int, int) { return 0; }
+    __device__ static u32 mul(const u8*, int, int) { return 0; }
     __device__ static void decode(const uint4* q, int m, u32, u32& lo, u32& hi) {
         lo = word(q[m >> 1], (2 * m) & 3);
         hi = word(q[m >> 1], (2 * m + 1) & 3);
@@ -154,21 +151,12 @@ __device__ __forceinline__ void set_tile(Tiles<MT>& tl, int mt, const u8* W, con
     }
 }
 
-// DEPTH k-tiles of codes for all MT tiles, loaded together (the bytes in flight per lane), and
-// their raw E8M0 scale bytes. The bytes are turned into multipliers only where the mma uses them:
-// consuming a load in load_stage would stall there on it, and the next stage's loads would no
-// longer overlap this stage's mmas.
+// DEPTH k-tiles of codes for all MT tiles, loaded together (the bytes in flight per lane).
 template <class F, int MT, int DEPTH>
 struct Stage {
     uint4 q[DEPTH][MT][2][F::LOADS];
-    u32 sb[DEPTH][MT][2];
+    u32 mul[DEPTH][MT][2];
 };
-
-// The bf16x2 multiplier of a format's scale byte (0 for unscaled formats).
-template <class F>
-__device__ __forceinline__ u32 scale_mul(u32 sb) {
-    return F::SCALED ? multiplier(sb, F::BIAS) : 0u;
-}
 
 template <class F, int MT, int DEPTH>
 __device__ __forceinline__ void load_stage(Stage<F, MT, DEPTH>& st, const Tiles<MT>& tl,
@@ -186,7 +174,7 @@ __device__ __forceinline__ void load_stage(Stage<F, MT, DEPTH>& st, const Tiles<
 #pragma unroll
                 for (int l = 0; l < F::LOADS; l++)
                     st.q[d][mt][h][l] = ok ? __ldcs(p + l) : make_uint4(0, 0, 0, 0);
-                st.sb[d][mt][h] = ok && F::SCALED ? F::scale_byte(tl.s[mt][h], col, shift) : 0u;
+                st.mul[d][mt][h] = ok && F::SCALED ? F::mul(tl.s[mt][h], col, shift) : 0u;
             }
     }
 }
@@ -217,11 +205,6 @@ __device__ __forceinline__ void mma_stage(const Stage<F, MT, DEPTH>& st, const f
         if (kt + d >= kt1) break;
         float xr[F::CH];
         load_x<F>(xc, (kt + d) * 4 * F::CH + t * F::CH, cols, xr);
-        u32 mul[MT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) mul[mt][h] = scale_mul<F>(st.sb[d][mt][h]);
 #pragma unroll
         for (int m = 0; m < F::MMAS; m++) {
             u32 hi0, lo0, hi1, lo1;
@@ -230,8 +213,8 @@ __device__ __forceinline__ void mma_stage(const Stage<F, MT, DEPTH>& st, const f
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
                 u32 a[4];
-                F::decode(st.q[d][mt][0], m, mul[mt][0], a[0], a[2]);
-                F::decode(st.q[d][mt][1], m, mul[mt][1], a[1], a[3]);
+                F::decode(st.q[d][mt][0], m, st.mul[d][mt][0], a[0], a[2]);
+                F::decode(st.q[d][mt][1], m, st.mul[d][mt][1], a[1], a[3]);
                 if constexpr (NT == 1) {
                     mma_bf16(acc[mt][0], a, g < 4 ? hi0 : lo0, g < 4 ? hi1 : lo1);
                 } else {
@@ -644,8 +627,7 @@ __device__ void decode_words(const u8* W, const u8* S, int rows, int cols, int s
     uint4 q[F::LOADS];
     const uint4* p = (const uint4*)(W + (size_t)r * F::bytes(cols) + F::bytes(col));
     for (int l = 0; l < F::LOADS; l++) q[l] = p[l];
-    u32 mul = scale_mul<F>(F::SCALED ? F::scale_byte(F::scale_row(S, r, sc_ld, shift), col,
-                                                      shift) : 0u);
+    u32 mul = F::SCALED ? F::mul(F::scale_row(S, r, sc_ld, shift), col, shift) : 0u;
     unsigned short* o = out + (size_t)r * cols + col;
 #pragma unroll
     for (int m = 0; m < F::MMAS; m++) {
