@@ -115,3 +115,74 @@ def test_graph_drafts_after_undo_and_interleaved_sessions(engines):
         assert_same_window(s.mtp_state, ref[id(s)], TOL)
     assert graphed.kernels.graph is not None
     assert host(sessions[0].mtp_state.raw).any()
+
+
+class Window:
+    """A session's MTP window as WindowTable.fill reads it."""
+
+    def __init__(self, raw, positions):
+        self.raw, self.positions = raw, positions
+
+
+@pytest.mark.parametrize("cap, heads, width, fused", [(64, 4, 64, True), (128, 64, 512, True),
+                                                     (128, 8, 36, False)])
+def test_window_kernels_equal_their_twins(cap, heads, width, fused):
+    """The masked window attention (empty, stale and visible slots; the new row) and the row
+    store equal their NumPy twins."""
+    import cupy as cp
+
+    from ds4.kernels import mtp as mk
+
+    rng = np.random.default_rng(cap + width)
+    t, rope_dim = 300, 8
+    raw = rng.standard_normal((cap, width)).astype(np.float32)
+    positions = np.where(rng.random(cap) < 0.3, -1, t - rng.integers(0, 2 * cap, cap))
+    positions[t % cap] = t  # a stale row of this very position: still a key, as in the model
+    positions[(t + 3) % cap] = t + 3  # a row ahead of the query: masked
+    q = rng.standard_normal((heads, width)).astype(np.float32)
+    kv = rng.standard_normal((1, width)).astype(np.float32)
+    sinks = rng.standard_normal(heads).astype(np.float32)
+    freqs = 1.0 / 10000.0 ** (np.arange(rope_dim // 2) * 2 / rope_dim)
+    got = {}
+    for xp in (cp, np):
+        window = Window(xp.asarray(raw.copy()), positions.copy())
+        table = gpu_mtp.WindowTable(xp, cap)
+        table.fill(window, 0, t)
+        out = xp.zeros((heads, width), xp.float32)
+        part = xp.zeros(mk.partial_size(heads, width, cap), xp.float32)
+        attend = mk.window_attention if xp is cp else mk.window_attention_numpy
+        store = mk.window_store if xp is cp else mk.window_store_numpy
+        attend(xp.asarray(q), xp.asarray(kv), table, xp.asarray(sinks), out, part,
+               xp.asarray(freqs) if fused else None, rope_dim)
+        store(xp.asarray(kv), table)
+        got[xp] = host(out), host(window.raw)
+    np.testing.assert_allclose(got[cp][0], got[np][0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[cp][1], got[np][1])
+    assert not np.array_equal(got[np][1][t % cap], raw[t % cap])
+
+
+def test_the_pick_kernel_equals_the_host_reduction():
+    import cupy as cp
+
+    from ds4.kernels import mtp as mk
+    from ds4.mtp import top_gap
+
+    rng = np.random.default_rng(4)
+    wide = rng.standard_normal(129280).astype(np.float32)
+    tied = wide.copy()
+    tied[[90000, 500]] = wide.max() + 1  # a tie: the lower index, margin 0
+    for x in (wide, tied, wide[:1000], wide[::-1].copy()):
+        out = cp.zeros(3, cp.int32)
+        mk.top_gap(cp.asarray(x), out)
+        assert mk.read_top_gap(out.get()) == top_gap(np, x)
+
+
+def test_a_draft_reads_the_graph_pick(engines):
+    from ds4.mtp import top_gap
+
+    e = engines["tiny"]
+    s = session(e)
+    state = s.mtp_state
+    for position in range(len(s.tokens), len(s.tokens) + 3):  # eager, capture, replay
+        logits, _ = e.mtp.step(state, state.hidden, 42, position)
+        assert e.mtp.pick(logits) == top_gap(e.backend.xp, logits)

@@ -14,11 +14,13 @@ from ds4.kernels import (
     gemv,
     hyper_connection,
     moe,
-    mtp_attention,
     norm,
     packed,
     quant,
     rope,
+)
+from ds4.kernels import (
+    mtp as mtp_kernels,
 )
 from ds4.model import gpu_batch, gpu_mtp
 from ds4.model.mtp import MtpBlock
@@ -30,7 +32,7 @@ PROMPTS = ["Tell me a story about a fox.", "2 + 2 ="]
 @pytest.fixture
 def twins(monkeypatch):
     """Route every launcher the draft step calls to its NumPy twin."""
-    for mod in (attention, hyper_connection, moe, packed, quant, norm, rope, mtp_attention):
+    for mod in (attention, hyper_connection, moe, packed, quant, norm, rope, mtp_kernels):
         for name in dir(mod):
             if name.endswith("_numpy") and hasattr(mod, name[:-6]):
                 monkeypatch.setattr(mod, name[:-6], getattr(mod, name))
@@ -185,8 +187,28 @@ def test_masked_window_attention_twin_reads_only_held_rows():
     kv = rng.standard_normal((1, width)).astype(np.float32)
     sinks = np.zeros(heads, np.float32)
     table.fill(state, 0, 13)
-    out = mtp_attention.window_attention_numpy(q, kv, table, sinks, np.empty_like(q))
+    out = mtp_kernels.window_attention_numpy(q, kv, table, sinks, np.empty_like(q))
     keys = np.concatenate([state.raw[[0, 2, 5, 6, 7]], kv])
     logits = q @ keys.T / np.sqrt(width)
     p = np.exp(logits)
     np.testing.assert_allclose(out, p @ keys / (p.sum(axis=1) + 1)[:, None], rtol=1e-5)
+
+
+def test_the_graph_pick_equals_the_host_reduction(twins, engine):
+    """A kernel step's own pick (what a draft reads back instead of its logits) is the argmax
+    and margin ds4/mtp.py's top_gap takes; other logits get no pick."""
+    from ds4.mtp import top_gap
+
+    s = session(engine, PROMPTS[0])
+    block = kernel_block(engine)
+    logits, _ = block.step(s.mtp_state, s.mtp_state.hidden, 42, len(s.tokens))
+    assert block.pick(logits) == top_gap(np, logits)
+    assert block.pick(logits.copy()) is None and engine.mtp.pick(logits) is None
+
+
+@pytest.mark.parametrize("x, want", [([1.0, 5.0, 3.5, -2.0], (1, 1.5)),
+                                     ([2.0, 7.0, 7.0, 1.0], (1, 0.0)),
+                                     ([-3.0], (0, float("inf")))])
+def test_top_gap_twin(x, want):
+    out = mtp_kernels.top_gap_numpy(np.array(x, np.float32), np.zeros(3, np.int32))
+    assert mtp_kernels.read_top_gap(out) == want

@@ -7,7 +7,7 @@ The step is the block's math (ds4/model/mtp.py) through the kernels the main dec
 every stream, one sliding layer (mHC, attention, mHC, MoE), the hyper head, the final norm and
 the main model's head. Its window is sparse (only drafted positions wrote rows; rejected drafts'
 rows were put back), so the attention masks ring slots by the positions they hold
-(ds4/kernels/mtp_attention.cu) instead of assuming a dense ring.
+(ds4/kernels/mtp.cu) instead of assuming a dense ring.
 
 The graph holds no session's address: the token, the position, the session's ring address and
 the position each ring slot holds are in a `WindowTable` that one host-to-device copy fills
@@ -23,7 +23,7 @@ import numpy as np
 from ds4.kernels import attention as at
 from ds4.kernels import hyper_connection as hc
 from ds4.kernels import moe as route
-from ds4.kernels import mtp_attention as mt
+from ds4.kernels import mtp as mt
 from ds4.kernels import norm, quant, rope
 from ds4.model import gpu_weights
 from ds4.model.gpu_batch import ProjectionPlan, matvec_rows
@@ -114,6 +114,7 @@ class MtpDecoder:
         fits = row_moe_fits(t, 1, cfg.num_experts_per_tok)
         self.moe_scratch = row_moe_scratch(xp, cfg, [t], 1) if fits else None
         self.graph = None
+        self._last = None  # the logits the last step returned (what `pick` reads the pick of)
         self._warm = False  # one eager step ran (kernels compiled and loaded)
         self._stream = None
         self.use_graph = True
@@ -144,6 +145,7 @@ class MtpDecoder:
                  "attn_part": (mt.partial_size(H, d, cfg.sliding_window),)}
         buf = {name: cp.zeros((1, *shape), dtype=f) for name, shape in sizes.items()}
         buf["idx"] = cp.zeros((1, k), dtype=cp.int32)
+        buf["pick"] = cp.zeros((1, 3), dtype=cp.int32)  # the draft's pick (mt.top_gap)
         # post 1, comb the identity: hc_post then adds e_proj(e) to every stream exactly
         buf["add_rows"] = cp.asarray(np.concatenate([np.ones(n), np.eye(n).reshape(-1)])
                                      .astype(np.float32)[None, :])
@@ -158,8 +160,19 @@ class MtpDecoder:
             self.table.fill(state, int(token), int(position))
             self.buf["hidden"][0][...] = hidden
             self.run()
-            return self.buf["logits"][0].copy(), self.buf["X"][0].copy()
-        return self._replay(state, hidden, int(token), int(position))
+            out = self.buf["logits"][0].copy(), self.buf["X"][0].copy()
+        else:
+            out = self._replay(state, hidden, int(token), int(position))
+        self._last = out[0]
+        return out
+
+    def pick(self, logits) -> tuple[int, float] | None:
+        """(argmax, top logit minus the runner-up's) of the last step's logits, as the graph
+        computed them (one 12-byte copy); None for any other logits."""
+        if logits is not self._last:
+            return None
+        words = self.buf["pick"][0]
+        return mt.read_top_gap(words if self.cp is np else words.get())
 
     def _replay(self, state, hidden, token: int, position: int):
         cp, stream = self.cp, self.stream
@@ -214,13 +227,15 @@ class MtpDecoder:
         hc.hc_post(b["X"], b["y"], b["post_comb"], b["X"])
 
     def run_head(self) -> None:
-        """logits = W_head RMSNorm_norm(HyperHead_mtp(X)) (the main model's head)."""
+        """logits = W_head RMSNorm_norm(HyperHead_mtp(X)) (the main model's head), and the
+        draft's pick of them."""
         cfg, b, t = self.cfg, self.buf, self.t
         hc.hc_mix(t["hc_head_fn"], b["X"], b["head_mix"], cfg.rms_norm_eps)
         hc.hc_pre(b["head_mix"], t["hc_head_scale"], t["hc_head_base"], b["X"], b["u"],
                   b["post_comb"], cfg.hc_sinkhorn_iters, cfg.hc_eps, head=True)
         norm.rms_norm(b["u"], t["norm.weight"], b["h"], cfg.rms_norm_eps)
         matvec_rows(self.top["head"], b["h"], b["logits"], 1)
+        mt.top_gap(b["logits"][0], b["pick"][0])
 
     def _unit(self, unit: str, norm_name: str) -> None:
         """h = RMSNorm_w(sum_i pre_i X_i) of one mHC unit; post/comb kept for hc_post."""

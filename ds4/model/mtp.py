@@ -230,6 +230,11 @@ class MtpBlock:
         state.positions[position % state.raw.shape[0]] = position
         return logits, X
 
+    def pick(self, logits) -> tuple[int, float] | None:
+        """(argmax, top-1 minus runner-up) of the logits the last kernel step returned, as its
+        graph computed them; None for the eager step's (the caller reduces those itself)."""
+        return None if self._kernels is None else self._kernels.pick(logits)
+
     def _eager_step(self, state: MtpState, hidden, token: int, position: int):
         m, xp, cfg, w = self.model, self.model.xp, self.model.cfg, self.w
         eps = cfg.rms_norm_eps

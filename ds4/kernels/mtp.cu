@@ -1,6 +1,7 @@
-// Decode attention of the MTP block (docs/ARCHITECTURE.md, Speculative decoding): one query over
-// the block's own sliding window, whose ring is sparse (only drafted positions wrote rows, and
-// rejected drafts' rows were put back), plus the token's new K=V row.
+// The MTP block's own kernels (docs/ARCHITECTURE.md, Speculative decoding): decode attention of
+// one query over the block's sliding window, whose ring is sparse (only drafted positions wrote
+// rows, and rejected drafts' rows were put back), plus the token's new K=V row; and the draft's
+// pick (argmax and its margin over the runner-up), so a draft reads back 12 bytes, not logits.
 //
 // The window lives in the session; its address and the position each ring slot holds come from
 // a small table the host fills before each replay of the draft graph ([pos, token] int32, the
@@ -108,4 +109,56 @@ extern "C" __global__ void mtp_window_store(const float* __restrict__ kv,
                                             const int* __restrict__ pos, int cap, int width) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < width) ((float*)raw_ptr[0])[(size_t)(pos[0] % cap) * width + c] = kv[c];
+}
+
+// (best, its index, the largest other value) merged with another triple: the lower index wins a
+// tie, and the loser's best becomes a candidate runner-up (equal to best on a tie: margin 0).
+__device__ __forceinline__ void merge_top(float& best, int& idx, float& second, float b, int i,
+                                          float s) {
+    if (b > best || (b == best && i < idx)) {
+        second = fmaxf(s, best);
+        best = b;
+        idx = i;
+    } else {
+        second = fmaxf(second, b);
+    }
+}
+
+// out = [argmax of x[0..n) (lowest index on ties), bits of its value, bits of the largest
+// value at any other index]. One block of 1024 threads.
+extern "C" __global__ void mtp_top_gap(const float* __restrict__ x, int n, int* out) {
+    __shared__ float bests[32], seconds[32];
+    __shared__ int idxs[32];
+    float best = -INFINITY, second = -INFINITY;
+    int idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) merge_top(best, idx, second, x[i], i, -INFINITY);
+    for (int o = 16; o > 0; o >>= 1) {
+        float b = __shfl_xor_sync(0xffffffffu, best, o);
+        int i = __shfl_xor_sync(0xffffffffu, idx, o);
+        float s = __shfl_xor_sync(0xffffffffu, second, o);
+        merge_top(best, idx, second, b, i, s);
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        bests[warp] = best;
+        idxs[warp] = idx;
+        seconds[warp] = second;
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    int warps = blockDim.x >> 5;
+    best = lane < warps ? bests[lane] : -INFINITY;
+    idx = lane < warps ? idxs[lane] : 0x7fffffff;
+    second = lane < warps ? seconds[lane] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) {
+        float b = __shfl_xor_sync(0xffffffffu, best, o);
+        int i = __shfl_xor_sync(0xffffffffu, idx, o);
+        float s = __shfl_xor_sync(0xffffffffu, second, o);
+        merge_top(best, idx, second, b, i, s);
+    }
+    if (lane == 0) {
+        out[0] = idx;
+        out[1] = __float_as_int(best);
+        out[2] = __float_as_int(second);
+    }
 }

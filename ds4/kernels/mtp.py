@@ -1,4 +1,5 @@
-"""The MTP block's window attention launchers (ds4/kernels/mtp_attention.cu) and NumPy twins.
+"""The MTP block's own launchers (ds4/kernels/mtp.cu) and their NumPy twins: the window
+attention and the draft's pick.
 
 `table` is the draft graph's window table (ds4/model/gpu_mtp.py WindowTable): `pos` (int32
 [1]), `held` (int32 [cap], the position each ring slot holds, -1 empty), `raw_word` (device
@@ -39,7 +40,7 @@ def window_attention(q, kv, table, sinks, out, part, freqs=None, rope_dim: int =
                   + KEYS_PER_BLOCK)
     args = (ptr(q), table.raw_word, ptr(table.held), ptr(kv), ptr(table.pos), i32(table.cap),
             ptr(part), i32(width), f32(width ** -0.5), i32(hpb))
-    launch("mtp_attention", "mtp_window_partial", (heads // hpb, n), (256,), args, shared=shared)
+    launch("mtp", "mtp_window_partial", (heads // hpb, n), (256,), args, shared=shared)
     launch("attention", "attention_combine", (heads,), (256,),
            (ptr(part), ptr(sinks), ptr(out), i32(width), i32(n), i32(0), ptr(table.pos),
             NULL if freqs is None else ptr(freqs), i32(rope_dim)), shared=8 * n)
@@ -64,7 +65,7 @@ def window_attention_numpy(q, kv, table, sinks, out, part=None, freqs=None, rope
 def window_store(kv, table):
     """ring[pos % cap] = kv[0] (after the attention read the ring)."""
     width = kv.shape[-1]
-    launch("mtp_attention", "mtp_window_store", ((width + 255) // 256,), (256,),
+    launch("mtp", "mtp_window_store", ((width + 255) // 256,), (256,),
            (ptr(kv), table.raw_word, ptr(table.pos), i32(table.cap), i32(width)))
     return kv
 
@@ -73,3 +74,27 @@ def window_store_numpy(kv, table):
     """NumPy twin of window_store."""
     table.raw[int(np.asarray(table.pos)[0]) % table.cap] = np.asarray(kv).reshape(-1)
     return kv
+
+
+def top_gap(x, out):
+    """out (int32 [3]) = [argmax of x (lowest index on ties), then as float32 bits its value and
+    the largest value at any other index]."""
+    launch("mtp", "mtp_top_gap", (1,), (1024,), (ptr(x), i32(x.shape[0]), ptr(out)))
+    return out
+
+
+def top_gap_numpy(x, out):
+    """NumPy twin of top_gap."""
+    x = np.asarray(x, np.float32)
+    top = int(np.argmax(x))
+    out[0] = top
+    rest = np.where(np.arange(x.shape[0]) == top, -np.inf, x).max()
+    out[1:3] = np.array([x[top], rest], np.float32).view(np.int32)
+    return out
+
+
+def read_top_gap(words) -> tuple[int, float]:
+    """(argmax, top value minus the runner-up's) from top_gap's host words."""
+    words = np.asarray(words, np.int32)
+    best, second = words[1:3].view(np.float32)
+    return int(words[0]), float(best) - float(second)
