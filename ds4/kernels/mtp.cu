@@ -99,7 +99,8 @@ extern "C" __global__ void mtp_window_partial(const float* __restrict__ q,
         }
 #pragma unroll
         for (int hh = 0; hh < 8; hh++)
-            if (hh < hpb) part[((size_t)(h0 + hh) * splits + split) * (width + 2) + 2 + c] = acc[hh];
+            if (hh < hpb)
+                part[((size_t)(h0 + hh) * splits + split) * (width + 2) + 2 + c] = acc[hh];
     }
 }
 
@@ -131,7 +132,8 @@ extern "C" __global__ void mtp_top_gap(const float* __restrict__ x, int n, int* 
     __shared__ int idxs[32];
     float best = -INFINITY, second = -INFINITY;
     int idx = 0x7fffffff;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) merge_top(best, idx, second, x[i], i, -INFINITY);
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        merge_top(best, idx, second, x[i], i, -INFINITY);
     for (int o = 16; o > 0; o >>= 1) {
         float b = __shfl_xor_sync(0xffffffffu, best, o);
         int i = __shfl_xor_sync(0xffffffffu, idx, o);
