@@ -63,7 +63,10 @@ def _attend(xp, ctx, lw, layer_state, h, qlat, q, kv, step):
     rows, picks = _compressed_rows(xp, ctx, lw, layer_state, h, qlat, step)
     _store_raw(layer_state, kv, step.start)
     ratio = layer_state.compressor.ratio if rows is not None else 0
-    if xp is not np and kernel_fits(ctx.cfg.head_dim):  # one fused tensor-core kernel
+    # one fused tensor-core kernel, which assumes a dense ring (the MTP window is sparse: its
+    # step's window_bias masks the slots it does not hold)
+    dense = not getattr(layer_state, "sparse_window", False)
+    if xp is not np and kernel_fits(ctx.cfg.head_dim) and dense:
         size = words_size(keys, rows, parts())
         words = ctx.scratch.view("attention_words", (size,), xp.uint16)
         return chunk_attention(q, keys, rows, picks, ratio, step.start, lw["self_attn.sinks"],

@@ -137,6 +137,7 @@ class MtpState:
     input H) with the token count they belong to."""
 
     kind = SLIDING  # what attention() reads of a layer's state
+    sparse_window = True  # slots hold what `positions` says, not the last `window` positions
     compressor = None
     indexer = None
 
