@@ -70,7 +70,8 @@ def test_the_engine_drafts_through_a_replayed_graph(engines, which):
 
 @pytest.mark.parametrize("which", ["tiny", "packed"])
 def test_the_graph_replays_the_kernels_it_captured(engines, which):
-    """Graph replays equal the same kernels launched one by one (up to rounding noise)."""
+    """Graph replays equal the same kernels launched one by one (up to the order of split-K
+    atomic adds)."""
     e = engines[which]
     s = session(e)
     plain = block(e, eager=False, graph=False)
@@ -80,7 +81,7 @@ def test_the_graph_replays_the_kernels_it_captured(engines, which):
     mine = copy_state(e, s.mtp_state)
     got = chain(graphed, mine, mine.hidden, 42, len(s.tokens), STEPS, greedy_tokens(want))
     assert plain.kernels.graph is None and graphed.kernels.graph is not None
-    assert_same_drafts(got, want, 1e-6)
+    assert_same_drafts(got, want, 1e-5)  # split-K atomics may add in another order
 
 
 def test_graph_drafts_equal_the_numpy_engine(engines):
