@@ -4,10 +4,11 @@ twins run it eagerly (tests).
 
 The step is the block's math (ds4/model/mtp.py) through the kernels the main decode uses
 (ds4/model/gpu_decode.py): e = RMSNorm(embed[token]), X = e_proj(e) + h_proj(RMSNorm(H)) on
-every stream, one sliding layer (mHC, attention, mHC, MoE), the hyper head, the final norm and
-the main model's head. Its window is sparse (only drafted positions wrote rows; rejected drafts'
-rows were put back), so the attention masks ring slots by the positions they hold
-(ds4/kernels/mtp.cu) instead of assuming a dense ring.
+every stream, one sliding layer (mHC, attention, mHC, MoE), the hyper head, the final norm,
+the main model's head and the draft's pick of its logits (argmax and margin). Its window is
+sparse (only drafted positions wrote rows; rejected drafts' rows were put back), so the
+attention masks ring slots by the positions they hold (ds4/kernels/mtp.cu) instead of assuming
+a dense ring.
 
 The graph holds no session's address: the token, the position, the session's ring address and
 the position each ring slot holds are in a `WindowTable` that one host-to-device copy fills

@@ -24,6 +24,7 @@ import os
 import numpy as np
 
 from ds4.kernels import widen
+from ds4.model import gpu_mtp
 from ds4.model.attention import attention
 from ds4.model.checkpoint_names import mtp_shapes
 from ds4.model.config import SLIDING, ModelConfig
@@ -198,8 +199,6 @@ class MtpBlock:
     DS4_MTP_EAGER=1, it is the eager model code below."""
 
     def __init__(self, model, weights: MtpWeights):
-        from ds4.model import gpu_mtp
-
         self.model, self.w = model, weights
         weights.bind(model.scratch)
         self.eager = (os.environ.get("DS4_MTP_EAGER", "") not in ("", "0")
@@ -210,9 +209,7 @@ class MtpBlock:
     def kernels(self):
         """The block's kernel draft step (ds4/model/gpu_mtp.py), built on first use."""
         if self._kernels is None:
-            from ds4.model.gpu_mtp import MtpDecoder
-
-            self._kernels = MtpDecoder.from_block(self)
+            self._kernels = gpu_mtp.MtpDecoder.from_block(self)
         return self._kernels
 
     def new_state(self) -> MtpState:
