@@ -27,7 +27,7 @@ def draft(session, first: int, count: int, margin: float) -> list[int]:
     hidden, token, drafts = state.hidden, int(first), []
     for position in range(start, start + count):
         logits, hidden = mtp.step(state, hidden, token, position)
-        token, gap = top_gap(session.engine.backend.xp, logits)
+        token, gap = mtp.pick(logits) or top_gap(session.engine.backend.xp, logits)
         if gap < margin:
             break
         drafts.append(token)

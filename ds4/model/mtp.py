@@ -19,10 +19,12 @@ and rows of rejected drafts can be taken back exactly.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
 from ds4.kernels import widen
+from ds4.model import gpu_mtp
 from ds4.model.attention import attention
 from ds4.model.checkpoint_names import mtp_shapes
 from ds4.model.config import SLIDING, ModelConfig
@@ -191,11 +193,23 @@ class MtpState:
 
 class MtpBlock:
     """The block's math bound to a model (its config, ropes, scratch, shared embedding and
-    head) and the block's weights. Eager model code on both backends (no CUDA graph)."""
+    head) and the block's weights. On the GPU a draft step is one replayed CUDA graph
+    (ds4/model/gpu_mtp.py) where the kernels cover the model; elsewhere, or with
+    DS4_MTP_EAGER=1, it is the eager model code below."""
 
     def __init__(self, model, weights: MtpWeights):
         self.model, self.w = model, weights
         weights.bind(model.scratch)
+        self.eager = (os.environ.get("DS4_MTP_EAGER", "") not in ("", "0")
+                      or gpu_mtp.supported(model, weights) is not None)
+        self._kernels = None  # the MtpDecoder, built on the first kernel step
+
+    @property
+    def kernels(self):
+        """The block's kernel draft step (ds4/model/gpu_mtp.py), built on first use."""
+        if self._kernels is None:
+            self._kernels = gpu_mtp.MtpDecoder.from_block(self)
+        return self._kernels
 
     def new_state(self) -> MtpState:
         """An empty window for one session."""
@@ -206,6 +220,19 @@ class MtpBlock:
 
         The row it writes into the window is noted in `state.positions`.
         """
+        if self.eager:
+            logits, X = self._eager_step(state, hidden, token, position)
+        else:
+            logits, X = self.kernels.step(state, hidden, token, position)
+        state.positions[position % state.raw.shape[0]] = position
+        return logits, X
+
+    def pick(self, logits) -> tuple[int, float] | None:
+        """(argmax, top-1 minus runner-up) of the logits the last kernel step returned, as its
+        graph computed them; None for the eager step's (the caller reduces those itself)."""
+        return None if self._kernels is None else self._kernels.pick(logits)
+
+    def _eager_step(self, state: MtpState, hidden, token: int, position: int):
         m, xp, cfg, w = self.model, self.model.xp, self.model.cfg, self.w
         eps = cfg.rms_norm_eps
         ids = xp.asarray([int(token)], dtype=xp.int64)
@@ -215,7 +242,6 @@ class MtpBlock:
         X = (linear(xp, e, w["e_proj.weight"])[:, None, :]
              + linear(xp, h, w["h_proj.weight"])[None, :, :])
         X = self._layer(state, xp.ascontiguousarray(X, dtype=xp.float32), ids, position)
-        state.positions[position % state.raw.shape[0]] = position
         return self._head(X)[0], X[0]
 
     def _layer(self, state: MtpState, X, ids, position: int):

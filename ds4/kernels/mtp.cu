@@ -1,0 +1,166 @@
+// The MTP block's own kernels (docs/ARCHITECTURE.md, Speculative decoding): decode attention of
+// one query over the block's sliding window, whose ring is sparse (only drafted positions wrote
+// rows, and rejected drafts' rows were put back), plus the token's new K=V row; and the draft's
+// pick (argmax and its margin over the runner-up), so a draft reads back 12 bytes, not logits.
+//
+// The window lives in the session; its address and the position each ring slot holds come from
+// a small table the host fills before each replay of the draft graph ([pos, token] int32, the
+// ring's address, then held int32 [cap]), so the graph holds no session's address.
+
+#include "common.cuh"
+
+#define KEYS 32
+
+// A ring slot holding position p is a key of the query at t when t - cap < p <= t (p = -1:
+// the slot is empty).
+__device__ __forceinline__ bool held_visible(int p, int t, int cap) {
+    return p >= 0 && p <= t && p > t - cap;
+}
+
+// Flash-decoding split over keys 0..cap: ring slot j for j < cap, and the new row kv as key cap
+// (always visible). Block (g, s) takes heads [g * hpb, (g + 1) * hpb) (hpb <= 8) and keys
+// [s * 32, (s + 1) * 32), keeps only the visible ones (in key order), stages them once in shared
+// memory and writes per head [m, l, o...] into part[(h * splits + s) * (width + 2)], the layout
+// attention_combine (ds4/kernels/attention.cu) reads; a split with no visible key writes
+// m = -inf, l = 0, o = 0, which the combine weighs 0. 256 threads; dynamic shared memory:
+// 32 * (width + 1) key floats, hpb * width query floats, hpb * 32 weights and 32 key codes.
+extern "C" __global__ void mtp_window_partial(const float* __restrict__ q,
+                                              const long long* __restrict__ raw_ptr,
+                                              const int* __restrict__ held,
+                                              const float* __restrict__ kv,
+                                              const int* __restrict__ pos, int cap, float* part,
+                                              int width, float scale, int hpb) {
+    extern __shared__ float smem[];
+    __shared__ int visible_count;
+    int stride = width + 1;
+    float* ks = smem;
+    float* qs = ks + KEYS * stride;
+    float* ps = qs + hpb * width;
+    int* codes = (int*)(ps + hpb * KEYS);
+    const float* raw = (const float*)raw_ptr[0];
+    int h0 = blockIdx.x * hpb, split = blockIdx.y, splits = gridDim.y;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int t = pos[0];
+    if (warp == 0) {  // compact this split's visible keys, keeping their order
+        int j = split * KEYS + lane;
+        bool vis = j < cap ? held_visible(held[j], t, cap) : j == cap;
+        unsigned mask = __ballot_sync(0xffffffffu, vis);
+        if (vis) codes[__popc(mask & ((1u << lane) - 1u))] = j;
+        if (lane == 0) visible_count = __popc(mask);
+    }
+    const float4* q4 = (const float4*)(q + (size_t)h0 * width);
+    for (int i = threadIdx.x; i < hpb * width / 4; i += blockDim.x) {
+        float4 v = q4[i];
+        qs[4 * i] = v.x; qs[4 * i + 1] = v.y; qs[4 * i + 2] = v.z; qs[4 * i + 3] = v.w;
+    }
+    __syncthreads();
+    int count = visible_count;
+    int w4 = width >> 2, total = count * w4;
+    for (int i = threadIdx.x; i < total; i += blockDim.x) {
+        int code = codes[i / w4];
+        const float* row = code < cap ? raw + (size_t)code * width : kv;
+        float4 v = *(const float4*)(row + (i % w4) * 4);
+        float* d = ks + (i / w4) * stride + (i % w4) * 4;
+        d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w;
+    }
+    __syncthreads();
+    if (warp < hpb) {  // warp = head, lane = key
+        float s = -INFINITY;
+        if (lane < count) {
+            const float* qh = qs + warp * width;
+            const float* k = ks + lane * stride;
+            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+            for (int c = 0; c < width; c += 4) {
+                a0 += qh[c] * k[c];
+                a1 += qh[c + 1] * k[c + 1];
+                a2 += qh[c + 2] * k[c + 2];
+                a3 += qh[c + 3] * k[c + 3];
+            }
+            s = ((a0 + a1) + (a2 + a3)) * scale;
+        }
+        float m = warp_max(s);
+        float p = lane < count ? expf(s - m) : 0.f;
+        float l = warp_sum(p);
+        ps[warp * KEYS + lane] = p;
+        if (lane == 0) {
+            float* dst = part + ((size_t)(h0 + warp) * splits + split) * (width + 2);
+            dst[0] = m;
+            dst[1] = l;
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < width; c += blockDim.x) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int e = 0; e < count; e++) {
+            float k = ks[e * stride + c];
+#pragma unroll
+            for (int hh = 0; hh < 8; hh++)
+                if (hh < hpb) acc[hh] += ps[hh * KEYS + e] * k;
+        }
+#pragma unroll
+        for (int hh = 0; hh < 8; hh++)
+            if (hh < hpb)
+                part[((size_t)(h0 + hh) * splits + split) * (width + 2) + 2 + c] = acc[hh];
+    }
+}
+
+// The new row into the window after the attention read it: ring[pos % cap] = kv.
+extern "C" __global__ void mtp_window_store(const float* __restrict__ kv,
+                                            const long long* __restrict__ raw_ptr,
+                                            const int* __restrict__ pos, int cap, int width) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c < width) ((float*)raw_ptr[0])[(size_t)(pos[0] % cap) * width + c] = kv[c];
+}
+
+// (best, its index, the largest other value) merged with another triple: the lower index wins a
+// tie, and the loser's best becomes a candidate runner-up (equal to best on a tie: margin 0).
+__device__ __forceinline__ void merge_top(float& best, int& idx, float& second, float b, int i,
+                                          float s) {
+    if (b > best || (b == best && i < idx)) {
+        second = fmaxf(s, best);
+        best = b;
+        idx = i;
+    } else {
+        second = fmaxf(second, b);
+    }
+}
+
+// out = [argmax of x[0..n) (lowest index on ties), bits of its value, bits of the largest
+// value at any other index]. One block of 1024 threads.
+extern "C" __global__ void mtp_top_gap(const float* __restrict__ x, int n, int* out) {
+    __shared__ float bests[32], seconds[32];
+    __shared__ int idxs[32];
+    float best = -INFINITY, second = -INFINITY;
+    int idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        merge_top(best, idx, second, x[i], i, -INFINITY);
+    for (int o = 16; o > 0; o >>= 1) {
+        float b = __shfl_xor_sync(0xffffffffu, best, o);
+        int i = __shfl_xor_sync(0xffffffffu, idx, o);
+        float s = __shfl_xor_sync(0xffffffffu, second, o);
+        merge_top(best, idx, second, b, i, s);
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        bests[warp] = best;
+        idxs[warp] = idx;
+        seconds[warp] = second;
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    int warps = blockDim.x >> 5;
+    best = lane < warps ? bests[lane] : -INFINITY;
+    idx = lane < warps ? idxs[lane] : 0x7fffffff;
+    second = lane < warps ? seconds[lane] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) {
+        float b = __shfl_xor_sync(0xffffffffu, best, o);
+        int i = __shfl_xor_sync(0xffffffffu, idx, o);
+        float s = __shfl_xor_sync(0xffffffffu, second, o);
+        merge_top(best, idx, second, b, i, s);
+    }
+    if (lane == 0) {
+        out[0] = idx;
+        out[1] = __float_as_int(best);
+        out[2] = __float_as_int(second);
+    }
+}
