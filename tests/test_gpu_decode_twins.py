@@ -203,3 +203,39 @@ def test_twin_decode_through_row_kernels(row_twins):
         for w, a, b in zip(want, single, batched):
             assert np.abs(a - w).max() < 5e-4 and int(np.argmax(a)) == int(np.argmax(w))
             assert np.abs(b - a).max() <= 1e-6 * np.abs(a).max()
+
+
+def test_twin_batch_over_placed_experts_reads_live_members_and_counts_their_picks(row_twins,
+                                                                                   tmp_path):
+    """Half the experts placed in 'host' memory (RAM on NumPy) and read through rows_moe's twin:
+    a batch of 3 (the B=4 graph with an idle member) gives its single steps' logits (within the
+    twins' batch-shape rounding, as above) and exactly their placement counts, so the idle
+    member's picks count nowhere."""
+    from test_dummy import half_budget_gib, small_packed, write_config
+
+    from ds4.engine import Engine
+
+    path = write_config(tmp_path / "m", small_packed())
+    model = Engine.open(path, backend="numpy", load_format="dummy", seed=5,
+                        gpu_memory_gib=half_budget_gib(small_packed())).model
+    decoder = gpu_decode.KernelDecoder.from_model(model)
+    assert all(getattr(t["experts.gate_up"], "placed", False) for t in decoder.layers)
+    assert decoder.moe_scratch is not None and all(decoder.row_moe)
+    placement, k, layers = model.weights.placement, model.cfg.num_experts_per_tok, 6
+    rng = np.random.default_rng(12)
+    ids = [[0] + rng.integers(2, 512, 12).tolist() for _ in range(3)]
+    alone, together = ([SessionState(np, model.cfg, 64) for _ in ids] for _ in range(2))
+    for group in (alone, together):
+        for s, seq in zip(group, ids):
+            model.forward(s, seq[:5])
+    for _ in range(3):
+        toks = [seq[s.n] for s, seq in zip(alone, ids)]
+        placement.observe()
+        single = [decoder.decode(s, t) for s, t in zip(alone, toks)]
+        counted = placement.pending()
+        placement.observe()
+        batched = decoder.decode_batch(together, toks)
+        assert np.array_equal(placement.pending(), counted)
+        assert counted.sum() == 3 * k * layers
+        for a, b in zip(single, batched):
+            assert np.abs(b - a).max() <= 1e-6 * np.abs(a).max()
