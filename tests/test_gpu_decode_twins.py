@@ -143,7 +143,8 @@ class _DeviceLike:
 def test_member_table_layout():
     """The member table holds positions and tokens as int32 in its first B words, then the
     address of slot s of layer l for member b at word B + (l * SLOTS + s) * B + b (what the
-    kernels read as group[k * B + b]); absent arrays (sliding layers, HCA overlap) are 0."""
+    kernels read as group[k * B + b]); absent arrays (sliding layers, HCA overlap) are 0; the
+    last word holds the live member count (int32)."""
     from ds4.model.gpu_batch import GROUP, INDEXER, SLOTS, MemberTable
 
     cfg = ModelConfig.from_dir(model_dir("tiny"))
@@ -159,6 +160,7 @@ def test_member_table_layout():
     table = MemberTable(np, cfg.num_hidden_layers, 4)
     table.fill(states + [states[0]], [7, 8, 9, 7])
     assert table.pos.tolist() == [10, 11, 12, 10] and table.tokens.tolist() == [7, 8, 9, 7]
+    assert table.live.tolist() == [4]  # every member live unless told
     for b in range(4):
         for i, kind in enumerate(cfg.layer_types):
             for slot in range(SLOTS):
@@ -168,6 +170,9 @@ def test_member_table_layout():
                 present = slot == 0 or (cs is not None and (
                     "overlap" not in GROUP[(slot - 1) % len(GROUP)] or cs.overlap))
                 assert got == (1000 * (b % 3) + 10 * i + slot if present else 0), (b, i, slot)
+    table.fill(states + [states[0]], [7, 8, 9, 7], live=3)  # the last word: live members
+    assert table.live.tolist() == [3] and int(table.host[-1]) == 3
+    assert table.host.size == 4 + cfg.num_hidden_layers * SLOTS * 4 + 1
 
 
 @pytest.fixture
