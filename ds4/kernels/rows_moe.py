@@ -80,14 +80,17 @@ class Stack:
 
     @property
     def fmt(self) -> str:
+        """The experts' format (rows.py's FP8 / FP4 / "bf16")."""
         return self.op.fmt
 
     @property
     def rows(self) -> int:
+        """Rows of one expert."""
         return self.op.rows
 
     @property
     def cols(self) -> int:
+        """Columns of one expert."""
         return self.op.cols
 
 
@@ -159,7 +162,9 @@ def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, 
     call = MoeCall(gu, dn, idx, wts, x, act, batch, inter, sops[0].rows if sops else 0, limit,
                    k, persistent)
     assert call.pairs <= act.part.shape[0] and gu.fmt == dn.fmt and 2 * inter == gu.rows
-    assert (gu.code_ptrs is None) == (dn.code_ptrs is None), "both stacks placed or neither"
+    placed = [getattr(w, "placed", False) for w in (gate_up, down)]
+    assert placed[0] == placed[1], "both stacks placed or neither"
+    assert not placed[0] or gu.code_ptrs is not None, "placed stacks on the device (tables)"
     _check_rows(x, batch, gu.cols, "x")
     launch("rows", "rows_moe_group", (1,), (32 * WARPS,),
            (ptr(idx), i32(call.pairs), i32(k), i32(gu.count), ptr(gu.on_host), ptr(live),
