@@ -260,11 +260,6 @@ def _moe_rows(gate_up, down, idx, wts, x, act, y, batch, inter, limit, shared) -
             plain_moe.moe_down(shared[2], None, s, y[b], accumulate=True)
 
 
-def _expert_rows(w, e: int, start: int, stop: int) -> np.ndarray:
-    """fp32 rows [start, stop) of expert e of a stack."""
-    return dense(w[e])[start:stop]
-
-
 def _swiglu32(g, u, limit: float, weight) -> np.ndarray:
     return (_swiglu(g, u, limit) * np.float32(weight)).astype(np.float32)
 
@@ -281,8 +276,8 @@ def moe_numpy(gate_up, down, idx, wts, x, act, y, batch: int, inter: int, limit:
                             live, counts)
     part = {}
     for e, pairs in units:
-        gate, up = _expert_rows(gate_up, e, 0, inter), _expert_rows(gate_up, e, inter, 2 * inter)
-        dn = dense(down[e])
+        both = dense(gate_up[e])  # gate rows, then up rows
+        gate, up, dn = both[:inter], both[inter:2 * inter], dense(down[e])
         for p in pairs:
             xb = x[p // k:p // k + 1]
             a = _swiglu32(rows_numpy(gate, fmt, xb)[0], rows_numpy(up, fmt, xb)[0], limit,
