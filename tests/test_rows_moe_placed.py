@@ -92,6 +92,20 @@ def test_idle_members_get_the_shared_expert_alone_and_count_nothing():
     assert not alone.any()  # no live member, no shared expert: zeros
 
 
+def test_the_per_member_placed_twin_counts_live_members_only():
+    """The fallback (placed.cu once per member, for formats rows.cu lacks) skips idle rows'
+    counts too."""
+    from ds4.kernels.placed import moe_placed_numpy
+
+    gu, down, _, idx, wts, x = case(3, 2)
+    placed = (placed_copy(np, gu, RESIDENT), placed_copy(np, down, RESIDENT))
+    counts, live = np.zeros(8, np.int64), np.array([1], np.int32)
+    for b in range(2):
+        y, act = np.zeros(128, np.float32), np.zeros((3, 64), np.float32)
+        moe_placed_numpy(*placed, 64, idx[b], wts[b], x[b], act, y, LIMIT, counts, live, b)
+    assert counts.tolist() == np.bincount(idx[0], minlength=8).tolist()
+
+
 # --- the kernels (GPU) ---
 
 
@@ -219,3 +233,22 @@ def test_a_captured_graph_follows_a_re_placement_and_keeps_counting(v4_placed):
     assert placed[0].resident[coming] and not placed[0].resident[going]
     for s in placed:
         s.swap(coming, going)  # back as the fixture had it
+
+
+@gpu_test
+@needs_cuda
+def test_the_per_member_placed_kernel_counts_live_members_only(v4_placed):
+    import cupy as cp
+
+    from ds4.kernels import placed as kernels
+
+    placed = v4_placed[3]
+    rng = np.random.default_rng(26)
+    idx, wts = picks(rng, 2, 6, 256)
+    x = rng.standard_normal((2, 4096), dtype=np.float32)
+    counts, live = cp.zeros(256, cp.int32), cp.asarray([1], cp.int32)
+    for b in range(2):
+        y, act = cp.zeros(4096, cp.float32), cp.zeros((6, 2048), cp.float32)
+        kernels.moe_placed(*placed, 2048, cp.asarray(idx[b]), cp.asarray(wts[b]),
+                           cp.asarray(x[b]), act, y, 10.0, counts, live, b)
+    assert counts.get().tolist() == np.bincount(idx[0], minlength=256).tolist()

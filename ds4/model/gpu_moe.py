@@ -4,8 +4,8 @@
 members, wherever it lives: placed experts in device or mapped host memory are read through
 their address tables, host ones first, and their picks counted for re-placement) where it reads
 the layer's experts; formats rows_moe.moe lacks run the single-token kernels per member. Idle
-members of a graph (at or past the member table's live count) read no routed expert and count
-no pick on either path."""
+members of a graph (at or past the member table's live count) count no pick on either path, and
+on rows_moe.moe's read no routed expert."""
 
 from __future__ import annotations
 
