@@ -397,7 +397,9 @@ extern "C" __global__ void __launch_bounds__(32 * RW) rows_many_n2(MANY_ARGS) {
 // in mapped host memory first (the persistent grids take items in unit order, so their slow
 // PCIe reads start in the first wave); *live members only (tokens b >= *live are idle rows of a
 // graph: their pairs join no unit, so they read no expert); counts[e] += the live picks of e
-// (placement's routing counts: one thread owns each expert, no atomics).
+// (placement's routing counts: one thread owns each expert, no atomics). Neither the unit order
+// nor the idle rows change a live row: a pair's products depend on its own mma column only,
+// and rows_moe_sum adds them in slot order.
 constexpr int UNIT = 10, MAX_PAIRS = 64;
 
 extern "C" __global__ void rows_moe_group(const int* __restrict__ idx, int pairs, int k,
