@@ -143,7 +143,8 @@ class _DeviceLike:
 def test_member_table_layout():
     """The member table holds positions and tokens as int32 in its first B words, then the
     address of slot s of layer l for member b at word B + (l * SLOTS + s) * B + b (what the
-    kernels read as group[k * B + b]); absent arrays (sliding layers, HCA overlap) are 0."""
+    kernels read as group[k * B + b]); absent arrays (sliding layers, HCA overlap) are 0; the
+    last word holds the live member count (int32)."""
     from ds4.model.gpu_batch import GROUP, INDEXER, SLOTS, MemberTable
 
     cfg = ModelConfig.from_dir(model_dir("tiny"))
@@ -159,6 +160,7 @@ def test_member_table_layout():
     table = MemberTable(np, cfg.num_hidden_layers, 4)
     table.fill(states + [states[0]], [7, 8, 9, 7])
     assert table.pos.tolist() == [10, 11, 12, 10] and table.tokens.tolist() == [7, 8, 9, 7]
+    assert table.live.tolist() == [4]  # every member live unless told
     for b in range(4):
         for i, kind in enumerate(cfg.layer_types):
             for slot in range(SLOTS):
@@ -168,6 +170,9 @@ def test_member_table_layout():
                 present = slot == 0 or (cs is not None and (
                     "overlap" not in GROUP[(slot - 1) % len(GROUP)] or cs.overlap))
                 assert got == (1000 * (b % 3) + 10 * i + slot if present else 0), (b, i, slot)
+    table.fill(states + [states[0]], [7, 8, 9, 7], live=3)  # the last word: live members
+    assert table.live.tolist() == [3] and int(table.host[-1]) == 3
+    assert table.host.size == 4 + cfg.num_hidden_layers * SLOTS * 4 + 1
 
 
 @pytest.fixture
@@ -202,4 +207,40 @@ def test_twin_decode_through_row_kernels(row_twins):
         batched = decoder.decode_batch(together, toks)
         for w, a, b in zip(want, single, batched):
             assert np.abs(a - w).max() < 5e-4 and int(np.argmax(a)) == int(np.argmax(w))
+            assert np.abs(b - a).max() <= 1e-6 * np.abs(a).max()
+
+
+def test_twin_batch_over_placed_experts_reads_live_members_and_counts_their_picks(row_twins,
+                                                                                   tmp_path):
+    """Half the experts placed in 'host' memory (RAM on NumPy) and read through rows_moe's twin:
+    a batch of 3 (the B=4 graph with an idle member) gives its single steps' logits (within the
+    twins' batch-shape rounding, as above) and exactly their placement counts, so the idle
+    member's picks count nowhere."""
+    from test_dummy import half_budget_gib, small_packed, write_config
+
+    from ds4.engine import Engine
+
+    path = write_config(tmp_path / "m", small_packed())
+    model = Engine.open(path, backend="numpy", load_format="dummy", seed=5,
+                        gpu_memory_gib=half_budget_gib(small_packed())).model
+    decoder = gpu_decode.KernelDecoder.from_model(model)
+    assert all(getattr(t["experts.gate_up"], "placed", False) for t in decoder.layers)
+    assert decoder.moe_scratch is not None and all(decoder.row_moe)
+    placement, k, layers = model.weights.placement, model.cfg.num_experts_per_tok, 6
+    rng = np.random.default_rng(12)
+    ids = [[0] + rng.integers(2, 512, 12).tolist() for _ in range(3)]
+    alone, together = ([SessionState(np, model.cfg, 64) for _ in ids] for _ in range(2))
+    for group in (alone, together):
+        for s, seq in zip(group, ids):
+            model.forward(s, seq[:5])
+    for _ in range(3):
+        toks = [seq[s.n] for s, seq in zip(alone, ids)]
+        placement.observe()
+        single = [decoder.decode(s, t) for s, t in zip(alone, toks)]
+        counted = placement.pending()
+        placement.observe()
+        batched = decoder.decode_batch(together, toks)
+        assert np.array_equal(placement.pending(), counted)
+        assert counted.sum() == 3 * k * layers
+        for a, b in zip(single, batched):
             assert np.abs(b - a).max() <= 1e-6 * np.abs(a).max()

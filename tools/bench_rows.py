@@ -6,7 +6,11 @@ device copy measured in the same run, and the old one-vector packed kernel
 (ds4/kernels/packed.py, or gemv.py for bf16) at B = 1. Timing as tools/bench_packed.py: CUDA
 graphs rotating over enough weight copies to leave the L2.
 
-    PYTHONPATH=. python3 tools/bench_rows.py [--batches 1,2,4,8] [--no-moe]
+The placed-MoE lines (--placed, or with the MoE table) run the same experts as PlacedStacks
+with every --host-every'th expert in pinned mapped host memory (read over PCIe), read once per
+batch through their address tables, against the per-member placed.cu kernels they replace.
+
+    PYTHONPATH=. python3 tools/bench_rows.py [--batches 1,2,4,8] [--no-moe] [--placed]
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from bench_packed import (
 )
 
 from ds4.kernels import packed as P
+from ds4.kernels import placed as PL
 from ds4.kernels import rows as R
 from ds4.kernels import rows_moe as RM
 from ds4.model.packed import FP4, FP8, PackedMatrix
+from ds4.model.placement import HostMemory, PlacedStack
 
 SHAPES = {  # name: (format, rows, cols, rows_per_group)
     "q_a 1024x4096": (FP8, 1024, 4096, None),
@@ -92,25 +98,83 @@ def expert_bank(cp):
     return gu, dn, shared
 
 
-def bench_moe(cp, bank, batch: int, with_shared: bool, **kw) -> tuple[float, float, int]:
-    """(seconds, GB/s, distinct experts) of rows.moe for `batch` tokens of 6 random picks."""
-    gu, dn, shared = bank
+def pick_sets(batch: int) -> list[np.ndarray]:
+    """8 sets of `batch` tokens' 6 distinct random experts (one per graph launch)."""
     rng = np.random.default_rng(batch)
+    return [np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(batch)])
+            for _ in range(8)]
+
+
+def bench_moe(cp, bank, batch: int, with_shared: bool, per_expert: float | None = None,
+              **kw) -> tuple[float, float, int]:
+    """(seconds, GB/s, distinct experts) of rows.moe for `batch` tokens of 6 random picks
+    (per_expert: an expert's bytes, for placed stacks whose nbytes count the device share)."""
+    gu, dn, shared = bank
     scratch = RM.moe_scratch(cp, batch, TOP_K, INTER, HIDDEN, INTER)
     x = cp.random.standard_normal((batch, HIDDEN), dtype=cp.float32)
     y = cp.zeros((batch, HIDDEN), cp.float32)
     wts = cp.full((batch, TOP_K), 0.2, cp.float32)
-    picks = [np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(batch)])
-             for _ in range(8)]
+    picks = pick_sets(batch)
     idxs = [cp.asarray(p.astype(np.int32)) for p in picks]
     sh = shared if with_shared else None
     t = per_launch(cp, [lambda i=i: RM.moe(gu, dn, i, wts, x, scratch, y, batch, INTER, 10.0, sh,
                                              **kw)
                         for i in idxs])
     distinct = float(np.mean([len(np.unique(p)) for p in picks]))
-    per_expert = (gu.nbytes + dn.nbytes) / EXPERTS
+    per_expert = per_expert or (gu.nbytes + dn.nbytes) / EXPERTS
     total = distinct * per_expert + (sum(m.nbytes for m in shared) if sh else 0) + x.nbytes
     return t, total / t, distinct
+
+
+def placed_copy(cp, w, resident) -> PlacedStack:
+    """Stack w's experts as a PlacedStack: resident ones on the device, others in mapped host
+    memory."""
+    shape, scale_shape = w.codes.shape[1:], w.scale.shape[1:]
+    host = HostMemory(cp, PlacedStack.host_bytes_of(shape, scale_shape, int((~resident).sum())))
+    stack = PlacedStack.allocate(cp, w.fmt, shape, scale_shape, w.shape[-1], w.block, resident,
+                                 host)
+    for e in range(resident.size):
+        stack.fill(e, w.codes[e], w.scale[e])
+    return stack
+
+
+def placed_bank(cp, bank, host_every: int) -> tuple:
+    """The bank with its routed experts placed: every host_every'th one in host memory."""
+    gu, dn, shared = bank
+    resident = np.arange(EXPERTS) % host_every != 0
+    return placed_copy(cp, gu, resident), placed_copy(cp, dn, resident), shared
+
+
+def old_placed(cp, placed, batch: int) -> float:
+    """Seconds of the per-member placed.cu kernels for `batch` tokens (routed experts only):
+    what the batch decoder ran before rows.moe read placed stacks."""
+    gu, dn, _ = placed
+    x = cp.random.standard_normal((batch, HIDDEN), dtype=cp.float32)
+    y, act = cp.zeros((batch, HIDDEN), cp.float32), cp.zeros((TOP_K, INTER), cp.float32)
+    wts = cp.full(TOP_K, 0.2, cp.float32)
+    idxs = [cp.asarray(p.astype(np.int32)) for p in pick_sets(batch)]
+
+    def members(i):
+        for b in range(batch):
+            PL.moe_placed(gu, dn, INTER, i[b], wts, x[b], act, y[b], 10.0)
+
+    return per_launch(cp, [lambda i=i: members(i) for i in idxs])
+
+
+def placed_table(cp, copy, batches, bank, host_every: int) -> None:
+    """rows.moe over placed experts (with and without the shared expert) against placed.cu once
+    per member."""
+    placed = placed_bank(cp, bank, host_every)
+    per_expert = (bank[0].nbytes + bank[1].nbytes) / EXPERTS
+    host = ~placed[0].resident
+    for with_shared in (False, True):
+        for b in batches:
+            t, rate, distinct = bench_moe(cp, placed, b, with_shared, per_expert)
+            on_host = np.mean([host[np.unique(p)].sum() for p in pick_sets(b)])
+            label = (f"placed moe {distinct:4.1f} ({on_host:3.1f} host)"
+                     + (" +shared" if with_shared else ""))
+            old = None if with_shared else old_placed(cp, placed, b)
+            line(label, b, t, rate, copy, old, "per-member placed.cu")
 
 
 def old_moe(cp, bank) -> float:
@@ -131,8 +195,10 @@ def old_moe(cp, bank) -> float:
     return per_launch(cp, [lambda i=i: one(i) for i in picks])
 
 
-def line(name: str, batch: int, seconds: float, rate: float, copy: float, old=None) -> None:
-    extra = "" if old is None else f"   old B=1 {old * 1e6:7.2f} us ({seconds / old:4.2f}x time)"
+def line(name: str, batch: int, seconds: float, rate: float, copy: float, old=None,
+         old_name: str = "old B=1") -> None:
+    extra = ("" if old is None
+             else f"   {old_name} {old * 1e6:7.2f} us ({seconds / old:4.2f}x time)")
     print(f"{name:28s} B={batch}  {seconds * 1e6:8.2f} us {rate / 1e9:7.0f} GB/s "
           f"{rate / copy:5.2f}x copy{extra}", flush=True)
 
@@ -160,9 +226,17 @@ def variants(cp, copy) -> None:
         del mats
 
 
-def moe_table(cp, copy, batches) -> None:
-    """The routed experts (and + shared) for B tokens, against the one-token kernels."""
+def moe_table(cp, copy, batches, placed_only: bool = False, host_every: int = 4) -> None:
+    """The routed experts (and + shared) for B tokens, against the one-token kernels; then the
+    same over placed stacks."""
     bank = expert_bank(cp)
+    if not placed_only:
+        plain_table(cp, copy, batches, bank)
+    placed_table(cp, copy, batches, bank, host_every)
+
+
+def plain_table(cp, copy, batches, bank) -> None:
+    """rows.moe over a device stack, against the one-token packed kernels."""
     old = old_moe(cp, bank)
     for with_shared, kw in ((False, {}), (True, {}), (True, {"fuse_shared": False}),
                             (True, {"persistent": False})):
@@ -192,12 +266,19 @@ def main() -> None:
     ap.add_argument("--no-moe", action="store_true")
     ap.add_argument("--variants", action="store_true", help="kernel variants and k-splits too")
     ap.add_argument("--only-moe", action="store_true", help="the MoE table alone")
+    ap.add_argument("--placed", action="store_true",
+                    help="the placed-MoE lines alone (experts partly in mapped host memory)")
+    ap.add_argument("--host-every", type=int, default=4,
+                    help="placed lines: every n'th expert in host memory (default 4)")
     args = ap.parse_args()
     import cupy as cp
 
     batches = [int(b) for b in args.batches.split(",")]
     copy = copy_rate(cp)
     print(f"device copy: {copy / 1e9:.0f} GB/s (read + write)\n")
+    if args.placed:
+        moe_table(cp, copy, batches, placed_only=True, host_every=args.host_every)
+        return
     for name, (fmt, rows, cols, group) in ({} if args.only_moe else SHAPES).items():
         old = old_b1(cp, fmt, rows, cols, group, copy)
         mats = weights(cp, fmt, rows, cols)
@@ -206,7 +287,7 @@ def main() -> None:
             line(f"{fmt} {name}", b, t, rate, copy, old if b == 1 else None)
         del mats
     if not args.no_moe:
-        moe_table(cp, copy, batches)
+        moe_table(cp, copy, batches, host_every=args.host_every)
     if args.variants:
         moe_splits(cp, copy)
         variants(cp, copy)

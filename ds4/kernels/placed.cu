@@ -118,9 +118,11 @@ __device__ void placed_down(const long long* codes, const long long* scales, con
     }
 }
 
-// counts[idx[k]] += 1 for the k experts a decode step picked (re-placement reads them).
-extern "C" __global__ void count_picks(const int* __restrict__ idx, int k, int* counts) {
-    if (threadIdx.x < k) atomicAdd(counts + idx[threadIdx.x], 1);
+// counts[idx[k]] += 1 for the k experts a decode step picked (re-placement reads them), unless
+// the token is an idle row of a batch graph (member >= *live, live non-null).
+extern "C" __global__ void count_picks(const int* __restrict__ idx, int k, int* counts,
+                                       const int* __restrict__ live, int member) {
+    if (threadIdx.x < k && (!live || member < *live)) atomicAdd(counts + idx[threadIdx.x], 1);
 }
 
 #define PLACED_GATE_UP_ARGS const long long* __restrict__ codes, \

@@ -63,13 +63,17 @@ def _layout(stack) -> tuple[int, int, int]:
     return shift, scale.shape[-1], codes.shape[-1]
 
 
-def moe_placed(gate_up, down, inter: int, idx, wts, x, act, y, limit: float, counts=None):
+def moe_placed(gate_up, down, inter: int, idx, wts, x, act, y, limit: float, counts=None,
+               live=None, member: int = 0):
     """y = sum_k down_e(silu(min(gate_e x, limit)) * clamp(up_e x) * wts[k]), e = idx[k], over
     the experts of PlacedStacks gate_up [E, 2I, D] and down [E, D, I] (each in device or
-    mapped host memory); act [k, I] is the activation buffer; counts[e] += 1 per pick."""
+    mapped host memory); act [k, I] is the activation buffer; counts[e] += 1 per pick, unless
+    this token is member `member` of a batch whose live count (device int32 [1]) `live` is not
+    above it (an idle row)."""
     fmt, k = gate_up.fmt, act.shape[0]
     if counts is not None:
-        _kernel("count_picks")((1,), (32,), (ptr(idx), i32(k), ptr(counts)))
+        _kernel("count_picks")((1,), (32,), (ptr(idx), i32(k), ptr(counts), ptr(live),
+                                             i32(member)))
     shift, sc_ld, row_bytes = _layout(gate_up)
     cols = x.shape[-1]
     up_rows = inter // gate_up.block[0] if fmt == "fp8" else inter
@@ -99,9 +103,11 @@ def host_first_order(idx, resident) -> list[int]:
 
 
 def moe_placed_numpy(gate_up, down, inter: int, idx, wts, x, act, y, limit: float,
-                     counts=None):
+                     counts=None, live=None, member: int = 0):
     """NumPy twin of moe_placed (experts widened from wherever they live, summed host experts
     first as the kernels do)."""
+    if live is not None and member >= int(np.asarray(live).reshape(-1)[0]):
+        counts = None  # an idle row: its picks do not count
     y[...] = 0
     ids = np.asarray(idx).reshape(-1).tolist()
     resident = getattr(gate_up, "resident", np.ones(max(ids) + 1, dtype=bool))

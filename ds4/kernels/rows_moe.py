@@ -1,7 +1,14 @@
 """The routed experts of a decode batch on tensor cores (ds4/kernels/rows.cu's MoE kernels)
 and their NumPy twins: each distinct expert of the batch read once, its tokens as the mma's
 columns, the per-pick products summed in slot order, then the shared expert (accuracy and row
-independence as in ds4/kernels/rows.py)."""
+independence as in ds4/kernels/rows.py).
+
+The experts are a plain stack (expert e at base + e * stride) or a placed one
+(ds4/model/placement.py's PlacedStack: each expert in device or mapped host memory, found
+through per-expert address tables that re-placement rewrites between graph replays); a placed
+stack's host experts are grouped first, so their PCIe reads start in the first wave. A batch
+graph's idle rows (members at or past a device-side live count) read no expert and count no
+pick."""
 
 from __future__ import annotations
 
@@ -60,17 +67,63 @@ def moe_scratch(xp, batch: int, k: int, inter: int, hidden: int,
 
 
 @dataclass
+class Stack:
+    """A stack of experts as the MoE kernels read it: one expert's layout (op), the number of
+    experts, and for a placed stack the per-expert code / scale address tables and the
+    in-host-memory flags (None for a plain stack: expert e at op.codes[e])."""
+
+    op: Operand
+    count: int
+    code_ptrs: object = None
+    scale_ptrs: object = None
+    on_host: object = None
+
+    @property
+    def fmt(self) -> str:
+        """The experts' format (rows.py's FP8 / FP4 / "bf16")."""
+        return self.op.fmt
+
+    @property
+    def rows(self) -> int:
+        """Rows of one expert."""
+        return self.op.rows
+
+    @property
+    def cols(self) -> int:
+        """Columns of one expert."""
+        return self.op.cols
+
+
+def stack_of(w) -> Stack | None:
+    """The kernel view of an expert stack [E, rows, cols] (a packed or bf16-word stack, or a
+    PlacedStack), None where rows.cu cannot read it."""
+    if getattr(w, "placed", False):
+        op = operand(w[0])
+        return None if op is None else Stack(op, w.shape[0], w.code_ptrs, w.scale_ptrs,
+                                              w.on_host)
+    op = operand(w)
+    return None if op is None else Stack(op, op.codes.shape[0])
+
+
+@dataclass
 class Bank:
     """Kernel arguments of a stack of experts (or one matrix: strides 0)."""
 
-    op: Operand | None
+    op: Operand | Stack | None
 
     def args(self) -> tuple:
-        op = self.op
-        if op is None:
-            return (ptr(None), ptr(None), np.int64(0), np.int64(0), i32(0), i32(0))
+        """(codes, scales, code table, scale table, strides, scale ld, shift) as rows.cu's
+        Bank takes them."""
+        st = self.op
+        if st is None:
+            return (ptr(None),) * 4 + (np.int64(0), np.int64(0), i32(0), i32(0))
+        op = st.op if isinstance(st, Stack) else st
+        if isinstance(st, Stack) and st.code_ptrs is not None:
+            return (ptr(None), ptr(None), ptr(st.code_ptrs), ptr(st.scale_ptrs), np.int64(0),
+                    np.int64(0), i32(op.sc_ld), i32(op.shift))
         stacked = op.codes.ndim == 3
-        return (ptr(op.codes), ptr(op.scale), np.int64(op.codes.strides[0] if stacked else 0),
+        return (ptr(op.codes), ptr(op.scale), ptr(None), ptr(None),
+                np.int64(op.codes.strides[0] if stacked else 0),
                 np.int64(op.scale.strides[0] if stacked and op.scale is not None else 0),
                 i32(op.sc_ld), i32(op.shift))
 
@@ -87,15 +140,20 @@ def resident_blocks(name: str) -> int:
 
 
 def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, limit: float,
-        shared=None, persistent: bool = True, fuse_shared: bool = True) -> None:
+        shared=None, persistent: bool = True, fuse_shared: bool = True, counts=None,
+        live=None) -> None:
     """y[b] = sum_j down_e(swiglu(gate_e x[b], up_e x[b]) * wts[b, j]), e = idx[b, j], + the
     shared expert (gate, up, down) of x[b] (weight 1), for b < batch. gate_up [E, 2*inter, D]
-    (gate rows then up rows), down [E, D, inter]: FP4/FP8 PackedMatrix stacks or bf16 words;
-    idx/wts [>= batch, k] contiguous int32/fp32 on the device; act from moe_scratch. Each
-    expert hit is read once for all the tokens that picked it (grouped on the device).
+    (gate rows then up rows), down [E, D, inter]: FP4/FP8 PackedMatrix stacks, bf16 words, or
+    PlacedStacks (experts in device or mapped host memory); idx/wts [>= batch, k] contiguous
+    int32/fp32 on the device; act from moe_scratch. Each expert hit is read once for all the
+    tokens that picked it (grouped on the device, host experts first).
+    counts (device int32 [E]): += 1 per pick (placement's routing counts); live (device int32
+    [1], read at run time): tokens b >= *live are idle rows, which read no routed expert
+    (their y is the shared expert alone) and count nothing.
     persistent: resident blocks loop over the work (else one block per item); fuse_shared:
     the shared expert in the routed launches (else launches of its own). Neither changes y."""
-    gu, dn = operand(gate_up), operand(down)
+    gu, dn = stack_of(gate_up), stack_of(down)
     sops = [operand(m) for m in shared] if shared is not None else None
     if gu is None or dn is None or (sops is not None and None in sops):
         _moe_rows(gate_up, down, idx, wts, x, act, y, batch, inter, limit, shared)
@@ -104,9 +162,13 @@ def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, 
     call = MoeCall(gu, dn, idx, wts, x, act, batch, inter, sops[0].rows if sops else 0, limit,
                    k, persistent)
     assert call.pairs <= act.part.shape[0] and gu.fmt == dn.fmt and 2 * inter == gu.rows
+    placed = [getattr(w, "placed", False) for w in (gate_up, down)]
+    assert placed[0] == placed[1], "both stacks placed or neither"
+    assert not placed[0] or gu.code_ptrs is not None, "placed stacks on the device (tables)"
     _check_rows(x, batch, gu.cols, "x")
     launch("rows", "rows_moe_group", (1,), (32 * WARPS,),
-           (ptr(idx), i32(call.pairs), i32(gu.codes.shape[0]), ptr(act.units)))
+           (ptr(idx), i32(call.pairs), i32(k), i32(gu.count), ptr(gu.on_host), ptr(live),
+            ptr(counts), ptr(act.units)))
     parts = _moe_parts(gu.fmt, sops, fuse_shared, 1 if batch <= 4 else 2)
     for name, routed, s in parts:
         _moe_gate_up(f"rows_gate_up_{name}", routed, s, call)
@@ -115,15 +177,15 @@ def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, 
     n = batch * dn.rows
     launch("rows", "rows_moe_sum", (-(-n // 256),), (256,),
            (ptr(act.part), ptr(act.spart if sops else None), i32(k), i32(dn.rows), i32(batch),
-            ptr(y), np.int64(_ld(y))))
+            ptr(live), ptr(y), np.int64(_ld(y))))
 
 
 @dataclass
 class MoeCall:
     """The operands of one moe() call, shared by its launches."""
 
-    gu: Operand
-    dn: Operand
+    gu: Stack
+    dn: Stack
     idx: object
     wts: object
     x: object
@@ -161,7 +223,7 @@ def _moe_gate_up(kname: str, routed: bool, sops, c: MoeCall) -> None:
     tiles = -(-c.inter // rows_per_block)
     tiles_s = -(-c.s_inter // rows_per_block) if sops else 0
     sg, su = (Bank(sops[0]), Bank(sops[1])) if sops else (Bank(None), Bank(None))
-    items = (min(c.gu.codes.shape[0], c.pairs) * tiles if routed else 0) + tiles_s
+    items = (min(c.gu.count, c.pairs) * tiles if routed else 0) + tiles_s
     args = (*Bank(c.gu).args(), *sg.args(), *su.args(), ptr(c.act.units), i32(int(routed)),
             i32(c.k), ptr(c.wts), ptr(c.x), np.int64(_ld(c.x)), ptr(c.act.act),
             ptr(c.act.sact), i32(c.inter), i32(c.s_inter), i32(c.gu.cols), i32(c.batch),
@@ -174,7 +236,7 @@ def _moe_down(kname: str, routed: bool, sops, c: MoeCall) -> None:
     kw = pick_split(c.k * -(-hidden // 32), _k_tiles(c.dn.fmt, c.inter))
     tiles = -(-hidden // (32 * (WARPS // kw)))
     tiles_s = tiles if sops else 0
-    items = (min(c.dn.codes.shape[0], c.pairs) * tiles if routed else 0) + tiles_s
+    items = (min(c.dn.count, c.pairs) * tiles if routed else 0) + tiles_s
     args = (*Bank(c.dn).args(), *Bank(sops[2] if sops else None).args(), ptr(c.act.units),
             i32(int(routed)), ptr(c.act.act), ptr(c.act.sact), ptr(c.act.part),
             ptr(c.act.spart), i32(hidden), i32(c.inter), i32(c.s_inter), i32(c.batch), i32(kw),
@@ -184,7 +246,8 @@ def _moe_down(kname: str, routed: bool, sops, c: MoeCall) -> None:
 
 def _moe_rows(gate_up, down, idx, wts, x, act, y, batch, inter, limit, shared) -> None:
     """fp32 experts: ds4/kernels/moe.py once per token (its experts read once per token)."""
-    assert not is_packed(gate_up), "packed experts must be kernel_ready"
+    assert not is_packed(gate_up) and not getattr(gate_up, "placed", False), \
+        "packed experts must be kernel_ready"
     k = idx.shape[1]
     for b in range(batch):
         a = act.act[b * k:(b + 1) * k]
@@ -197,35 +260,78 @@ def _moe_rows(gate_up, down, idx, wts, x, act, y, batch, inter, limit, shared) -
             plain_moe.moe_down(shared[2], None, s, y[b], accumulate=True)
 
 
-def _expert_rows(w, e: int, start: int, stop: int) -> np.ndarray:
-    """fp32 rows [start, stop) of expert e of a stack."""
-    return dense(w[e])[start:stop]
-
-
 def _swiglu32(g, u, limit: float, weight) -> np.ndarray:
     return (_swiglu(g, u, limit) * np.float32(weight)).astype(np.float32)
 
 
 def moe_numpy(gate_up, down, idx, wts, x, act, y, batch: int, inter: int, limit: float,
-              shared=None) -> None:
-    """NumPy twin of moe (act unused; device inputs are copied to the host)."""
-    fmt, dfmt = _kernel_fmt(gate_up), _kernel_fmt(down)
+              shared=None, counts=None, live=None) -> None:
+    """NumPy twin of moe (act unused; device inputs are copied to the host; counts, when
+    given, a host array): the pairs grouped as rows_moe_group does, each pick's product, then
+    the slot-order sums of moe_sum (idle rows: the shared expert alone)."""
+    fmt, dfmt = _stack_fmt(gate_up), _stack_fmt(down)
     idx, wts, x = _host(idx), _host(wts), np.asarray(_host(x), np.float32)
     k = idx.shape[1]
+    units = moe_group_numpy(idx[:batch], batch * k, k, gate_up.shape[0], host_flags(gate_up),
+                            live, counts)
+    part = {}
+    for e, pairs in units:
+        both = dense(gate_up[e])  # gate rows, then up rows
+        gate, up, dn = both[:inter], both[inter:2 * inter], dense(down[e])
+        for p in pairs:
+            xb = x[p // k:p // k + 1]
+            a = _swiglu32(rows_numpy(gate, fmt, xb)[0], rows_numpy(up, fmt, xb)[0], limit,
+                          wts[p // k, p % k])
+            part[p] = rows_numpy(dn, dfmt, a[None])[0]
     for b in range(batch):
-        parts = []
-        for j in range(k):
-            e = int(idx[b, j])
-            g = rows_numpy(_expert_rows(gate_up, e, 0, inter), fmt, x[b:b + 1])[0]
-            u = rows_numpy(_expert_rows(gate_up, e, inter, 2 * inter), fmt, x[b:b + 1])[0]
-            a = _swiglu32(g, u, limit, wts[b, j])
-            parts.append(rows_numpy(dense(down[e]), dfmt, a[None])[0])
-        total = parts[0]
-        for p in parts[1:]:
-            total = total + p
+        if b < live_count(live, batch):
+            total = part[b * k]
+            for j in range(1, k):
+                total = total + part[b * k + j]
+        else:  # an idle row: no routed part
+            total = np.zeros(down.shape[1], np.float32)
         if shared is not None:
             total = total + _shared_numpy(shared, x[b:b + 1], limit)
         y[b] = total
+
+
+def moe_group_numpy(idx, pairs: int, k: int, n_experts: int, on_host=None, live=None,
+                    counts=None) -> list[tuple[int, list[int]]]:
+    """NumPy twin of rows_moe_group: (expert, its pairs in increasing order) per expert hit by
+    the first `pairs` (token, slot) pairs of live tokens, host experts first (on_host: a
+    mask), each group in expert order; counts[e] += the live picks of e."""
+    pairs = min(pairs, live_count(live, pairs) * k)
+    ids = _host(idx).reshape(-1)[:pairs].tolist()
+    host = np.zeros(n_experts, bool) if on_host is None else _host(on_host).astype(bool)
+    order = [e for e in range(n_experts) if host[e]] + [e for e in range(n_experts) if not host[e]]
+    units = [(e, [p for p, i in enumerate(ids) if i == e]) for e in order]
+    units = [(e, ps) for e, ps in units if ps]
+    if counts is not None:
+        for e, ps in units:
+            counts[e] += len(ps)
+    return units
+
+
+def live_count(live, batch: int) -> int:
+    """Tokens that are live members: *live (clipped to 0..batch), or all `batch` without one."""
+    return batch if live is None else min(batch, max(int(_host(live).reshape(-1)[0]), 0))
+
+
+def units_of(table) -> list[tuple[int, list[int]]]:
+    """rows_moe_group's table (act.units, device or host) as moe_group_numpy's list."""
+    t = _host(table)
+    rows = [t[1 + UNIT * u:1 + UNIT * (u + 1)] for u in range(int(t[0]))]
+    return [(int(r[0]), r[2:2 + int(r[1])].tolist()) for r in rows]
+
+
+def host_flags(w):
+    """Which experts of a stack live in mapped host memory (a PlacedStack's mask), or None."""
+    return ~np.asarray(w.resident) if getattr(w, "placed", False) else None
+
+
+def _stack_fmt(w) -> str | None:
+    st = stack_of(w) if getattr(w, "placed", False) else None
+    return st.fmt if st is not None else _kernel_fmt(w)
 
 
 def _shared_numpy(shared, x, limit: float) -> np.ndarray:

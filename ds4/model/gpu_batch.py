@@ -6,12 +6,15 @@ device array the host fills with one copy before each replay:
 
     [positions int32 [B] | tokens int32 [B]]      the first B int64 words
     [layer, slot, member] int64 addresses          slot: RAW, then 5 per compressor
+    [live int32, 0]                                the last word: members that are live
 
 so a kernel of member b = blockIdx.z finds slot k of its layer at group[k * B + b]
-(ds4/kernels/attention.cu). The shared matrices go through `matvec_rows` / `ProjectionPlan` /
-`moe_rows`: y[b] = W x[b] for b < B, bitwise row-independent, so a member's row is the same in a
-batch as alone. Until ds4/kernels/rows.py (tensor-core kernels reading W once for all rows)
-exists they loop b over the single-row kernels, which reads W B times.
+(ds4/kernels/attention.cu). Members at or past `live` are idle rows padding the graph's size
+(a batch of 3 in the B=4 graph): the routed experts skip them (ds4/model/gpu_moe.py). The
+shared matrices go through `matvec_rows` / `ProjectionPlan` / `moe_rows`: y[b] = W x[b] for
+b < B, bitwise row-independent, so a member's row is the same in a batch as alone. Until
+ds4/kernels/rows.py (tensor-core kernels reading W once for all rows) exists they loop b over
+the single-row kernels, which reads W B times.
 """
 
 from __future__ import annotations
@@ -39,20 +42,23 @@ class MemberTable:
 
     def __init__(self, xp, layers: int, batch: int):
         self.xp, self.layers, self.batch = xp, layers, batch
-        self.host = np.zeros(batch + layers * SLOTS * batch, dtype=np.int64)
+        self.host = np.zeros(batch + layers * SLOTS * batch + 1, dtype=np.int64)
         self.device = xp.zeros(self.host.size, dtype=xp.int64)
         words = self.device[:batch].view(xp.int32)
         self.pos, self.tokens = words[:batch], words[batch:]  # int32 [B] each
+        self.live = self.device[-1:].view(xp.int32)[:1]  # int32 [1]: live members
         self.members: list = []
         self._addresses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def fill(self, states: list, tokens: list[int], stream=None) -> None:
-        """Write every member's position, token and addresses; one host-to-device copy."""
+    def fill(self, states: list, tokens: list[int], stream=None, live: int | None = None) -> None:
+        """Write every member's position, token and addresses, and how many of them (the first
+        `live`, default all) are live; one host-to-device copy."""
         B = self.batch
         words = self.host[:B].view(np.int32)
         words[:B] = [s.n for s in states]
         words[B:] = tokens
-        grid = self.host[B:].reshape(self.layers, SLOTS, B)
+        self.host[-1] = len(states) if live is None else live  # low int32 word: little-endian
+        grid = self.host[B:-1].reshape(self.layers, SLOTS, B)
         for b, s in enumerate(states):
             grid[:, :, b] = self._of(s)
         self.members = list(states)

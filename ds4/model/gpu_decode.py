@@ -151,7 +151,8 @@ class KernelDecoder:
         idle = B - len(states)
         members = list(states) + [self.idle_state()] * idle  # idle rows compute, are dropped
         self._fit(members)
-        self.tables[B].fill(members, list(tokens) + [0] * idle, stream=stream)
+        self.tables[B].fill(members, list(tokens) + [0] * idle, stream=stream,
+                            live=len(states))
         return B
 
     def _replay(self, states: list, tokens: list[int]):
@@ -332,7 +333,8 @@ class KernelDecoder:
             moe.moe_route(r["router"], t.get("mlp.gate.e_score_correction_bias"),
                           t.get("mlp.gate.tid2eid"), tokens[m:m + 1], cfg.num_experts_per_tok,
                           cfg.routed_scaling_factor, r["idx"], r["wts"])
-        moe_rows(cfg, t, b, self.rows, B, self.moe_scratch if self.row_moe[i] else None)
+        moe_rows(cfg, t, b, self.rows, B, self.moe_scratch if self.row_moe[i] else None,
+                 self.tables[B].live)  # idle members read no routed expert, count no pick
 
 
 class GraphDecode:

@@ -1,8 +1,11 @@
 """The MoE of one decode layer for the members of a batch graph (ds4/model/gpu_decode.py).
 
 `moe_rows` goes through ds4/kernels/rows_moe.py's `moe` (each distinct expert read once for all
-members) where it reads the layer's experts; placed experts (device + mapped host memory, whose
-kernel takes one token) and formats rows_moe.moe lacks run the single-token kernels per member."""
+members, wherever it lives: placed experts in device or mapped host memory are read through
+their address tables, host ones first, and their picks counted for re-placement) where it reads
+the layer's experts; formats rows_moe.moe lacks run the single-token kernels per member. Idle
+members of a graph (at or past the member table's live count) count no pick on either path, and
+on rows_moe.moe's read no routed expert."""
 
 from __future__ import annotations
 
@@ -13,19 +16,20 @@ from ds4.model.packed import FP8, PackedMatrix
 SHARED = ("gate_proj", "up_proj", "down_proj")
 
 
-def moe_rows(cfg, t: dict, buf: dict, rows: list, batch: int, scratch=None) -> None:
+def moe_rows(cfg, t: dict, buf: dict, rows: list, batch: int, scratch=None, live=None) -> None:
     """buf["y"][b] = routed experts + shared expert of buf["h"][b], routes in buf["idx"/"wts"];
-    scratch: rows_moe.moe's buffers where it reads this layer (row_moe_fits), else None."""
+    scratch: rows_moe.moe's buffers where it reads this layer (row_moe_fits), else None; live:
+    the member table's live count (device int32 [1]; None: every member is live)."""
+    counts = t.get("experts.counts")  # placed experts: routing picks for re-placement
     if scratch is not None:
         shared = shared_of(t)
         rows_moe.moe(t["experts.gate_up"], t["experts.down"], buf["idx"], buf["wts"],
                      buf["h"], scratch, buf["y"], batch, cfg.moe_intermediate_size,
-                     cfg.swiglu_limit, shared=shared)
+                     cfg.swiglu_limit, shared=shared, counts=counts, live=live)
         return
-    # the single-token kernels once per member: placed experts (their kernel takes one token;
-    # device + mapped host memory), and what rows_moe.moe does not read
+    # the single-token kernels once per member: formats rows_moe.moe does not read
     for b in range(batch):
-        experts_one(cfg, t, rows[b])
+        experts_one(cfg, t, rows[b], live, b)
 
 
 def shared_of(t: dict) -> tuple | None:
@@ -37,12 +41,12 @@ def shared_of(t: dict) -> tuple | None:
 def row_moe_fits(t: dict, members: int, k: int) -> bool:
     """Whether rows_moe.moe reads this layer's routed and shared experts for `members` tokens."""
     gu, down = t["experts.gate_up"], t["experts.down"]
-    if gpu_batch.row_kernels is None or getattr(gu, "placed", False) \
-            or members * k > rows_moe.MAX_PAIRS:  # (None: the twins tests' per-row fallback)
-        return False
-    ops = [rows.operand(gu), rows.operand(down)]
+    if gpu_batch.row_kernels is None or members * k > rows_moe.MAX_PAIRS:
+        return False  # (None: the twins tests' per-row fallback)
+    ops = [rows_moe.stack_of(gu), rows_moe.stack_of(down)]
     sops = [rows.operand(m) for m in (shared_of(t) or ())]
-    if None in ops + sops or ops[0].fmt != ops[1].fmt:
+    if None in ops + sops or ops[0].fmt != ops[1].fmt \
+            or getattr(gu, "placed", False) != getattr(down, "placed", False):
         return False
     return not sops or (ops[0].fmt, sops[0].fmt) in rows_moe.MOE_KERNELS
 
@@ -59,11 +63,12 @@ def row_moe_scratch(xp, cfg, layers: list[dict], members: int):
                                 inter)
 
 
-def experts_one(cfg, t: dict, r: dict) -> None:
-    """r["y"] = routed experts + shared expert of r["h"] (one member's row views)."""
+def experts_one(cfg, t: dict, r: dict, live=None, member: int = 0) -> None:
+    """r["y"] = routed experts + shared expert of r["h"] (one member's row views; live and
+    member: whether its picks count, see moe_rows)."""
     gu = t["experts.gate_up"]
     if getattr(gu, "placed", False):
-        _placed(cfg, t, r)
+        _placed(cfg, t, r, live, member)
     elif isinstance(gu, PackedMatrix):
         _packed(cfg, t, r)
     else:
@@ -110,15 +115,16 @@ def _packed(cfg, t: dict, r: dict) -> None:
         _shared_expert(cfg, t, r)
 
 
-def _placed(cfg, t: dict, r: dict) -> None:
+def _placed(cfg, t: dict, r: dict, live=None, member: int = 0) -> None:
     """Experts split over device and mapped host memory (ds4/model/placement.py): the same row
-    math through per-expert address tables, and the picks counted for re-placement."""
+    math through per-expert address tables, and a live member's picks counted for
+    re-placement."""
     from ds4.kernels import placed
 
     k = cfg.num_experts_per_tok
     placed.moe_placed(t["experts.gate_up"], t["experts.down"], cfg.moe_intermediate_size,
                       r["idx"], r["wts"], r["h"], r["act"][:k], r["y"], cfg.swiglu_limit,
-                      t["experts.counts"])
+                      t["experts.counts"], live, member)
     if "mlp.shared_experts.gate_proj.weight" in t:
         _shared_expert(cfg, t, r)
 
