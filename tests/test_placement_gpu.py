@@ -13,6 +13,7 @@ from test_dummy import PROMPT, half_budget_gib, small_packed, write_config
 
 from ds4.backend import cuda_available
 from ds4.engine import Engine
+from ds4.model import gpu_moe
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")]
@@ -87,11 +88,15 @@ def test_the_policy_re_places_from_graph_counted_picks_and_keeps_the_logits(mode
     assert placement.pending().sum() == len(more) * 2 * 6  # the graph counts into them again
 
 
-def test_a_placed_batch_equals_its_single_steps_bitwise_and_counts_live_picks(model: Path) -> None:
+@pytest.mark.parametrize("through_rows", [False, True])
+def test_a_placed_batch_equals_its_single_steps_bitwise_and_counts_live_picks(
+        model: Path, monkeypatch, through_rows: bool) -> None:
     """Batches of 2, 3 (the B=4 graph, one idle member) and 5 (B=8, three idle) over half the
     experts in mapped host memory: each member's logits are bitwise its own single step's, and
     the placement counts exactly what the single steps count (idle members' picks count
-    nowhere); after a re-placement rewrites the tables the captured graphs still agree."""
+    nowhere); after a re-placement rewrites the tables the captured graphs still agree. Both
+    decode paths of placed experts: per member (the default) and rows_moe's tables."""
+    monkeypatch.setattr(gpu_moe, "ROWS_READ_PLACED", through_rows)
     _, placed = engines(model)
     placement, k, layers = placed.model.weights.placement, 2, 6
     for n in (2, 3, 5):

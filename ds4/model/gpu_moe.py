@@ -1,11 +1,11 @@
 """The MoE of one decode layer for the members of a batch graph (ds4/model/gpu_decode.py).
 
 `moe_rows` goes through ds4/kernels/rows_moe.py's `moe` (each distinct expert read once for all
-members, wherever it lives: placed experts in device or mapped host memory are read through
-their address tables, host ones first, and their picks counted for re-placement) where it reads
-the layer's experts; formats rows_moe.moe lacks run the single-token kernels per member. Idle
-members of a graph (at or past the member table's live count) count no pick on either path, and
-on rows_moe.moe's read no routed expert."""
+members; it can also read placed experts, in device or mapped host memory, through their
+address tables, host ones first, counting their picks for re-placement: see ROWS_READ_PLACED)
+where it reads the layer's experts; placed experts and formats rows_moe.moe lacks run the
+single-token kernels per member. Idle members of a graph (at or past the member table's live
+count) count no pick on either path, and on rows_moe.moe's read no routed expert."""
 
 from __future__ import annotations
 
@@ -14,6 +14,14 @@ from ds4.model import gpu_batch
 from ds4.model.packed import FP8, PackedMatrix
 
 SHARED = ("gate_proj", "up_proj", "down_proj")
+# Placed experts through rows_moe.moe's address tables: each distinct expert read once per
+# batch, but its host rows in 64-byte pieces over PCIe, where placed.cu reads 512 contiguous
+# bytes a warp. On the H200 the per-member placed.cu kernels were faster at every batch size
+# under uniform routing (B=1 420 vs 496 us, B=8 3.50 vs 3.87 ms a layer with a quarter of the
+# experts on the host, tools/bench_rows.py --placed): few members share a host expert, so the
+# once-per-batch read saves less than the narrower reads cost. Off until routing that members
+# share (real checkpoints' skew) measures otherwise; the tests cover both paths.
+ROWS_READ_PLACED = False
 
 
 def moe_rows(cfg, t: dict, buf: dict, rows: list, batch: int, scratch=None, live=None) -> None:
@@ -43,6 +51,8 @@ def row_moe_fits(t: dict, members: int, k: int) -> bool:
     gu, down = t["experts.gate_up"], t["experts.down"]
     if gpu_batch.row_kernels is None or members * k > rows_moe.MAX_PAIRS:
         return False  # (None: the twins tests' per-row fallback)
+    if getattr(gu, "placed", False) and not ROWS_READ_PLACED:
+        return False
     ops = [rows_moe.stack_of(gu), rows_moe.stack_of(down)]
     sops = [rows.operand(m) for m in (shared_of(t) or ())]
     if None in ops + sops or ops[0].fmt != ops[1].fmt \
