@@ -275,9 +275,11 @@ class Session:
         return draft(self, first, count, margin)
 
     def verify(self, first: int, drafts: Sequence[int]) -> list[int]:
-        """Append `first` and the longest prefix of `drafts` that greedy decoding confirms,
-        verified in ONE forward pass of 1 + len(drafts) tokens; returns the tokens appended.
-        A rejected suffix is rolled back exactly (the state is that of never drafting)."""
+        """Append `first` and the longest prefix of `drafts` that greedy decoding confirms;
+        returns the tokens appended. Verified in one forward pass of 1 + len(drafts) tokens,
+        or where the model decodes through CUDA graphs one graph step per token up to the
+        first rejected draft (bitwise plain decoding). A rejected suffix is rolled back
+        exactly (the state is that of never drafting)."""
         from ds4.mtp import verify
 
         return verify(self, first, drafts)
@@ -377,6 +379,9 @@ class Session:
             self._rewind_after_failure()
             raise
         self._took(ids, host, logits)
+        if self.mtp_state is not None:  # the decode graph's streams: the next draft's input
+            self.mtp_state.hidden = model.kernel_decoder.last_streams()
+            self.mtp_state.hidden_at = len(self.tokens)
 
     def _run_rows(self, ids: list[int], every_row: bool = False):
         """`_run` through the model code, noting the last token's final streams for the MTP;

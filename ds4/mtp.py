@@ -1,18 +1,25 @@
-"""Speculative decoding on one session: MTP drafts, one-pass verification, exact rollback
+"""Speculative decoding on one session: MTP drafts, verification, exact rollback
 (docs/MODEL.md, MTP block; docs/ARCHITECTURE.md, Speculative decoding).
 
-`Session.draft`, `Session.verify` and `Session.keep_speculated` are these functions. A verify
-of `first` + N drafts is one forward pass of N + 1 tokens (the prefill path); each row's argmax
+`Session.draft`, `Session.verify` and `Session.keep_speculated` are these functions. Where the
+model decodes through the kernel decoder (the GPU), a verify of `first` + N drafts decodes them
+one token at a time through the decode graph, stopping at the first draft that the previous
+step's argmax disagrees with: each step is bitwise a plain decoding step, so the output is
+plain greedy decoding's exactly (a chunk pass, through other kernels, agrees only to ~1e-3 of
+the logits and picks differently at near-ties), and nothing rejected ever enters the state.
+Elsewhere (NumPy) it is one forward pass of N + 1 tokens (the prefill path); each row's argmax
 is what greedy decoding would choose after it, so the drafts are accepted up to the first one
 that differs. When some were rejected the session's fixed-size state arrays and position go
 back to their copies from before the pass (compressed rows are append-only, so no other state
-moved) and the accepted tokens run again as one chunk: the state is then exactly that of a
-session that decoded only those tokens. The MTP window takes back the rows of rejected drafts.
+moved) and the accepted tokens run again: the state is then exactly that of a session that
+decoded only those tokens. The MTP window takes back the rows of rejected drafts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 
 def draft(session, first: int, count: int, margin: float) -> list[int]:
@@ -53,19 +60,48 @@ def verify(session, first: int, drafts: Sequence[int]) -> list[int]:
     start, n0 = len(session.tokens), session.state.n
     copies = _copy_state(session, session._verify_arrays)
     session._verify_arrays = copies
-    rows, streams = session._run_rows(ids, every_row=True)
-    picks = rows[:-1].argmax(axis=-1)  # what greedy decoding takes after each row's token
-    accepted = 1
-    while accepted < len(ids) and ids[accepted] == int(picks[accepted - 1]):
-        accepted += 1
+    stepwise = session.engine.model.kernel_decoder is not None
+    accepted, streams = (_decode_steps if stepwise else _one_pass)(session, ids)
     kept = _draft_rows(session, start)
     speculated = Speculated(start, n0, copies, ids[:accepted], kept, streams)
-    if accepted < len(ids):
+    if len(session.tokens) > start + accepted:  # the pass ran rejected drafts too
         _rollback(session, speculated, accepted)
     elif kept is not None:  # rows drafted past what was verified go back too
         session.mtp_state.undo(kept, start + accepted)
     session._speculated = speculated
     return ids[:accepted]
+
+
+def _one_pass(session, ids: list[int]) -> tuple[int, object]:
+    """(tokens accepted, final streams [S, hc, D]) of one chunk pass over all of ids."""
+    rows, streams = session._run_rows(ids, every_row=True)
+    picks = rows[:-1].argmax(axis=-1)  # what greedy decoding takes after each row's token
+    accepted = 1
+    while accepted < len(ids) and ids[accepted] == int(picks[accepted - 1]):
+        accepted += 1
+    return accepted, streams
+
+
+def _decode_steps(session, ids: list[int]) -> tuple[int, list]:
+    """(tokens accepted, their final streams) decoding ids one step at a time, up to the
+    first draft the previous step's argmax disagrees with."""
+    streams: list = []
+    for j, token in enumerate(ids):
+        session._run([token])
+        streams.append(session.mtp_state.hidden if session.mtp_state is not None else None)
+        if j + 1 == len(ids) or int(np.argmax(session.logits)) != ids[j + 1]:
+            return j + 1, streams
+    raise AssertionError("unreachable: the last token returns")
+
+
+def _replay(session, tokens: list[int]) -> None:
+    """Run tokens again the way verify ran them (one step at a time through the decode graph,
+    else as one chunk)."""
+    if session.engine.model.kernel_decoder is None:
+        session._run(tokens)
+        return
+    for token in tokens:
+        session._run([token])
 
 
 def keep_speculated(session, count: int) -> None:
@@ -82,14 +118,13 @@ def keep_speculated(session, count: int) -> None:
 
 
 def _rollback(session, spec, keep: int) -> None:
-    """Back to the state before the verify, then the first `keep` of its tokens as one chunk
-    (one token: the plain decode step, on the GPU its CUDA graph; the next draft then starts
-    from the verify pass's streams of that token)."""
+    """Back to the state before the verify, then the first `keep` of its tokens again (the
+    next draft then starts from the verify's streams of the last one)."""
     for name, arr in session.state.frontier_arrays().items():
         arr[...] = spec.arrays[name]
     session.state.n = spec.n
     del session.tokens[spec.start:]
-    session._run(spec.tokens[:keep])
+    _replay(session, spec.tokens[:keep])
     state = session.mtp_state
     if state is not None and state.hidden_at != len(session.tokens):
         state.hidden, state.hidden_at = spec.streams[keep - 1], len(session.tokens)

@@ -354,6 +354,10 @@ class GraphDecode:
             self.decoder = KernelDecoder.from_model(self.model)
         return self.decoder.decode_batch(states, tokens)
 
+    def last_streams(self):
+        """A copy of the final streams [hc, D] of the last single step (what MTP drafts from)."""
+        return self.decoder.buf["X"][0].copy()
+
 
 def kernel_decoder_for(model) -> GraphDecode | None:
     """A GraphDecode for a model on the GPU whose features the kernels cover, else None."""

@@ -1,0 +1,53 @@
+"""Verification where the model decodes through the kernel decoder (the GPU's path), run on
+CPU through the decoder's NumPy twins: a verify decodes the drafts one graph step at a time, so
+speculation gives plain greedy decoding's tokens and state bitwise, forced drafts are all
+kept, and a stop inside the verified tokens (keep_speculated) rolls back exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_gpu_decode_twins import row_twins, twins  # noqa: F401 (fixtures)
+from test_mtp import PROMPTS, assert_same_state, main_state, plain_session, speculated
+
+from ds4.engine import Engine, default_model_dir
+from ds4.jobs.speculative import DraftOracle
+from ds4.model.gpu_decode import GraphDecode
+
+
+@pytest.fixture
+def engine(row_twins):  # noqa: F811 (the fixture above)
+    e = Engine.open(default_model_dir(), backend="numpy", mtp=True)
+    e.model.kernel_decoder = GraphDecode(e.model)  # one-token steps through the twin decoder
+    return e
+
+
+@pytest.mark.parametrize("draft", [1, 3])
+def test_speculation_equals_plain_decoding_bitwise(engine, draft):
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    want, ref = plain_session(engine, ids, 10)
+    got, spec, s = speculated(engine, ids, 10, draft)
+    assert got == want and spec.stats.drafted > 0
+    assert_same_state(main_state(s), main_state(ref))
+
+
+def test_forced_drafts_are_all_kept_in_one_round_each(engine):
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    want, ref = plain_session(engine, ids, 9)
+    got, spec, s = speculated(engine, ids, 9, 2, DraftOracle([ids + want]))
+    assert got == want and spec.stats.acceptance_rate == 1.0
+    assert spec.stats.tokens_per_round == pytest.approx(3.0)
+    assert_same_state(main_state(s), main_state(ref))
+
+
+def test_a_stop_inside_the_verified_tokens_rolls_back_to_plain_decoding(engine):
+    ids = engine.tokenizer.encode(PROMPTS[2])
+    want, _ = plain_session(engine, ids, 4)
+    s = engine.new_session(512)
+    s.sync(ids)
+    first = int(np.argmax(s.logits))
+    assert s.verify(first, want[1:4]) == want[:4]  # the greedy continuation: all kept
+    s.keep_speculated(2)
+    _, ref = plain_session(engine, ids, 2)
+    assert_same_state(main_state(s), main_state(ref))
+    assert s.mtp_state.hidden_at == len(s.tokens)  # the next draft starts from here
