@@ -38,7 +38,13 @@ TOL = 2e-4  # fp32 logits, same weights, different summation order
 @pytest.fixture
 def twins(monkeypatch):
     """Route every launcher the decoder calls to its NumPy twin (packed and quant too)."""
-    for mod in (attention, compressor, hyper_connection, indexer, moe, sampling, packed, quant):
+    return decoder_twins(monkeypatch)
+
+
+def decoder_twins(monkeypatch, more: tuple = ()):
+    """What the `twins` fixture does (the modules in `more` routed too); returns gpu_decode."""
+    for mod in (attention, compressor, hyper_connection, indexer, moe, sampling, packed, quant,
+                *more):
         for name in dir(mod):
             if name.endswith("_numpy") and hasattr(mod, name[:-6]):
                 monkeypatch.setattr(mod, name[:-6], getattr(mod, name))

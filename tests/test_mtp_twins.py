@@ -7,22 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_gpu_decode_twins import decoder_twins
 
 from ds4.engine import Engine, default_model_dir
-from ds4.kernels import (
-    attention,
-    gemv,
-    hyper_connection,
-    moe,
-    norm,
-    packed,
-    quant,
-    rope,
-)
-from ds4.kernels import (
-    mtp as mtp_kernels,
-)
-from ds4.model import gpu_batch, gpu_mtp
+from ds4.kernels import mtp as mtp_kernels
+from ds4.kernels import norm, rope
+from ds4.model import gpu_mtp
 from ds4.model.mtp import MtpBlock
 
 TOL = 1e-4  # relative to the largest value: same weights, different summation order
@@ -31,14 +21,8 @@ PROMPTS = ["Tell me a story about a fox.", "2 + 2 ="]
 
 @pytest.fixture
 def twins(monkeypatch):
-    """Route every launcher the draft step calls to its NumPy twin."""
-    for mod in (attention, hyper_connection, moe, packed, quant, norm, rope, mtp_kernels):
-        for name in dir(mod):
-            if name.endswith("_numpy") and hasattr(mod, name[:-6]):
-                monkeypatch.setattr(mod, name[:-6], getattr(mod, name))
-    monkeypatch.setattr(gpu_batch, "gemv", gemv.gemv_numpy)
-    monkeypatch.setattr(gpu_batch, "gemv_many", gemv.gemv_many_numpy)
-    monkeypatch.setattr(gpu_batch, "row_kernels", None)  # the seam's per-row fallback
+    """The decoder's twins, and those of the kernels only the draft step calls."""
+    decoder_twins(monkeypatch, (norm, rope, mtp_kernels))
 
 
 @pytest.fixture(scope="module")

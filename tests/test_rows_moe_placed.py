@@ -17,24 +17,11 @@ from test_kernels_rows import picks, small_moe, v4_moe
 
 from ds4.backend import cuda_available
 from ds4.kernels import rows_moe as RM
-from ds4.model.placement import HostMemory, PlacedStack
+from ds4.model.placement import PlacedStack
 
 gpu_test = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")
 LIMIT = 7.0
-
-
-def placed_copy(xp, w, resident) -> PlacedStack:
-    """A PlacedStack holding the experts of packed stack w: resident ones in device memory, the
-    others in (mapped, on CuPy) host memory."""
-    resident = np.asarray(resident, dtype=bool)
-    shape, scale_shape = w.codes.shape[1:], w.scale.shape[1:]
-    host = HostMemory(xp, PlacedStack.host_bytes_of(shape, scale_shape, int((~resident).sum())))
-    stack = PlacedStack.allocate(xp, w.fmt, shape, scale_shape, w.shape[-1], w.block, resident,
-                                 host)
-    for e in range(resident.size):
-        stack.fill(e, w.codes[e], w.scale[e])
-    return stack
 
 
 RESIDENT = np.array([True, False, True, True, False, False, True, False])  # of 8 experts
@@ -60,7 +47,7 @@ def twin(gu, down, shared, idx, wts, x, batch, **kw) -> np.ndarray:
 def test_placed_twin_is_the_plain_stacks_rows_and_counts_every_pick():
     gu, down, shared, idx, wts, x = case(1, 4)
     idx[2, 0] = idx[0, 1]  # two members sharing an expert
-    placed = (placed_copy(np, gu, RESIDENT), placed_copy(np, down, RESIDENT))
+    placed = (PlacedStack.copy_of(np, gu, RESIDENT), PlacedStack.copy_of(np, down, RESIDENT))
     counts = np.zeros(8, np.int64)
     got = twin(*placed, shared, idx, wts, x, 4, counts=counts)
     assert np.array_equal(got, twin(gu, down, shared, idx, wts, x, 4))
@@ -81,7 +68,7 @@ def test_grouping_puts_host_experts_first_and_leaves_idle_members_out():
 
 def test_idle_members_get_the_shared_expert_alone_and_count_nothing():
     gu, down, shared, idx, wts, x = case(2, 4)
-    placed = (placed_copy(np, gu, RESIDENT), placed_copy(np, down, RESIDENT))
+    placed = (PlacedStack.copy_of(np, gu, RESIDENT), PlacedStack.copy_of(np, down, RESIDENT))
     counts = np.zeros(8, np.int64)
     got = twin(*placed, shared, idx, wts, x, 4, counts=counts, live=np.array([2], np.int32))
     assert np.array_equal(got[:2], twin(gu, down, shared, idx[:2], wts[:2], x[:2], 2))
@@ -98,7 +85,7 @@ def test_the_per_member_placed_twin_counts_live_members_only():
     from ds4.kernels.placed import moe_placed_numpy
 
     gu, down, _, idx, wts, x = case(3, 2)
-    placed = (placed_copy(np, gu, RESIDENT), placed_copy(np, down, RESIDENT))
+    placed = (PlacedStack.copy_of(np, gu, RESIDENT), PlacedStack.copy_of(np, down, RESIDENT))
     counts, live = np.zeros(8, np.int64), np.array([1], np.int32)
     for b in range(2):
         y, act = np.zeros(128, np.float32), np.zeros((3, 64), np.float32)
@@ -120,7 +107,8 @@ def v4_placed():
     cp.random.seed(21)
     gu, down, shared, inter, hidden = v4_moe(cp, np.random.default_rng(21))
     resident = np.arange(256) % 3 != 0
-    return gu, down, shared, (placed_copy(cp, gu, resident), placed_copy(cp, down, resident))
+    placed = (PlacedStack.copy_of(cp, gu, resident), PlacedStack.copy_of(cp, down, resident))
+    return gu, down, shared, placed
 
 
 def run(cp, gu, down, shared, idx, wts, x, batch, **kw):

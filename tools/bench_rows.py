@@ -37,7 +37,7 @@ from ds4.kernels import placed as PL
 from ds4.kernels import rows as R
 from ds4.kernels import rows_moe as RM
 from ds4.model.packed import FP4, FP8, PackedMatrix
-from ds4.model.placement import HostMemory, PlacedStack
+from ds4.model.placement import PlacedStack
 
 SHAPES = {  # name: (format, rows, cols, rows_per_group)
     "q_a 1024x4096": (FP8, 1024, 4096, None),
@@ -126,23 +126,11 @@ def bench_moe(cp, bank, batch: int, with_shared: bool, per_expert: float | None 
     return t, total / t, distinct
 
 
-def placed_copy(cp, w, resident) -> PlacedStack:
-    """Stack w's experts as a PlacedStack: resident ones on the device, others in mapped host
-    memory."""
-    shape, scale_shape = w.codes.shape[1:], w.scale.shape[1:]
-    host = HostMemory(cp, PlacedStack.host_bytes_of(shape, scale_shape, int((~resident).sum())))
-    stack = PlacedStack.allocate(cp, w.fmt, shape, scale_shape, w.shape[-1], w.block, resident,
-                                 host)
-    for e in range(resident.size):
-        stack.fill(e, w.codes[e], w.scale[e])
-    return stack
-
-
 def placed_bank(cp, bank, host_every: int) -> tuple:
     """The bank with its routed experts placed: every host_every'th one in host memory."""
     gu, dn, shared = bank
     resident = np.arange(EXPERTS) % host_every != 0
-    return placed_copy(cp, gu, resident), placed_copy(cp, dn, resident), shared
+    return PlacedStack.copy_of(cp, gu, resident), PlacedStack.copy_of(cp, dn, resident), shared
 
 
 def old_placed(cp, placed, batch: int) -> float:

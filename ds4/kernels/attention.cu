@@ -65,7 +65,6 @@ __device__ __forceinline__ const float* key_ptr(int code, const float* raw, cons
 // sel[0..sel_count) when sel is given, else rows 0..(pos + 1) / ratio. 256 threads; dynamic
 // shared memory: 32 * (width + 1) key floats (padded: conflict-free column reads), then
 // hpb * width query floats, hpb * 32 weights and 32 row codes.
-#define KEYS 32
 __device__ __forceinline__ void partial(const float* __restrict__ q,
                                         const float* __restrict__ raw,
                                         const int* __restrict__ pos, int cap,
@@ -77,16 +76,15 @@ __device__ __forceinline__ void partial(const float* __restrict__ q,
     extern __shared__ float smem[];
     int stride = width + 1;
     float* ks = smem;
-    float* qs = ks + KEYS * stride;
+    float* qs = ks + SPLIT_KEYS * stride;
     float* ps = qs + hpb * width;
-    int* codes = (int*)(ps + hpb * KEYS);
+    int* codes = (int*)(ps + hpb * SPLIT_KEYS);
     int h0 = blockIdx.x * hpb, split = blockIdx.y, splits = gridDim.y;
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int t = pos[0];
     int n_raw = min(t + 1, cap);
     int n_comp = ratio == 0 ? 0 : (sel ? sel_count[0] : (t + 1) / ratio);
     int n = min(n_raw + n_comp, max_keys);
-    int first = split * KEYS, count = max(0, min(KEYS, n - first));
+    int first = split * SPLIT_KEYS, count = max(0, min(SPLIT_KEYS, n - first));
     if (threadIdx.x < count) codes[threadIdx.x] = key_code(first + threadIdx.x, n_raw, sel);
     const float4* q4 = (const float4*)(q + (size_t)h0 * width);
 #pragma unroll 4
@@ -115,45 +113,7 @@ __device__ __forceinline__ void partial(const float* __restrict__ q,
         }
     }
     __syncthreads();
-    if (warp < hpb) {  // warp = head, lane = key
-        float s = -INFINITY;
-        if (lane < count) {
-            const float* qh = qs + warp * width;
-            const float* k = ks + lane * stride;
-            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;  // four chains: loads overlap
-            for (int c = 0; c < width; c += 4) {
-                a0 += qh[c] * k[c];
-                a1 += qh[c + 1] * k[c + 1];
-                a2 += qh[c + 2] * k[c + 2];
-                a3 += qh[c + 3] * k[c + 3];
-            }
-            s = ((a0 + a1) + (a2 + a3)) * scale;
-        }
-        float m = warp_max(s);
-        float p = lane < count ? expf(s - m) : 0.f;
-        float l = warp_sum(p);
-        ps[warp * KEYS + lane] = p;
-        if (lane == 0) {
-            float* dst = part + ((size_t)(h0 + warp) * splits + split) * (width + 2);
-            dst[0] = m;
-            dst[1] = l;
-        }
-    }
-    __syncthreads();
-    // One channel for all hpb heads per thread: each staged key value is read once and feeds
-    // hpb independent accumulators.
-    for (int c = threadIdx.x; c < width; c += blockDim.x) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int e = 0; e < count; e++) {
-            float k = ks[e * stride + c];
-#pragma unroll
-            for (int hh = 0; hh < 8; hh++)
-                if (hh < hpb) acc[hh] += ps[hh * KEYS + e] * k;
-        }
-#pragma unroll
-        for (int hh = 0; hh < 8; hh++)
-            if (hh < hpb) part[((size_t)(h0 + hh) * splits + split) * (width + 2) + 2 + c] = acc[hh];
-    }
+    staged_partial(qs, ks, ps, stride, width, count, hpb, scale, part, h0, split, splits);
 }
 
 extern "C" __global__ void attention_partial(const float* __restrict__ q,

@@ -29,7 +29,7 @@ def attention_store_kv_numpy(kv_in, w, freqs, pos, raw, rope_dim: int, eps: floa
     return raw
 
 
-KEYS_PER_BLOCK = 32  # keys one attention_partial block stages (KEYS in attention.cu)
+KEYS_PER_BLOCK = 32  # keys one attention_partial block stages (SPLIT_KEYS in common.cuh)
 
 
 def partial_size(heads: int, width: int, max_keys: int) -> int:

@@ -133,3 +133,54 @@ __device__ __forceinline__ float rope_channel(const float* row, int c, int first
     float a = row[first + 2 * k], b = row[first + 2 * k + 1];
     return ((c - first) & 1) ? a * s + b * co : a * co - b * s;
 }
+
+// Keys per split of the split decode attention (attention.cu, mtp.cu): one per lane of a warp.
+constexpr int SPLIT_KEYS = 32;
+
+// The partial softmax of one split once its `count` keys are staged (ks, row stride `stride`)
+// beside the block's hpb query heads (qs): warp = head, lane = key for the scores, then one
+// channel for all heads per thread, so each staged key value is read once for hpb
+// accumulators. part[(head * splits + split)] = (max, sum of exp, weighted sum [width]).
+__device__ __forceinline__ void staged_partial(const float* qs, const float* ks, float* ps,
+                                               int stride, int width, int count, int hpb,
+                                               float scale, float* part, int h0, int split,
+                                               int splits) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (warp < hpb) {
+        float s = -INFINITY;
+        if (lane < count) {
+            const float* qh = qs + warp * width;
+            const float* k = ks + lane * stride;
+            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;  // four chains: loads overlap
+            for (int c = 0; c < width; c += 4) {
+                a0 += qh[c] * k[c];
+                a1 += qh[c + 1] * k[c + 1];
+                a2 += qh[c + 2] * k[c + 2];
+                a3 += qh[c + 3] * k[c + 3];
+            }
+            s = ((a0 + a1) + (a2 + a3)) * scale;
+        }
+        float m = warp_max(s);
+        float p = lane < count ? expf(s - m) : 0.f;
+        float l = warp_sum(p);
+        ps[warp * SPLIT_KEYS + lane] = p;
+        if (lane == 0) {
+            float* dst = part + ((size_t)(h0 + warp) * splits + split) * (width + 2);
+            dst[0] = m;
+            dst[1] = l;
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < width; c += blockDim.x) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int e = 0; e < count; e++) {
+            float k = ks[e * stride + c];
+#pragma unroll
+            for (int hh = 0; hh < 8; hh++)
+                if (hh < hpb) acc[hh] += ps[hh * SPLIT_KEYS + e] * k;
+        }
+#pragma unroll
+        for (int hh = 0; hh < 8; hh++)
+            if (hh < hpb) part[((size_t)(h0 + hh) * splits + split) * (width + 2) + 2 + c] = acc[hh];
+    }
+}

@@ -9,8 +9,6 @@
 
 #include "common.cuh"
 
-#define KEYS 32
-
 // A ring slot holding position p is a key of the query at t when t - cap < p <= t (p = -1:
 // the slot is empty).
 __device__ __forceinline__ bool held_visible(int p, int t, int cap) {
@@ -34,15 +32,15 @@ extern "C" __global__ void mtp_window_partial(const float* __restrict__ q,
     __shared__ int visible_count;
     int stride = width + 1;
     float* ks = smem;
-    float* qs = ks + KEYS * stride;
+    float* qs = ks + SPLIT_KEYS * stride;
     float* ps = qs + hpb * width;
-    int* codes = (int*)(ps + hpb * KEYS);
+    int* codes = (int*)(ps + hpb * SPLIT_KEYS);
     const float* raw = (const float*)raw_ptr[0];
     int h0 = blockIdx.x * hpb, split = blockIdx.y, splits = gridDim.y;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int t = pos[0];
     if (warp == 0) {  // compact this split's visible keys, keeping their order
-        int j = split * KEYS + lane;
+        int j = split * SPLIT_KEYS + lane;
         bool vis = j < cap ? held_visible(held[j], t, cap) : j == cap;
         unsigned mask = __ballot_sync(0xffffffffu, vis);
         if (vis) codes[__popc(mask & ((1u << lane) - 1u))] = j;
@@ -64,44 +62,7 @@ extern "C" __global__ void mtp_window_partial(const float* __restrict__ q,
         d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w;
     }
     __syncthreads();
-    if (warp < hpb) {  // warp = head, lane = key
-        float s = -INFINITY;
-        if (lane < count) {
-            const float* qh = qs + warp * width;
-            const float* k = ks + lane * stride;
-            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-            for (int c = 0; c < width; c += 4) {
-                a0 += qh[c] * k[c];
-                a1 += qh[c + 1] * k[c + 1];
-                a2 += qh[c + 2] * k[c + 2];
-                a3 += qh[c + 3] * k[c + 3];
-            }
-            s = ((a0 + a1) + (a2 + a3)) * scale;
-        }
-        float m = warp_max(s);
-        float p = lane < count ? expf(s - m) : 0.f;
-        float l = warp_sum(p);
-        ps[warp * KEYS + lane] = p;
-        if (lane == 0) {
-            float* dst = part + ((size_t)(h0 + warp) * splits + split) * (width + 2);
-            dst[0] = m;
-            dst[1] = l;
-        }
-    }
-    __syncthreads();
-    for (int c = threadIdx.x; c < width; c += blockDim.x) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int e = 0; e < count; e++) {
-            float k = ks[e * stride + c];
-#pragma unroll
-            for (int hh = 0; hh < 8; hh++)
-                if (hh < hpb) acc[hh] += ps[hh * KEYS + e] * k;
-        }
-#pragma unroll
-        for (int hh = 0; hh < 8; hh++)
-            if (hh < hpb)
-                part[((size_t)(h0 + hh) * splits + split) * (width + 2) + 2 + c] = acc[hh];
-    }
+    staged_partial(qs, ks, ps, stride, width, count, hpb, scale, part, h0, split, splits);
 }
 
 // The new row into the window after the attention read it: ring[pos % cap] = kv.

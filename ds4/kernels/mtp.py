@@ -14,7 +14,7 @@ import numpy as np
 from ds4.kernels import NULL, f32, i32, launch, ptr
 from ds4.kernels.rope import rope_tail_numpy
 
-KEYS_PER_BLOCK = 32  # keys one mtp_window_partial block stages (KEYS in the .cu)
+KEYS_PER_BLOCK = 32  # keys one mtp_window_partial block stages (SPLIT_KEYS in common.cuh)
 
 
 def splits(cap: int) -> int:

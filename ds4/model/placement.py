@@ -172,6 +172,18 @@ class PlacedStack:
             host = (xp.empty((0, *shape), xp.uint8), xp.empty((0, *scale_shape), xp.uint8))
         return cls(xp, fmt, cols, block, device, host, resident)
 
+    @classmethod
+    def copy_of(cls, xp, w, resident) -> PlacedStack:
+        """The experts of packed stack w (codes [E, ...]) placed: resident ones in device
+        memory, the others in (on CuPy mapped) host memory of their own (tests, benchmarks)."""
+        resident = np.asarray(resident, dtype=bool)
+        shape, scale_shape = w.codes.shape[1:], w.scale.shape[1:]
+        host = HostMemory(xp, cls.host_bytes_of(shape, scale_shape, int((~resident).sum())))
+        stack = cls.allocate(xp, w.fmt, shape, scale_shape, w.shape[-1], w.block, resident, host)
+        for e in range(resident.size):
+            stack.fill(e, w.codes[e], w.scale[e])
+        return stack
+
     @staticmethod
     def host_bytes_of(shape: tuple, scale_shape: tuple, n_host: int) -> int:
         """Host bytes allocate() takes for n_host experts of these shapes (each region starts
