@@ -80,7 +80,7 @@ def test_idle_members_get_the_shared_expert_alone_and_count_nothing():
 
 
 def test_the_per_member_placed_twin_counts_live_members_only():
-    """The fallback (placed.cu once per member, for formats rows.cu lacks) skips idle rows'
+    """The fallback (placed.cu once per member, for formats rows_moe.cu lacks) skips idle rows'
     counts too."""
     from ds4.kernels.placed import moe_placed_numpy
 

@@ -16,15 +16,15 @@ import numpy as np
 from ds4.backend import KERNEL_DIR, load_module
 
 NULL = np.uint64(0)  # a null device pointer as a kernel argument
-COMMON_HEADER = KERNEL_DIR / "common.cuh"  # the helpers every family includes
+HEADERS = sorted(KERNEL_DIR.glob("*.cuh"))  # common.cuh (every family) and shared cores
 
 
 def compile_options() -> tuple[str, ...]:
     """NVRTC options of every family: C++17, the kernel directory on the include path, and the
-    header's checksum as a define, since CuPy's compile cache keys on source and options only
-    and would otherwise keep a module built against an older common.cuh."""
-    digest = zlib.crc32(COMMON_HEADER.read_bytes())
-    return ("--std=c++17", f"-I{KERNEL_DIR}", f"-DDS4_COMMON_CUH={digest}")
+    headers' checksum as a define, since CuPy's compile cache keys on source and options only
+    and would otherwise keep a module built against an older header."""
+    digest = zlib.crc32(b"".join(p.read_bytes() for p in HEADERS))
+    return ("--std=c++17", f"-I{KERNEL_DIR}", f"-DDS4_HEADERS={digest}")
 
 
 @functools.cache

@@ -26,7 +26,7 @@ from ds4.kernels.gemv import gemv
 from ds4.kernels.packed import dequant_fp4, dequant_fp8
 
 FP8, FP4 = "fp8", "fp4"  # PackedMatrix.fmt (ds4/model/packed.py; kernels do not import model)
-WARPS = 8  # per block: rows.cu's RW
+WARPS = 8  # per block: rows.cuh's RW
 MAX_BATCH = 8  # columns of one mma tile
 TARGET_WARPS = 2048  # row groups x k-split warps that keep every SM streaming
 TALL_ROWS = 4096  # from this many rows a warp takes two 16-row tiles (more bytes in flight)

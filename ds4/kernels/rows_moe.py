@@ -1,4 +1,4 @@
-"""The routed experts of a decode batch on tensor cores (ds4/kernels/rows.cu's MoE kernels)
+"""The routed experts of a decode batch on tensor cores (ds4/kernels/rows_moe.cu)
 and their NumPy twins: each distinct expert of the batch read once, its tokens as the mma's
 columns, the per-pick products summed in slot order, then the shared expert (accuracy and row
 independence as in ds4/kernels/rows.py).
@@ -39,7 +39,7 @@ from ds4.kernels.rows import (
     rows_numpy,
 )
 
-UNIT = 10  # ints per expert in the grouping table (rows.cu)
+UNIT = 10  # ints per expert in the grouping table (rows_moe.cu)
 MAX_PAIRS = 64  # tokens x slots of one MoE call
 MOE_KERNELS = {(FP4, FP8), (FP4, "bf16"), (FP8, FP8), ("bf16", "bf16")}
 
@@ -96,7 +96,7 @@ class Stack:
 
 def stack_of(w) -> Stack | None:
     """The kernel view of an expert stack [E, rows, cols] (a packed or bf16-word stack, or a
-    PlacedStack), None where rows.cu cannot read it."""
+    PlacedStack), None where rows_moe.cu cannot read it."""
     if getattr(w, "placed", False):
         op = operand(w[0])
         return None if op is None else Stack(op, w.shape[0], w.code_ptrs, w.scale_ptrs,
@@ -112,7 +112,7 @@ class Bank:
     op: Operand | Stack | None
 
     def args(self) -> tuple:
-        """(codes, scales, code table, scale table, strides, scale ld, shift) as rows.cu's
+        """(codes, scales, code table, scale table, strides, scale ld, shift) as rows_moe.cu's
         Bank takes them."""
         st = self.op
         if st is None:
@@ -133,7 +133,7 @@ def resident_blocks(name: str) -> int:
     """Blocks of kernel `name` resident on the GPU at once (by registers): a persistent grid."""
     import cupy
 
-    k = kernel("rows", name)
+    k = kernel("rows_moe", name)
     regs = -(-max(k.num_regs, 1) // 8) * 8
     per_sm = max(1, min(65536 // (regs * 32 * WARPS), 2048 // (32 * WARPS)))
     return per_sm * cupy.cuda.Device().attributes["MultiProcessorCount"]
@@ -166,7 +166,7 @@ def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, 
     assert placed[0] == placed[1], "both stacks placed or neither"
     assert not placed[0] or gu.code_ptrs is not None, "placed stacks on the device (tables)"
     _check_rows(x, batch, gu.cols, "x")
-    launch("rows", "rows_moe_group", (1,), (32 * WARPS,),
+    launch("rows_moe", "rows_moe_group", (1,), (32 * WARPS,),
            (ptr(idx), i32(call.pairs), i32(k), i32(gu.count), ptr(gu.on_host), ptr(live),
             ptr(counts), ptr(act.units)))
     parts = _moe_parts(gu.fmt, sops, fuse_shared, 1 if batch <= 4 else 2)
@@ -175,7 +175,7 @@ def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, 
     for name, routed, s in parts:
         _moe_down(f"rows_down_{name}", routed, s, call)
     n = batch * dn.rows
-    launch("rows", "rows_moe_sum", (-(-n // 256),), (256,),
+    launch("rows_moe", "rows_moe_sum", (-(-n // 256),), (256,),
            (ptr(act.part), ptr(act.spart if sops else None), i32(k), i32(dn.rows), i32(batch),
             ptr(live), ptr(y), np.int64(_ld(y))))
 
@@ -228,7 +228,7 @@ def _moe_gate_up(kname: str, routed: bool, sops, c: MoeCall) -> None:
             i32(c.k), ptr(c.wts), ptr(c.x), np.int64(_ld(c.x)), ptr(c.act.act),
             ptr(c.act.sact), i32(c.inter), i32(c.s_inter), i32(c.gu.cols), i32(c.batch),
             f32(c.limit), i32(kw), i32(tiles), i32(tiles_s))
-    launch("rows", kname, c.grid(kname, items), (32 * WARPS,), args)
+    launch("rows_moe", kname, c.grid(kname, items), (32 * WARPS,), args)
 
 
 def _moe_down(kname: str, routed: bool, sops, c: MoeCall) -> None:
@@ -241,7 +241,7 @@ def _moe_down(kname: str, routed: bool, sops, c: MoeCall) -> None:
             i32(int(routed)), ptr(c.act.act), ptr(c.act.sact), ptr(c.act.part),
             ptr(c.act.spart), i32(hidden), i32(c.inter), i32(c.s_inter), i32(c.batch), i32(kw),
             i32(tiles), i32(tiles_s))
-    launch("rows", kname, c.grid(kname, items), (32 * WARPS,), args)
+    launch("rows_moe", kname, c.grid(kname, items), (32 * WARPS,), args)
 
 
 def _moe_rows(gate_up, down, idx, wts, x, act, y, batch, inter, limit, shared) -> None:

@@ -1,0 +1,307 @@
+// The core of the batched decode products on tensor cores (ds4/kernels/rows.cu's
+// matrices, ds4/kernels/rows_moe.cu's experts): formats, the warp's tiles and stages,
+// the mma loop and the fixed k-split.
+//
+// Batched decode products: y[b] = W x[b] for b < B <= 8, each weight byte read
+// once for the whole batch (docs/PERF.md). W is FP8 E4M3 (one E8M0 scale per 2^shift square
+// tile), MXFP4 E2M1 (two codes a byte, low nibble first, one E8M0 scale per 32 columns) or bf16
+// words; x and y are fp32.
+//
+// mma.sync m16n8k16 (bf16 in, fp32 accumulate): A = 16 weight rows x 16 k decoded in
+// registers, B = 16 k x 8 columns, the columns being the batch. Codes become bf16 with integer
+// bit moves: an E2M1 nibble s|eem as (s << 15) | (eem << 6) is its value times 2^-126 (the
+// subnormal 0.5 lands on a bf16 subnormal), an E4M3 byte s|eeee|mmm as (s << 15) |
+// ((byte & 0x7f) << 4) its value times 2^-120; one bf16x2 multiply by 2^(scale - 127 + bias -
+// 32) then gives the weight times 2^-32 exactly (a code has at most 4 significant bits). x is
+// scaled by 2^32 (exact) and split into bf16 hi + lo, so W x = W hi + W lo to about 2^-17 of
+// |W| |x|. For B <= 4 hi and lo share one n = 8 tile (columns 0..3 hi, 4..7 lo), else two mmas.
+//
+// Fragment layout (lane = 4 * g + t): A a[0] = row g, k 2t..2t+1; a[1] = row g + 8, same k;
+// a[2] = row g, k 2t+8..2t+9; a[3] = row g + 8; B b0 = k 2t..2t+1, b1 = k 2t+8..2t+9 of column
+// g; D d[0..1] = row g, columns 2t, 2t+1, d[2..3] = row g + 8. A dot product does not care
+// which k slot holds which column, so lane t feeds its own 16-byte chunk of codes (columns
+// [k-tile + t * CH, + CH)) and the matching x (F::xcol says which column sits in which slot).
+//
+// Row independence: a block's warps split k into fixed spans by shape only, and their partial
+// sums (hi + lo per warp) are added in warp order; an mma column depends on its own B column
+// only. So y[b] is bitwise the same for any B and any other rows of the batch.
+#pragma once
+
+#include "common.cuh"
+
+typedef unsigned char u8;
+typedef unsigned int u32;
+
+constexpr int RW = 8;  // warps per block (the launchers' block size)
+constexpr float X_SCALE = 4294967296.f;  // 2^32: codes carry 2^-32, x carries 2^32
+
+__device__ __forceinline__ void mma_bf16(float* d, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// bf16x2 word (lo in the low half), rounded to nearest even.
+__device__ __forceinline__ u32 bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Both halves multiplied; subnormal inputs are kept, and the product is exact here.
+__device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// x0, x1 = hi + lo up to 2^-17 of them: hi and lo as bf16x2 words.
+__device__ __forceinline__ void split_pair(float x0, float x1, u32& hi, u32& lo) {
+    hi = bf16x2(x0, x1);
+    lo = bf16x2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
+}
+
+__device__ __forceinline__ u32 word(const uint4& q, int i) {
+    return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
+}
+
+// bf16x2 multiplier 2^(s + bias - 127) in both halves (bias folds the decode's power of two).
+__device__ __forceinline__ u32 multiplier(u32 s, int bias) {
+    u32 e = s + bias > 254u ? 254u : s + bias;  // past 2^127: E8M0 scales above 2^33 overflow
+    return (e << 7) | (e << 23);
+}
+
+// A format: CH columns per lane-chunk (LOADS 16-byte loads per row), MMAS mmas per chunk.
+// decode(q, m, mul, lo, hi): the A words of mma m for one row (slots 2t.. and 2t+8..).
+// xcol(m, r, h): the chunk column in half h of B register r of mma m.
+struct Fp8 {
+    static constexpr int CH = 16, LOADS = 1, MMAS = 4;
+    static constexpr bool SCALED = true, NONE = false;
+    __device__ static size_t bytes(long long cols) { return cols; }
+    __device__ static const u8* scale_row(const u8* s, int row, int ld, int shift) {
+        return s + (size_t)(row >> shift) * ld;
+    }
+    __device__ static u32 mul(const u8* srow, int col, int shift) {
+        return multiplier(__ldg(srow + (col >> shift)), 120 - 32);
+    }
+    // Word m holds columns 4m..4m+3: pairs (4m, 4m+2) and (4m+1, 4m+3).
+    __device__ static void decode(const uint4* q, int m, u32 mul, u32& lo, u32& hi) {
+        const u32 S = 0x80008000u, M = 0x07f007f0u, w = word(q[0], m);
+        lo = bf16x2_mul(((w << 8) & S) | ((w << 4) & M), mul);
+        hi = bf16x2_mul((w & S) | ((w >> 4) & M), mul);
+    }
+    __device__ static constexpr int xcol(int m, int r, int h) { return 4 * m + r + 2 * h; }
+};
+
+struct Fp4 {
+    static constexpr int CH = 32, LOADS = 1, MMAS = 8;
+    static constexpr bool SCALED = true, NONE = false;
+    __device__ static size_t bytes(long long cols) { return cols >> 1; }
+    __device__ static const u8* scale_row(const u8* s, int row, int ld, int) {
+        return s + (size_t)row * ld;
+    }
+    __device__ static u32 mul(const u8* srow, int col, int) {
+        return multiplier(__ldg(srow + (col >> 5)), 126 - 32);
+    }
+    // Nibbles i and i + 4 of a word as one bf16x2 pair (columns 8w + i, 8w + i + 4).
+    __device__ static u32 nibbles(u32 w, int i) {
+        const u32 S = 0x80008000u, M = 0x01c001c0u;
+        u32 sign = (w << (12 - 4 * i)) & S;
+        u32 mag = i < 2 ? (w << (6 - 4 * i)) & M : (w >> (4 * i - 6)) & M;
+        return sign | mag;
+    }
+    // mma m = 2w + u: pairs i = 2u (slots 2t..) and i = 2u + 1 (slots 2t+8..) of word w.
+    __device__ static void decode(const uint4* q, int m, u32 mul, u32& lo, u32& hi) {
+        u32 w = word(q[0], m >> 1);
+        lo = bf16x2_mul(nibbles(w, 2 * (m & 1)), mul);
+        hi = bf16x2_mul(nibbles(w, 2 * (m & 1) + 1), mul);
+    }
+    __device__ static constexpr int xcol(int m, int r, int h) {
+        return 8 * (m >> 1) + 2 * (m & 1) + r + 4 * h;
+    }
+};
+
+struct Bf16 {
+    static constexpr int CH = 16, LOADS = 2, MMAS = 4;
+    static constexpr bool SCALED = false, NONE = false;
+    __device__ static size_t bytes(long long cols) { return cols * 2; }
+    __device__ static const u8* scale_row(const u8*, int, int, int) { return nullptr; }
+    __device__ static u32 mul(const u8*, int, int) { return 0; }
+    __device__ static void decode(const uint4* q, int m, u32, u32& lo, u32& hi) {
+        lo = word(q[m >> 1], (2 * m) & 3);
+        hi = word(q[m >> 1], (2 * m + 1) & 3);
+    }
+    __device__ static constexpr int xcol(int m, int r, int h) { return 4 * m + 2 * r + h; }
+};
+
+// The rows one warp multiplies: MT tiles of 16 rows, for each its rows g and g + 8 (byte
+// pointers of the row start and of its scale row).
+template <int MT>
+struct Tiles {
+    const u8* w[MT][2];
+    const u8* s[MT][2];
+};
+
+template <class F, int MT>
+__device__ __forceinline__ void set_tile(Tiles<MT>& tl, int mt, const u8* W, const u8* S,
+                                         int row0, int rows, long long cols, int sc_ld,
+                                         int shift) {
+    int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int r = min(row0 + g + 8 * h, rows - 1);
+        tl.w[mt][h] = W + (size_t)r * F::bytes(cols);
+        tl.s[mt][h] = F::SCALED ? F::scale_row(S, r, sc_ld, shift) : nullptr;
+    }
+}
+
+// DEPTH k-tiles of codes for all MT tiles, loaded together (the bytes in flight per lane).
+template <class F, int MT, int DEPTH>
+struct Stage {
+    uint4 q[DEPTH][MT][2][F::LOADS];
+    u32 mul[DEPTH][MT][2];
+};
+
+template <class F, int MT, int DEPTH>
+__device__ __forceinline__ void load_stage(Stage<F, MT, DEPTH>& st, const Tiles<MT>& tl,
+                                           int kt, int kt1, int cols, int shift) {
+    int t = threadIdx.x & 3;
+#pragma unroll
+    for (int d = 0; d < DEPTH; d++) {
+        int col = (kt + d) * 4 * F::CH + t * F::CH;
+        bool ok = kt + d < kt1 && col < cols;
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const uint4* p = (const uint4*)(tl.w[mt][h] + F::bytes(col));
+#pragma unroll
+                for (int l = 0; l < F::LOADS; l++)
+                    st.q[d][mt][h][l] = ok ? __ldcs(p + l) : make_uint4(0, 0, 0, 0);
+                st.mul[d][mt][h] = ok && F::SCALED ? F::mul(tl.s[mt][h], col, shift) : 0u;
+            }
+    }
+}
+
+// The lane's CH floats of its x column at chunk column col, times 2^32 for scaled formats
+// (zeros outside the matrix or for a lane without a column).
+template <class F>
+__device__ __forceinline__ void load_x(const float* xc, int col, int cols, float* xr) {
+    bool ok = xc != nullptr && col < cols;
+    const float4* v = (const float4*)(xc + (ok ? col : 0));
+    const float k = F::SCALED ? X_SCALE : 1.f;
+#pragma unroll
+    for (int i = 0; i < F::CH / 4; i++) {
+        float4 f = ok ? __ldg(v + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+        xr[4 * i] = f.x * k; xr[4 * i + 1] = f.y * k; xr[4 * i + 2] = f.z * k;
+        xr[4 * i + 3] = f.w * k;
+    }
+}
+
+// acc[mt][n] += the stage's k-tiles: NT = 1 puts hi in columns 0..3 and lo in 4..7 of one
+// tile (lanes g >= 4 feed lo), NT = 2 runs a hi and a lo mma.
+template <class F, int MT, int DEPTH, int NT>
+__device__ __forceinline__ void mma_stage(const Stage<F, MT, DEPTH>& st, const float* xc,
+                                          int kt, int kt1, int cols, float (&acc)[MT][NT][4]) {
+    int t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+    for (int d = 0; d < DEPTH; d++) {
+        if (kt + d >= kt1) break;
+        float xr[F::CH];
+        load_x<F>(xc, (kt + d) * 4 * F::CH + t * F::CH, cols, xr);
+#pragma unroll
+        for (int m = 0; m < F::MMAS; m++) {
+            u32 hi0, lo0, hi1, lo1;
+            split_pair(xr[F::xcol(m, 0, 0)], xr[F::xcol(m, 0, 1)], hi0, lo0);
+            split_pair(xr[F::xcol(m, 1, 0)], xr[F::xcol(m, 1, 1)], hi1, lo1);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                u32 a[4];
+                F::decode(st.q[d][mt][0], m, st.mul[d][mt][0], a[0], a[2]);
+                F::decode(st.q[d][mt][1], m, st.mul[d][mt][1], a[1], a[3]);
+                if constexpr (NT == 1) {
+                    mma_bf16(acc[mt][0], a, g < 4 ? hi0 : lo0, g < 4 ? hi1 : lo1);
+                } else {
+                    mma_bf16(acc[mt][0], a, hi0, hi1);
+                    mma_bf16(acc[mt][1], a, lo0, lo1);
+                }
+            }
+        }
+    }
+}
+
+// v[mt][i] = this warp's sum over k-tiles [kt0, kt1) of its tiles for the lane's outputs
+// (i: row g col 2t, row g col 2t + 1, row g + 8 col 2t, row g + 8 col 2t + 1; column = slot
+// of the batch), hi + lo already added. xc: the lane's B column of x (nullptr: none).
+template <class F, int MT, int DEPTH, int NT>
+__device__ __forceinline__ void warp_rows(const Tiles<MT>& tl, const float* xc, int kt0, int kt1,
+                                          int cols, int shift, float (&v)[MT][4]) {
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[mt][n][i] = 0.f;
+    Stage<F, MT, DEPTH> cur, nxt;
+    load_stage(cur, tl, kt0, kt1, cols, shift);
+    for (int kt = kt0; kt < kt1; kt += DEPTH) {
+        if (kt + DEPTH < kt1) load_stage(nxt, tl, kt + DEPTH, kt1, cols, shift);
+        mma_stage<F, MT, DEPTH, NT>(cur, xc, kt, kt1, cols, acc);
+        cur = nxt;
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if constexpr (NT == 1) {
+                v[mt][i] = acc[mt][0][i] + __shfl_down_sync(0xffffffffu, acc[mt][0][i], 2);
+            } else {
+                v[mt][i] = acc[mt][0][i] + acc[mt][1][i];
+            }
+        }
+}
+
+// The block's KW warps of one row group add their partial sums in warp order (deterministic);
+// warp kw == 0 of the group ends with the totals in v. All warps of the block must call it.
+template <int MT>
+__device__ __forceinline__ void reduce_k(float (&v)[MT][4], int kw, int KW, float* red) {
+    if (KW == 1) return;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();  // the previous item's readers are done
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) red[((warp * MT + mt) * 4 + i) * 32 + lane] = v[mt][i];
+    __syncthreads();
+    if (kw != 0) return;
+    for (int j = 1; j < KW; j++)
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                v[mt][i] += red[(((warp + j) * MT + mt) * 4 + i) * 32 + lane];
+}
+
+// The k-tiles of warp kw of KW: a fixed share of ceil(cols / (4 CH)) by shape only.
+template <class F>
+__device__ __forceinline__ void k_span(int cols, int kw, int KW, int& kt0, int& kt1) {
+    int tiles = (cols + 4 * F::CH - 1) / (4 * F::CH);
+    kt0 = kw * tiles / KW;
+    kt1 = (kw + 1) * tiles / KW;
+}
+
+// Output (row, column) of entry i of a lane's v.
+__device__ __forceinline__ int out_row(int row0, int i) {
+    return row0 + ((threadIdx.x & 31) >> 2) + 8 * (i >> 1);
+}
+__device__ __forceinline__ int out_col(int i) { return 2 * (threadIdx.x & 3) + (i & 1); }
+
+// The lane's B column: batch slot n = g (NT = 2) or g & 3 (NT = 1, hi and lo halves).
+template <int NT>
+__device__ __forceinline__ int lane_slot() {
+    int g = (threadIdx.x & 31) >> 2;
+    return NT == 1 ? (g & 3) : g;
+}
+

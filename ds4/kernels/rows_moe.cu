@@ -1,0 +1,268 @@
+// The routed (and shared) experts of a decode batch on tensor cores: each distinct expert
+// read once with the tokens that picked it as the mma's columns (the formats and the mma
+// loop: rows.cuh).
+
+#include "common.cuh"
+#include "rows.cuh"
+
+// MoE of B tokens: the (token, slot) pairs p = b * k + j grouped by expert, each distinct expert
+// read once with its tokens as the batch columns. units[0] = number of experts hit; unit u at
+// units + 1 + UNIT * u: (expert, count, pairs in increasing order). A token picks an expert at
+// most once, so count <= B <= 8. Optional (null: off): on_host[e] != 0 puts the units of experts
+// in mapped host memory first (the persistent grids take items in unit order, so their slow
+// PCIe reads start in the first wave); *live members only (tokens b >= *live are idle rows of a
+// graph: their pairs join no unit, so they read no expert); counts[e] += the live picks of e
+// (placement's routing counts: one thread owns each expert, no atomics). Neither the unit order
+// nor the idle rows change a live row: a pair's products depend on its own mma column only,
+// and rows_moe_sum adds them in slot order.
+constexpr int UNIT = 10, MAX_PAIRS = 64;
+
+extern "C" __global__ void rows_moe_group(const int* __restrict__ idx, int pairs, int k,
+                                          int n_experts, const int* __restrict__ on_host,
+                                          const int* __restrict__ live, int* counts,
+                                          int* units) {
+    __shared__ int sidx[MAX_PAIRS], wcount[RW], base;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (live) pairs = min(pairs, max(*live, 0) * k);
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) sidx[p] = idx[p];
+    if (threadIdx.x == 0) base = 0;
+    __syncthreads();
+    for (int pass = 0; pass < (on_host ? 2 : 1); pass++)  // host experts, then resident ones
+        for (int e0 = 0; e0 < n_experts; e0 += blockDim.x) {
+            int e = e0 + threadIdx.x, count = 0;
+            for (int p = 0; p < pairs; p++) count += sidx[p] == e;
+            bool hit = e < n_experts && count > 0 && (!on_host || (on_host[e] != 0) == (pass == 0));
+            unsigned int ballot = __ballot_sync(0xffffffffu, hit);
+            if (lane == 0) wcount[warp] = __popc(ballot);
+            __syncthreads();
+            int at = base + __popc(ballot & ((1u << lane) - 1u)), total = 0;
+            for (int w = 0; w < RW; w++) {
+                at += w < warp ? wcount[w] : 0;
+                total += wcount[w];
+            }
+            if (hit) {
+                int* u = units + 1 + UNIT * at;
+                u[0] = e;
+                int n = 0;
+                for (int p = 0; p < pairs && n < 8; p++)
+                    if (sidx[p] == e) u[2 + n++] = p;
+                u[1] = n;
+                if (counts) counts[e] += count;
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) base += total;
+            __syncthreads();
+        }
+    if (threadIdx.x == 0) units[0] = base;
+}
+
+// The shared-expert format of kernels without one.
+struct NoShared {
+    static constexpr bool NONE = true;
+};
+
+// A stack of experts (expert e at e * w_stride code bytes, e * s_stride scale bytes), one matrix
+// (strides 0), or experts anywhere (wp non-null: expert e's codes at wp[e], its scales at sp[e],
+// device or mapped host addresses; a placed stack, whose tables re-placement rewrites between
+// graph replays).
+struct Bank {
+    const u8* w;
+    const u8* s;
+    const long long* wp;
+    const long long* sp;
+    long long w_stride, s_stride;
+    int sc_ld, shift;
+    __device__ const u8* codes(long long e) const {
+        return wp ? (const u8*)wp[e] : w + e * w_stride;
+    }
+    __device__ const u8* scales(long long e) const {
+        return sp ? (const u8*)sp[e] : s + e * s_stride;
+    }
+    // Expert e alone as a one-matrix bank (its addresses resolved once per work item).
+    __device__ Bank at(long long e) const {
+        return Bank{codes(e), scales(e), nullptr, nullptr, 0, 0, sc_ld, shift};
+    }
+};
+
+// Work item `item` of a routed part (n_units * tiles items) then a shared part (tiles_s):
+// unit (-1 for the shared expert) and row tile.
+__device__ __forceinline__ bool moe_item(int item, int n_units, int tiles, int tiles_s,
+                                         int& unit, int& tile) {
+    if (item < n_units * tiles) {
+        unit = item / tiles;
+        tile = item - unit * tiles;
+        return true;
+    }
+    unit = -1;
+    tile = item - n_units * tiles;
+    return tile < tiles_s;
+}
+
+// gate/up of one row group: rows j0.. of gate (tile 0) and of up (tile 1, `up_row` rows
+// further), x columns of the unit's tokens (or the batch, for the shared expert); act[out
+// pair] = silu(min(g, limit)) * clamp(u, +-limit) * weight.
+template <class F, int NT>
+__device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int up_row, int inter,
+                              int cols,
+                              const float* x, long long x_ld, const int* unit, int k,
+                              const float* wts, float* act, int batch, float limit, int KW,
+                              int tile, float* red) {
+    int warp = threadIdx.x >> 5, kw = warp % KW, g = lane_slot<NT>();
+    int j0 = (tile * (RW / KW) + warp / KW) * 16;
+    float v[2][4] = {};
+    if (j0 < inter) {
+        Tiles<2> tl;
+        set_tile<F, 2>(tl, 0, bk.codes(e), bk.scales(e), j0, inter, cols, bk.sc_ld, bk.shift);
+        set_tile<F, 2>(tl, 1, up.codes(e), up.scales(e), up_row + j0, up_row + inter, cols,
+                       up.sc_ld, up.shift);
+        int n = unit ? unit[1] : batch, kt0, kt1;
+        const float* xc = g < n ? x + (unit ? unit[2 + g] / k : g) * x_ld : nullptr;
+        k_span<F>(cols, kw, KW, kt0, kt1);
+        warp_rows<F, 2, 2, NT>(tl, xc, kt0, kt1, cols, bk.shift, v);
+    }
+    reduce_k<2>(v, kw, KW, red);
+    if (kw != 0 || j0 >= inter) return;
+    int n = unit ? unit[1] : batch;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int j = out_row(j0, i), c = out_col(i);
+        if (j >= inter || c >= n) continue;
+        int p = unit ? unit[2 + c] : c;
+        float gs = v[0][i], us = v[1][i];
+        if (limit > 0.f) {
+            gs = fminf(gs, limit);
+            us = fminf(fmaxf(us, -limit), limit);
+        }
+        act[(size_t)p * inter + j] = gs / (1.f + expf(-gs)) * us * (unit ? wts[p] : 1.f);
+    }
+}
+
+// down of one row group (32 rows): out[out pair][r] = down_e[r] . act[pair].
+template <class F, int NT>
+__device__ void down_group(const Bank& bk, long long e, int rows, int inter, const float* act,
+                           const int* unit, float* out, int batch, int KW, int tile,
+                           float* red) {
+    int warp = threadIdx.x >> 5, kw = warp % KW, g = lane_slot<NT>();
+    int r0 = (tile * (RW / KW) + warp / KW) * 32;
+    float v[2][4] = {};
+    if (r0 < rows) {
+        Tiles<2> tl;
+        const u8 *W = bk.codes(e), *S = bk.scales(e);
+        set_tile<F, 2>(tl, 0, W, S, r0, rows, inter, bk.sc_ld, bk.shift);
+        set_tile<F, 2>(tl, 1, W, S, r0 + 16, rows, inter, bk.sc_ld, bk.shift);
+        int n = unit ? unit[1] : batch, kt0, kt1;
+        const float* xc = g < n ? act + (size_t)(unit ? unit[2 + g] : g) * inter : nullptr;
+        k_span<F>(inter, kw, KW, kt0, kt1);
+        warp_rows<F, 2, 2, NT>(tl, xc, kt0, kt1, inter, bk.shift, v);
+    }
+    reduce_k<2>(v, kw, KW, red);
+    if (kw != 0 || r0 >= rows) return;
+    int n = unit ? unit[1] : batch;
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int r = out_row(r0 + 16 * mt, i), c = out_col(i);
+            if (r < rows && c < n) out[(size_t)(unit ? unit[2 + c] : c) * rows + r] = v[mt][i];
+        }
+}
+
+#define BANK_ARGS(p) const u8* __restrict__ p##_w, const u8* __restrict__ p##_s, \
+    const long long* __restrict__ p##_wp, const long long* __restrict__ p##_sp, \
+    long long p##_ws, long long p##_ss, int p##_ld, int p##_shift
+#define BANK(p) Bank{p##_w, p##_s, p##_wp, p##_sp, p##_ws, p##_ss, p##_ld, p##_shift}
+#define MOE_GATE_UP_ARGS BANK_ARGS(rb), BANK_ARGS(sg), BANK_ARGS(su), \
+    const int* __restrict__ units, int routed, int k, const float* __restrict__ wts, \
+    const float* __restrict__ x, long long x_ld, float* act, float* sact, int inter, \
+    int s_inter, int cols, int batch, float limit, int KW, int tiles, int tiles_s
+#define MOE_DOWN_ARGS BANK_ARGS(rb), BANK_ARGS(sd), const int* __restrict__ units, \
+    int routed, const float* __restrict__ act, const float* __restrict__ sact, float* part, \
+    float* spart, int rows, int inter, int s_inter, int batch, int KW, int tiles, int tiles_s
+
+// Persistent grid over the items of the routed experts hit, then the shared expert's.
+template <class F, class FS, int NT>
+__device__ void moe_gate_up(const Bank& rb, const Bank& sg, const Bank& su, const int* units,
+                            int routed, int k, const float* wts, const float* x,
+                            long long x_ld, float* act, float* sact, int inter, int s_inter,
+                            int cols, int batch, float limit, int KW, int tiles, int tiles_s) {
+    __shared__ float red[RW * 2 * 4 * 32];
+    int n_units = routed ? units[0] : 0, unit, tile;
+    for (int item = blockIdx.x; moe_item(item, n_units, tiles, tiles_s, unit, tile);
+         item += gridDim.x) {
+        if (unit >= 0) {
+            const int* u = units + 1 + UNIT * unit;
+            Bank ex = rb.at(u[0]);
+            gate_up_group<F, NT>(ex, ex, 0, inter, inter, cols, x, x_ld, u, k, wts, act,
+                                 batch, limit, KW, tile, red);
+        } else if constexpr (!FS::NONE) {
+            gate_up_group<FS, NT>(sg, su, 0, 0, s_inter, cols, x, x_ld, nullptr, k, wts, sact,
+                                  batch, limit, KW, tile, red);
+        }
+    }
+}
+
+template <class F, class FS, int NT>
+__device__ void moe_down(const Bank& rb, const Bank& sd, const int* units, int routed,
+                         const float* act, const float* sact, float* part, float* spart,
+                         int rows, int inter, int s_inter, int batch, int KW, int tiles,
+                         int tiles_s) {
+    __shared__ float red[RW * 2 * 4 * 32];
+    int n_units = routed ? units[0] : 0, unit, tile;
+    for (int item = blockIdx.x; moe_item(item, n_units, tiles, tiles_s, unit, tile);
+         item += gridDim.x) {
+        if (unit >= 0) {
+            const int* u = units + 1 + UNIT * unit;
+            down_group<F, NT>(rb.at(u[0]), 0, rows, inter, act, u, part, batch, KW, tile, red);
+        } else if constexpr (!FS::NONE) {
+            down_group<FS, NT>(sd, 0, rows, s_inter, sact, nullptr, spart, batch, KW, tile, red);
+        }
+    }
+}
+
+// NT = 1 (hi and lo in one tile) serves calls of up to 4 tokens, NT = 2 up to 8; the trailing
+// arguments are the launch bounds (`32 * RW, 1` where ptxas would otherwise squeeze a kernel
+// that needs more than 128 registers, one block per SM either way, into 128 and spill).
+#define MOE_NT(name, F, FS, NT, ...) \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) \
+    rows_gate_up_##name##_n##NT(MOE_GATE_UP_ARGS) { \
+        moe_gate_up<F, FS, NT>(BANK(rb), BANK(sg), BANK(su), units, routed, k, wts, x, x_ld, \
+                               act, sact, inter, s_inter, cols, batch, limit, KW, tiles, \
+                               tiles_s); } \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__) \
+    rows_down_##name##_n##NT(MOE_DOWN_ARGS) { \
+        moe_down<F, FS, NT>(BANK(rb), BANK(sd), units, routed, act, sact, part, spart, rows, \
+                            inter, s_inter, batch, KW, tiles, tiles_s); }
+#define MOE_B(name, F, FS, ...) MOE_NT(name, F, FS, 1, __VA_ARGS__) \
+    MOE_NT(name, F, FS, 2, __VA_ARGS__)
+#define MOE(name, F, FS) MOE_B(name, F, FS, 32 * RW)
+
+MOE_B(fp4_fp8, Fp4, Fp8, 32 * RW, 1)
+MOE(fp4_bf16, Fp4, Bf16)
+MOE(fp8_fp8, Fp8, Fp8)
+MOE(bf16_bf16, Bf16, Bf16)
+// routed experts alone (fewer registers, more blocks per SM); the shared expert then runs
+// through a launch of the kernels above with routed = 0
+MOE(fp4_none, Fp4, NoShared)
+MOE(fp8_none, Fp8, NoShared)
+MOE(bf16_none, Bf16, NoShared)
+
+// y[b] = sum_j part[b * k + j] in slot order, then + spart[b] (the shared expert), as the
+// unbatched kernels add the shared expert onto the routed sum. Idle rows (b >= *live, live
+// non-null) joined no unit, so their part rows hold nothing of this call: their routed sum is 0.
+extern "C" __global__ void rows_moe_sum(const float* __restrict__ part,
+                                        const float* __restrict__ spart, int k, int rows,
+                                        int batch, const int* __restrict__ live, float* y,
+                                        long long y_ld) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= batch * rows) return;
+    int b = t / rows, r = t - b * rows;
+    float s = 0.f;
+    if (!live || b < *live) {
+        const float* p = part + (size_t)b * k * rows + r;
+        s = p[0];
+        for (int j = 1; j < k; j++) s += p[(size_t)j * rows];
+    }
+    if (spart) s = s + spart[(size_t)b * rows + r];
+    y[b * y_ld + r] = s;
+}
+
