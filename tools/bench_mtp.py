@@ -3,8 +3,10 @@ ceiling at forced 100% acceptance (drafts = the tokens plain greedy produced).
 
 Every mode decodes the same prompt greedily for --tokens tokens and must produce the plain
 run's tokens (the `same` column). Without MTP a token is `Session.decode` (on the GPU its
-CUDA-graph step); with MTP a round is the MTP block's drafts (eager model code) and one verify
-pass of 1 + N tokens through the chunk path. Runs on any model and backend:
+CUDA-graph step); with MTP a round is the MTP block's drafts (on the GPU one graph replay each)
+and their verification: one pass of 1 + N tokens through the chunk path on NumPy, one
+decode-graph step per kept token on the GPU (docs/ARCHITECTURE.md, Speculative decoding).
+Runs on any model and backend:
 
     PYTHONPATH=. python3 tools/bench_mtp.py                       # tiny model, NumPy
     PYTHONPATH=. python3 tools/bench_mtp.py --model deepseek-v4-flash --load-format dummy \
