@@ -51,7 +51,7 @@ def top_gap(xp, logits) -> tuple[int, float]:
 
 def verify(session, first: int, drafts: Sequence[int]) -> list[int]:
     """See `Session.verify`."""
-    from ds4.engine import Speculated
+    from ds4.session import Speculated
 
     session._check_decode(session.engine, first)
     room = max(0, session.ctx_size - len(session.tokens) - 1)

@@ -1,6 +1,6 @@
 """The session snapshot format: an .npz of state arrays plus a JSON `__meta__` record.
 
-`Session.snapshot` / `Session.restore` in ds4/engine.py decide what goes in; this module owns
+`Session.snapshot` / `Session.restore` in ds4/session.py decide what goes in; this module owns
 the bytes: the reserved array names, the version, packing, unpacking and the checks a blob
 must pass before a session loads it (docs/ARCHITECTURE.md, Snapshots).
 """

@@ -13,8 +13,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ds4"
 
-ENGINE_MODULES = {"ds4.engine", "ds4.snapshot", "ds4.sampling", "ds4.tokenizer", "ds4.mtp",
-                  "ds4.builtin_model"}
+ENGINE_MODULES = {"ds4.engine", "ds4.session", "ds4.snapshot", "ds4.sampling", "ds4.tokenizer",
+                  "ds4.mtp", "ds4.builtin_model"}
 
 # layer -> layers it may import. chat sees the engine level only through the tokenizer.
 ALLOWED = {
