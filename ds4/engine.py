@@ -76,8 +76,8 @@ class Engine:
             block = (dummy_mtp(cfg, be.xp, seed) if load_format == "dummy" else
                      load_mtp(weights.mtp, cfg, be.xp, weights.low_precision, weight_block(cfg)))
             engine.mtp = MtpBlock(engine.model, block)
-            if be.is_gpu:  # the draws' cached blocks back to the device: cuBLAS allocates
-                be.xp.get_default_memory_pool().free_all_blocks()  # outside CuPy's pool
+        if be.is_gpu:  # loading's cached temporaries back to the device: cuBLAS allocates
+            be.xp.get_default_memory_pool().free_all_blocks()  # outside CuPy's pool
         return engine
 
     @property

@@ -89,9 +89,9 @@ def _decode_steps(session, ids: list[int]) -> tuple[int, list]:
     for j, token in enumerate(ids):
         session._run([token])
         streams.append(session.mtp_state.hidden if session.mtp_state is not None else None)
-        if j + 1 == len(ids) or int(np.argmax(session.logits)) != ids[j + 1]:
-            return j + 1, streams
-    raise AssertionError("unreachable: the last token returns")
+        if j + 1 < len(ids) and int(np.argmax(session.logits)) != ids[j + 1]:
+            break
+    return len(streams), streams
 
 
 def _replay(session, tokens: list[int]) -> None:
