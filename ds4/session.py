@@ -39,6 +39,7 @@ class Speculated:
     tokens: list[int]  # what it appended
     kept: tuple | None  # MtpState.keep of the draft rows (None: no drafts ran)
     streams: object = None  # the pass's final streams [S, hc, D] (the next draft's input)
+    rows: object = None  # one-replay verify: the logits [S, V] of every token where they live
 
 
 @dataclass

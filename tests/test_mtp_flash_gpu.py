@@ -1,7 +1,9 @@
 """MTP at V4-Flash dimensions (4 layers, dummy weights; GPU only). The bench at full size saw
 forced drafts rejected while the tiny model keeps them (2026-12-01, before verification moved
 to graph steps): these pin where the two paths may part: a draft must not move the main
-session's state, and after drafts a chunk pass must agree with the decode graph."""
+session's state, and after drafts a chunk pass must agree with the decode graph. A verify is
+one decode-graph pass (KernelDecoder.verify): its rows must be plain decoding steps bitwise,
+and rejected drafts must leave plain decoding's state (the prompt outlasts the raw window)."""
 
 from __future__ import annotations
 
@@ -75,3 +77,40 @@ def test_after_drafts_a_chunk_pass_agrees_with_the_decode_graph(engine, chunk):
     for got, ref in zip(rows, logits):
         assert int(np.argmax(got)) == int(np.argmax(ref))
         assert np.abs(got - ref).max() <= 1e-2 * np.abs(ref).max()
+
+
+def plain_state(engine, n: int) -> tuple:
+    """(n plain greedy tokens, the state export, logits of the session after them)."""
+    want, logits = plain(engine, n)
+    s = engine.new_session(1024)
+    s.sync(prompt())
+    for t in want:
+        s.decode(t)
+    return want, s.state.export(engine.backend.to_numpy), np.array(s.logits)
+
+
+def assert_state(got: dict, want: dict) -> None:
+    assert [k for k in want if not np.array_equal(got[k], want[k])] == []
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_a_verify_pass_is_plain_decoding_bitwise(engine, count):
+    want, logits = plain(engine, count + 1)
+    s = engine.new_session(1024)
+    s.sync(prompt())
+    assert s.verify(want[0], want[1:count]) == want[:count]
+    assert np.array_equal(np.array(s.logits), logits[count - 1])
+    assert_state(s.state.export(engine.backend.to_numpy), plain_state(engine, count)[1])
+
+
+@pytest.mark.parametrize("wrong", [0, 1, 2])
+def test_rejected_drafts_leave_plain_decodings_state(engine, wrong):
+    want, _ = plain(engine, 5)
+    s = engine.new_session(1024)
+    s.sync(prompt())
+    drafts = list(want[1:4])
+    drafts[wrong] = (drafts[wrong] + 1) % engine.config.vocab_size
+    assert s.verify(want[0], drafts) == want[:1 + wrong]
+    _, state, logits = plain_state(engine, 1 + wrong)
+    assert_state(s.state.export(engine.backend.to_numpy), state)
+    assert np.array_equal(np.array(s.logits), logits)

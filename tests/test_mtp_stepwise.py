@@ -1,7 +1,8 @@
 """Verification where the model decodes through the kernel decoder (the GPU's path), run on
-CPU through the decoder's NumPy twins: a verify decodes the drafts one graph step at a time, so
-speculation gives plain greedy decoding's tokens and state bitwise, forced drafts are all
-kept, and a stop inside the verified tokens (keep_speculated) rolls back exactly."""
+CPU through the decoder's NumPy twins: a verify is one decode-graph pass whose rows are plain
+decoding steps, so speculation gives plain greedy decoding's tokens and state bitwise, forced
+drafts are all kept, and rejected drafts and a stop inside the verified tokens
+(keep_speculated) roll back exactly, wherever the windows close."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from test_mtp import PROMPTS, assert_same_state, main_state, plain_session, spec
 
 from ds4.engine import Engine, default_model_dir
 from ds4.jobs.speculative import DraftOracle
+from ds4.model import gpu_decode
 from ds4.model.gpu_decode import GraphDecode
 
 
@@ -51,3 +53,41 @@ def test_a_stop_inside_the_verified_tokens_rolls_back_to_plain_decoding(engine):
     _, ref = plain_session(engine, ids, 2)
     assert_same_state(main_state(s), main_state(ref))
     assert s.mtp_state.hidden_at == len(s.tokens)  # the next draft starts from here
+
+
+def test_a_verify_is_one_serial_pass_of_the_decode_graph(engine, monkeypatch):
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    want, _ = plain_session(engine, ids, 4)
+    s = engine.new_session(512)
+    s.sync(ids)
+    runs = []
+    real = gpu_decode.KernelDecoder.run
+    monkeypatch.setattr(gpu_decode.KernelDecoder, "run",
+                        lambda self, B, serial=False: runs.append((B, serial)) or
+                        real(self, B, serial))
+    assert s.verify(want[0], want[1:4]) == want[:4]
+    assert runs == [(4, True)]  # 4 tokens, one pass, the state kernels member after member
+
+
+@pytest.mark.parametrize("offset", range(4))
+@pytest.mark.parametrize("wrong", range(3))
+def test_rejected_drafts_leave_the_state_of_plain_decoding(engine, offset, wrong):
+    """Drafts wrong from the `wrong`-th on, at every phase of the CSA's 4-token windows (a
+    rejected token closes one in some of these): the session equals one that decoded only
+    the accepted tokens. The prompt is longer than the raw window, so the ring has wrapped:
+    each token's ring row is one the tokens before it still attend until they have run."""
+    ids = engine.tokenizer.encode(" ".join(PROMPTS) * 3)
+    assert len(ids) > engine.config.sliding_window
+    want, _ = plain_session(engine, ids, offset + 4)
+    s = engine.new_session(512)
+    s.sync(ids)
+    for token in want[:offset]:
+        s.decode(token)
+    drafts = list(want[offset + 1:offset + 4])
+    drafts[wrong] = (drafts[wrong] + 1) % engine.config.vocab_size
+    assert s.verify(want[offset], drafts) == want[offset:offset + 1 + wrong]
+    _, ref = plain_session(engine, ids, offset + 1 + wrong)
+    assert_same_state(main_state(s), main_state(ref))
+    s.decode(want[offset + 1 + wrong])  # and decoding goes on as plain decoding does
+    ref.decode(want[offset + 1 + wrong])
+    assert_same_state(main_state(s), main_state(ref))

@@ -4,13 +4,14 @@ ceiling at forced 100% acceptance (drafts = the tokens plain greedy produced).
 Every mode decodes the same prompt greedily for --tokens tokens and must produce the plain
 run's tokens (the `same` column). Without MTP a token is `Session.decode` (on the GPU its
 CUDA-graph step); with MTP a round is the MTP block's drafts (on the GPU one graph replay each)
-and their verification: one pass of 1 + N tokens through the chunk path on NumPy, one
-decode-graph step per kept token on the GPU (docs/ARCHITECTURE.md, Speculative decoding).
-Runs on any model and backend:
+and their verification: one pass of 1 + N tokens, through the chunk path on NumPy and as one
+replay of the decode graph with N + 1 members on the GPU (docs/ARCHITECTURE.md, Speculative
+decoding). Runs on any model and backend; --layers N keeps a model's first N layers (the
+full-size model overflows to host memory on one H200, whose reads grow with every token):
 
     PYTHONPATH=. python3 tools/bench_mtp.py                       # tiny model, NumPy
     PYTHONPATH=. python3 tools/bench_mtp.py --model deepseek-v4-flash --load-format dummy \
-        --backend cupy --tokens 64 --drafts 1,2,3
+        --backend cupy --tokens 64 --drafts 1,2,3 [--layers 4]
 """
 
 from __future__ import annotations
@@ -111,17 +112,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafts", default="1,2,3", help="draft lengths, comma-separated")
     p.add_argument("--margin", type=float, default=0.0, help="--mtp-margin")
     p.add_argument("--ctx", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=None,
+                   help="only the model's first N layers (with --load-format dummy)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     a = p.parse_args(argv)
     a.drafts = [int(d) for d in a.drafts.split(",")]
-    engine = Engine.open(a.model or default_model_dir(), backend=a.backend,
+    model = a.model or default_model_dir()
+    if a.layers is not None:
+        from bench_batch import first_layers
+
+        model = first_layers(model, a.layers)
+    engine = Engine.open(model, backend=a.backend,
                          load_format=a.load_format, seed=a.seed,
                          gpu_memory_gib=a.gpu_memory_gib, ctx=a.ctx, mtp=True)
     results = rows(engine, a)
     if a.json:
         print(json.dumps(results, indent=2))
     else:
-        header = (f"model {a.model or 'tiny'}, backend {engine.backend.name}, prompt "
+        layers = "" if a.layers is None else f" (first {a.layers} layers)"
+        header = (f"model {a.model or 'tiny'}{layers}, backend {engine.backend.name}, prompt "
                   f"{a.prompt_tokens} tokens, {a.tokens} greedy tokens, margin {a.margin}")
         print(table(results, header))
     return 0 if all(r["same"] for r in results) else 1

@@ -50,12 +50,13 @@ class MemberTable:
         self.members: list = []
         self._addresses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def fill(self, states: list, tokens: list[int], stream=None, live: int | None = None) -> None:
-        """Write every member's position, token and addresses, and how many of them (the first
-        `live`, default all) are live; one host-to-device copy."""
+    def fill(self, states: list, tokens: list[int], stream=None, live: int | None = None,
+             positions: list[int] | None = None) -> None:
+        """Write every member's position (default: its state's n), token and addresses, and how
+        many of them (the first `live`, default all) are live; one host-to-device copy."""
         B = self.batch
         words = self.host[:B].view(np.int32)
-        words[:B] = [s.n for s in states]
+        words[:B] = [s.n for s in states] if positions is None else positions
         words[B:] = tokens
         self.host[-1] = len(states) if live is None else live  # low int32 word: little-endian
         grid = self.host[B:-1].reshape(self.layers, SLOTS, B)

@@ -43,6 +43,7 @@ from ds4.model.state import SessionState
 
 SIZES = (1, 2, 4, 8)  # batch sizes with a graph; a batch runs in the smallest that holds it
 MAX_MEMBERS = SIZES[-1]
+VERIFY_SIZE = 4  # most tokens of one session one `verify` replay takes
 
 
 class KernelDecoder:
@@ -58,14 +59,15 @@ class KernelDecoder:
         self.buf = self._buffers(cfg)
         self.rows = self._row_views()
         self.tables = {B: MemberTable(xp, cfg.num_hidden_layers, B) for B in SIZES}
+        self.serial = [MemberTable(xp, cfg.num_hidden_layers, 1) for _ in range(VERIFY_SIZE)]
         self.projections = [self._projection_plan(t) for t in layers]
         self.moe_scratch = row_moe_scratch(xp, cfg, layers, MAX_MEMBERS)
         self.row_moe = [self.moe_scratch is not None
                         and row_moe_fits(t, MAX_MEMBERS, cfg.num_experts_per_tok) for t in layers]
         self.keys = [0] * cfg.num_hidden_layers  # most keys a query attends, per layer (grids)
         self.index_rows = 1  # most compressed rows an indexer scores (grid, scores buffer)
-        self.graphs: dict = {}  # batch size -> captured graph
-        self._warm: set = set()  # batch sizes that ran one eager step (kernels compiled)
+        self.graphs: dict = {}  # batch size (a verify's: ("verify", size)) -> captured graph
+        self._warm: set = set()  # graph keys that ran one eager step (kernels compiled)
         self._idle: SessionState | None = None
         self._capacities: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._stream = None
@@ -134,6 +136,23 @@ class KernelDecoder:
                               [int(t) for t in tokens[s:s + MAX_MEMBERS]])
         return out
 
+    def verify(self, state, tokens: list[int]):
+        """Tokens (at most VERIFY_SIZE) appended to one session at positions state.n.. in one
+        replay, as consecutive steps: every matrix is read once for all of them while the
+        kernels that read and write the session's state run member after member, each seeing
+        what the ones before it wrote. Fresh logits [T, V]; row j is bitwise what decoding
+        tokens[:j + 1] one step at a time gives (the rows are computed the same way)."""
+        T = len(tokens)
+        assert 1 <= T <= VERIFY_SIZE
+        states, positions = [state] * T, [state.n + j for j in range(T)]
+        if self.cp is np:
+            self.run(self.prepare(states, tokens, positions=positions), serial=True)
+            logits = self.buf["logits"][:T].copy()
+        else:
+            logits = self._replay(states, tokens, positions)
+        state.n += T
+        return logits
+
     def _step(self, states: list, tokens: list[int]) -> list:
         if self.cp is np:  # the NumPy twins (tests): eager, no stream
             self.run(self.prepare(states, tokens))
@@ -144,32 +163,40 @@ class KernelDecoder:
             s.n += 1
         return [logits[b] for b in range(len(states))]
 
-    def prepare(self, states: list, tokens: list[int], stream=None) -> int:
+    def prepare(self, states: list, tokens: list[int], stream=None,
+                positions: list[int] | None = None) -> int:
         """Fill the member table of the smallest graph size that holds these (at most 8)
-        sessions, idle members padding it; returns that size, what `run` then takes."""
+        sessions, idle members padding it; returns that size, what `run` then takes. With
+        positions (a verify: one session at consecutive positions), member j's table of one
+        too (what the state kernels of a serial `run` read)."""
         B = next(size for size in SIZES if size >= len(states))
         idle = B - len(states)
         members = list(states) + [self.idle_state()] * idle  # idle rows compute, are dropped
+        tokens = list(tokens) + [0] * idle
         self._fit(members)
-        self.tables[B].fill(members, list(tokens) + [0] * idle, stream=stream,
-                            live=len(states))
+        at = None if positions is None else list(positions) + [0] * idle
+        self.tables[B].fill(members, tokens, stream=stream, live=len(states), positions=at)
+        for j in range(B if positions is not None else 0):
+            self.serial[j].fill(members[j:j + 1], tokens[j:j + 1], stream=stream,
+                                positions=at[j:j + 1])
         return B
 
-    def _replay(self, states: list, tokens: list[int]):
-        cp, stream = self.cp, self.stream
+    def _replay(self, states: list, tokens: list[int], positions: list[int] | None = None):
+        cp, stream, serial = self.cp, self.stream, positions is not None
         stream.wait_event(cp.cuda.get_current_stream().record())
         with stream:
-            B = self.prepare(states, tokens, stream=stream)
-            graph = self.graphs.get(B) if self.use_graphs else None
-            if graph is None and self.use_graphs and B in self._warm:
+            B = self.prepare(states, tokens, stream=stream, positions=positions)
+            key = ("verify", B) if serial else B
+            graph = self.graphs.get(key) if self.use_graphs else None
+            if graph is None and self.use_graphs and key in self._warm:
                 stream.begin_capture()
-                self.run(B)
-                self.graphs[B] = graph = stream.end_capture()
+                self.run(B, serial)
+                self.graphs[key] = graph = stream.end_capture()
             if graph is not None:
                 graph.launch(stream)
             else:  # a size's first step: eager, which also compiles and loads every kernel
-                self.run(B)
-                self._warm.add(B)
+                self.run(B, serial)
+                self._warm.add(key)
             logits = self.buf["logits"][:len(states)].copy()
         cp.cuda.get_current_stream().wait_event(stream.record())
         return logits
@@ -224,19 +251,20 @@ class KernelDecoder:
             self._stream = self.cp.cuda.Stream(non_blocking=True)
         return self._stream
 
-    def run(self, B: int) -> None:
-        """Enqueue one decode step for the B members of tables[B] (no host syncs)."""
+    def run(self, B: int, serial: bool = False) -> None:
+        """Enqueue one decode step for the B members of tables[B] (no host syncs); serial:
+        the state kernels run member after member through `serial` (see `verify`)."""
         hc.embed_streams(self.top["embed"], self.tables[B].tokens, self.buf["X"][:B])
         for i in range(self.cfg.num_hidden_layers):
-            self.run_layer(i, B)
+            self.run_layer(i, B, serial)
         self.run_head(B)
 
-    def run_layer(self, i: int, B: int) -> None:
+    def run_layer(self, i: int, B: int, serial: bool = False) -> None:
         """Layer i on the residual streams X[:B]: mHC + attention, then mHC + MoE."""
         t, b = self.layers[i], self.buf
         X = b["X"][:B]
         self._block(t, "attn_hc", "input_layernorm.weight", B)
-        self._attention(i, t, B)
+        self._attention(i, t, B, serial)
         hc.hc_post(X, b["y"][:B], b["post_comb"][:B], X)
         self._block(t, "ffn_hc", "post_attention_layernorm.weight", B)
         self._moe(i, t, B)
@@ -260,69 +288,88 @@ class KernelDecoder:
                        b["h"][:B], b["post_comb"][:B], cfg.hc_sinkhorn_iters, cfg.hc_eps,
                        cfg.rms_norm_eps)
 
-    def _attention(self, i: int, t: dict, B: int) -> None:
-        """y = attention output of layer i for h, updating each member's layer state."""
+    def _attention(self, i: int, t: dict, B: int, serial: bool = False) -> None:
+        """y = attention output of layer i for h, updating each member's layer state (serial:
+        the state kernels run member after member, see `verify`)."""
         cfg, b, eps, r = self.cfg, self.buf, self.cfg.rms_norm_eps, self.cfg.qk_rope_head_dim
-        H, d, window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
-        kind = cfg.layer_types[i]
-        tab, freqs = self.tables[B], self.freqs["main" if kind == SLIDING else "compress"]
+        H, d = cfg.num_attention_heads, cfg.head_dim
+        tab, freqs = self.tables[B], self.freqs["main" if cfg.layer_types[i] == SLIDING
+                                                else "compress"]
         self.projections[i].run(b["h"], B)
         qlat, q = b["qlat"][:B], b["q"][:B].reshape(-1, d)
         rms_norm(qlat, t["self_attn.q_a_norm.weight"], qlat, eps)
         matvec_rows(t["self_attn.q_b_proj.weight"], b["qlat"], b["q"].reshape(MAX_MEMBERS, -1), B)
         rms_norm_rope(q, None, eps, tab.pos, freqs, r, rows_per_pos=H)
-        at.attention_store_kv_m(b["kv"][:B], t["self_attn.kv_norm.weight"], freqs, tab, i, RAW,
-                                window, r, eps)
-        if self.kv_fp8:
-            quant.kv_fp8_slot_m(tab, i, RAW, d, d - r, window)
-        comp, sel, count, ratio = None, None, None, 0
-        if kind != SLIDING:
-            ratio = cfg.compress_ratio(i)
-            self._compress(t, "self_attn.compressor.", tab, i, COMPRESSOR, d, freqs, "ckv", "cg",
-                           B)
-            comp = COMPRESSOR_ROWS
-            if self.kv_fp8:
-                quant.kv_fp8_closed_m(tab, i, comp, d, d - r, ratio)
-        if kind == CSA:
-            self._index(t, tab, i, freqs, B)
-            sel, count = b["sel"][:B], b["sel_count"][:B]
+        if cfg.layer_types[i] == CSA:
+            self._index_queries(t, tab, freqs, B)
         fused = d % 32 == 0  # the combine kernel turns the output back (whole warps of pairs)
-        at.attention_decode_m(b["q"][:B], tab, i, RAW, comp, window, sel, count, ratio,
-                              t["self_attn.sinks"], b["o"][:B], self.keys[i], b["attn_part"][:B],
-                              freqs if fused else None, r)
+        lanes = ([(self.serial[j], slice(j, j + 1)) for j in range(B)] if serial
+                 else [(tab, slice(0, B))])
+        for lane, rows in lanes:
+            self._attend(i, t, lane, rows, freqs, fused)
         if not fused:
             rope_tail(b["o"][:B].reshape(-1, d), tab.pos, freqs, r, rows_per_pos=H, sign=-1.0)
         matvec_rows(t["self_attn.o_a_proj.weight"], b["o"].reshape(MAX_MEMBERS, -1), b["z"], B,
                     rows_per_group=cfg.o_lora_rank)
         matvec_rows(t["self_attn.o_b_proj.weight"], b["z"], b["y"], B)
 
+    def _attend(self, i: int, t: dict, tab, rows: slice, freqs, fused: bool) -> None:
+        """The kernels of layer i that read and write state, for the members of `tab` (the
+        buffers' rows `rows`): store the raw KV row, feed the compressors, select, attend."""
+        cfg, b, r = self.cfg, self.buf, self.cfg.qk_rope_head_dim
+        d, window, kind = cfg.head_dim, cfg.sliding_window, cfg.layer_types[i]
+        at.attention_store_kv_m(b["kv"][rows], t["self_attn.kv_norm.weight"], freqs, tab, i,
+                                RAW, window, r, cfg.rms_norm_eps)
+        if self.kv_fp8:
+            quant.kv_fp8_slot_m(tab, i, RAW, d, d - r, window)
+        comp, sel, count, ratio = None, None, None, 0
+        if kind != SLIDING:
+            ratio = cfg.compress_ratio(i)
+            self._compress(t, "self_attn.compressor.", tab, i, COMPRESSOR, d, freqs, "ckv", "cg",
+                           rows)
+            comp = COMPRESSOR_ROWS
+            if self.kv_fp8:
+                quant.kv_fp8_closed_m(tab, i, comp, d, d - r, ratio)
+        if kind == CSA:
+            self._index(t, tab, i, freqs, rows)
+            sel, count = b["sel"][rows], b["sel_count"][rows]
+        at.attention_decode_m(b["q"][rows], tab, i, RAW, comp, window, sel, count, ratio,
+                              t["self_attn.sinks"], b["o"][rows], self.keys[i],
+                              b["attn_part"][rows], freqs if fused else None, r)
+
     def _compress(self, t: dict, prefix: str, tab, i: int, slot: int, hd: int, freqs, kv: str,
-                  gate: str, B: int) -> None:
+                  gate: str, rows: slice) -> None:
         """Feed each member's projected row (buffers kv, gate) to its compressor; pool its
         window into the compressed rows when this token closes it."""
         m, cw = self.cfg.compress_ratio(i), t[prefix + "kv_proj.weight"].shape[0]
-        cm.compressor_step_m(self.buf[kv][:B], self.buf[gate][:B], t[prefix + "position_bias"],
-                             tab, i, slot, t[prefix + "kv_norm.weight"], freqs, m, cw, hd,
+        cm.compressor_step_m(self.buf[kv][rows], self.buf[gate][rows],
+                             t[prefix + "position_bias"], tab, i, slot,
+                             t[prefix + "kv_norm.weight"], freqs, m, cw, hd,
                              self.cfg.qk_rope_head_dim, self.cfg.rms_norm_eps)
 
-    def _index(self, t: dict, tab, i: int, freqs, B: int) -> None:
-        """Indexer keys for this token, then the top-k entries each query attends (sel); its
-        projections of h are already in ickv/icg/head_w."""
+    def _index_queries(self, t: dict, tab, freqs, B: int) -> None:
+        """The indexer's queries of every member (iq), from qlat: what reads no state."""
         cfg, b, p = self.cfg, self.buf, "self_attn.compressor.indexer."
-        ihd, ratio, rows = cfg.index_head_dim, cfg.compress_ratio(i), INDEXER_ROWS
-        self._compress(t, p, tab, i, INDEXER, ihd, freqs, "ickv", "icg", B)
-        if self.indexer_fp4:
-            quant.hadamard_fp4_m(tab, i, rows, ihd, ratio)
+        ihd = cfg.index_head_dim
         matvec_rows(t[p + "q_b_proj.weight"], b["qlat"], b["iq"].reshape(MAX_MEMBERS, -1), B)
-        iq = b["iq"][:B]
-        rope_tail(iq.reshape(-1, ihd), tab.pos, freqs, cfg.qk_rope_head_dim,
-                  rows_per_pos=cfg.index_n_heads)
+        iq = b["iq"][:B].reshape(-1, ihd)
+        rope_tail(iq, tab.pos, freqs, cfg.qk_rope_head_dim, rows_per_pos=cfg.index_n_heads)
         if self.indexer_fp4:
-            quant.hadamard_fp4(iq.reshape(-1, ihd), tab.pos)
-        scores = b["scores"][:B]
-        ix.indexer_scores_m(iq, b["head_w"][:B], tab, i, rows, self.index_rows, ratio, scores)
-        sampling.topk_select(scores, cfg.index_topk, b["sel"][:B], b["sel_count"][:B], tab.pos,
-                             ratio)
+            quant.hadamard_fp4(iq, tab.pos)
+
+    def _index(self, t: dict, tab, i: int, freqs, rows: slice) -> None:
+        """Indexer keys for this token, then the top-k entries each query attends (sel); its
+        projections of h are already in ickv/icg/head_w, its queries in iq."""
+        cfg, b, p = self.cfg, self.buf, "self_attn.compressor.indexer."
+        ihd, ratio, slot = cfg.index_head_dim, cfg.compress_ratio(i), INDEXER_ROWS
+        self._compress(t, p, tab, i, INDEXER, ihd, freqs, "ickv", "icg", rows)
+        if self.indexer_fp4:
+            quant.hadamard_fp4_m(tab, i, slot, ihd, ratio)
+        scores = b["scores"][rows]
+        ix.indexer_scores_m(b["iq"][rows], b["head_w"][rows], tab, i, slot, self.index_rows,
+                            ratio, scores)
+        sampling.topk_select(scores, cfg.index_topk, b["sel"][rows], b["sel_count"][rows],
+                             tab.pos, ratio)
 
     def _moe(self, i: int, t: dict, B: int) -> None:
         """y = routed experts + shared expert of h, per member."""
@@ -354,9 +401,17 @@ class GraphDecode:
             self.decoder = KernelDecoder.from_model(self.model)
         return self.decoder.decode_batch(states, tokens)
 
-    def last_streams(self):
-        """A copy of the final streams [hc, D] of the last single step (what MTP drafts from)."""
-        return self.decoder.buf["X"][0].copy()
+    def verify(self, state, tokens: list[int]):
+        """Logits [T, V] of tokens appended to one session as consecutive steps, one graph
+        replay (see KernelDecoder.verify)."""
+        if self.decoder is None:
+            self.decoder = KernelDecoder.from_model(self.model)
+        return self.decoder.verify(state, tokens)
+
+    def last_streams(self, row: int = 0):
+        """A copy of the final streams [hc, D] of the last step's member `row` (of a verify:
+        its token `row`), what MTP drafts from."""
+        return self.decoder.buf["X"][row].copy()
 
 
 def kernel_decoder_for(model) -> GraphDecode | None:
