@@ -118,10 +118,10 @@ class Session:
 
     def verify(self, first: int, drafts: Sequence[int]) -> list[int]:
         """Append `first` and the longest prefix of `drafts` that greedy decoding confirms;
-        returns the tokens appended. Verified in one forward pass of 1 + len(drafts) tokens,
-        or where the model decodes through CUDA graphs one graph step per token up to the
-        first rejected draft (bitwise plain decoding). A rejected suffix is rolled back
-        exactly (the state is that of never drafting)."""
+        returns the tokens appended. Verified in one forward pass of 1 + len(drafts) tokens
+        (where the model decodes through CUDA graphs, one decode-graph replay whose rows are
+        plain decoding steps bitwise). A rejected suffix is rolled back exactly (the state is
+        that of never drafting)."""
         from ds4.mtp import verify
 
         return verify(self, first, drafts)

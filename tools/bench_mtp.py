@@ -5,9 +5,10 @@ Every mode decodes the same prompt greedily for --tokens tokens and must produce
 run's tokens (the `same` column). Without MTP a token is `Session.decode` (on the GPU its
 CUDA-graph step); with MTP a round is the MTP block's drafts (on the GPU one graph replay each)
 and their verification: one pass of 1 + N tokens, through the chunk path on NumPy and as one
-replay of the decode graph with N + 1 members on the GPU (docs/ARCHITECTURE.md, Speculative
-decoding). Runs on any model and backend; --layers N keeps a model's first N layers (the
-full-size model overflows to host memory on one H200, whose reads grow with every token):
+replay of the decode graph with N + 1 members on the GPU
+(docs/ARCHITECTURE.md, Speculative decoding). Runs on any model and backend; --layers N keeps
+a model's first N layers (the full-size model overflows to host memory on one H200, whose
+reads grow with every token):
 
     PYTHONPATH=. python3 tools/bench_mtp.py                       # tiny model, NumPy
     PYTHONPATH=. python3 tools/bench_mtp.py --model deepseek-v4-flash --load-format dummy \

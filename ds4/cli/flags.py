@@ -50,9 +50,9 @@ def add_mtp(p: argparse.ArgumentParser) -> None:
     """`--mtp`, `--mtp-draft N`, `--mtp-margin X`: speculative decoding of greedy requests."""
     p.add_argument("--mtp", action="store_true",
                    help="speculative decoding with the checkpoint's MTP block: greedy "
-                        "(temperature 0) generations draft tokens and verify them (one "
-                        "forward pass on CPU, one decode-graph step per kept token on the "
-                        "GPU); output is identical to plain greedy decoding; sampled ones "
+                        "(temperature 0) generations draft tokens and verify them in one "
+                        "forward pass (on the GPU one decode-graph replay); output is "
+                        "identical to plain greedy decoding; sampled ones "
                         "decode normally. Greedy MTP jobs decode alone (never in a batched "
                         "decode step)")
     p.add_argument("--mtp-draft", type=draft_count, default=1, metavar="N",
