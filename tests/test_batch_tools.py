@@ -46,3 +46,14 @@ def test_bench_parallel_streams_mode(capsys):
     assert [r[0] for r in rows] == ["1", "2"]
     assert all(float(r[1]) > 0 for r in rows)
     assert float(rows[0][4]) == 1.0  # one stream: every step decodes one session
+
+
+def test_bench_mtp_keeps_plain_tokens_on_a_model_cut_to_its_first_layers(capsys):
+    bench = load_tool("bench_mtp")
+    assert bench.main(["--backend", "numpy", "--tokens", "6", "--prompt-tokens", "12",
+                       "--drafts", "2", "--layers", "4", "--load-format", "dummy"]) == 0
+    out = capsys.readouterr().out
+    assert "(first 4 layers)" in out
+    rows = {r[0]: r for r in table_rows(out)}
+    assert rows["forced"][3] == "100.0%" and rows["forced"][5] == "yes"
+    assert rows["mtp"][5] == "yes" and float(rows["plain"][2]) > 0

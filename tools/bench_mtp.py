@@ -23,6 +23,7 @@ import sys
 import time
 
 import numpy as np
+from bench_batch import first_layers
 
 from ds4.engine import Engine, default_model_dir
 from ds4.jobs.speculative import DraftOracle, SpeculationConfig, Speculator
@@ -120,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     a.drafts = [int(d) for d in a.drafts.split(",")]
     model = a.model or default_model_dir()
     if a.layers is not None:
-        from bench_batch import first_layers
-
+        if a.load_format != "dummy":
+            p.error("--layers takes --load-format dummy (the cut model has no weight files)")
         model = first_layers(model, a.layers)
     engine = Engine.open(model, backend=a.backend,
                          load_format=a.load_format, seed=a.seed,
