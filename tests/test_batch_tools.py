@@ -46,6 +46,8 @@ def test_bench_parallel_streams_mode(capsys):
     assert [r[0] for r in rows] == ["1", "2"]
     assert all(float(r[1]) > 0 for r in rows)
     assert float(rows[0][4]) == 1.0  # one stream: every step decodes one session
+    bounds = [float(r[5]) for r in rows]  # a batch reads shared bytes once: a higher bound
+    assert 0 < bounds[0] <= bounds[1] and all(0 < float(r[6].rstrip("%")) for r in rows)
 
 
 def test_bench_mtp_keeps_plain_tokens_on_a_model_cut_to_its_first_layers(capsys):

@@ -4,15 +4,20 @@ both clients and prints the settings line and a full table."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_parallel.py"
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("bench_parallel", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(TOOL.parent))  # it imports bench_batch by module name
+    try:
+        spec = importlib.util.spec_from_file_location("bench_parallel", TOOL)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(TOOL.parent))
     return module
 
 

@@ -15,7 +15,8 @@ one decode burst (DS4_SERVER_SCHED_PREFILL_MS + decode-burst tokens x A's own pe
 before B arrived).
 
 --streams 1,2,4,8 measures instead the aggregate decode tok/s of N concurrent greedy streams on
-one server of --parallel max(N) (see concurrent_streams).
+one server of --parallel max(N) (see concurrent_streams), each against the bytes-read bound of
+its mean decode batch (see decode_bounds).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ import threading
 import time
 
 import httpx
+from bench_batch import copy_bandwidth, distinct_experts, expert_bytes, shared_bytes
 
-from ds4.engine import default_model_dir
+from ds4.engine import Engine, default_model_dir
 from ds4.jobs.scheduler import SchedulerConfig
 from ds4.tokenizer import Tokenizer
 
@@ -301,17 +303,39 @@ def streams_main(argv: list[str]) -> int:
             row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             row["mean batch"] = (sessions - rows0) / max(1.0, steps - steps0)
             rows.append(row)
+    bandwidth = decode_bounds(args, rows)  # after the server stopped: its device is free
     print(f"{args.stream_tokens} greedy tokens per stream, one server of --parallel "
-          f"{max(counts)}, median of {args.repeat}; load average {os.getloadavg()[0]:.2f}")
+          f"{max(counts)}, median of {args.repeat}; load average {os.getloadavg()[0]:.2f}; "
+          f"bound read at the copy rate {bandwidth / 1e9:.1f} GB/s")
     print(f"| {'streams':>7} | {'aggregate tok/s':>15} | {'x 1 stream':>10} | "
-          f"{'per-stream tok/s':>16} | {'mean batch':>10} |")
-    print(f"|{'-' * 9}|{'-' * 17}|{'-' * 12}|{'-' * 18}|{'-' * 12}|")
+          f"{'per-stream tok/s':>16} | {'mean batch':>10} | {'bound tok/s':>11} | "
+          f"{'of bound':>8} |")
+    print("|" + "|".join("-" * w for w in (9, 17, 12, 18, 12, 13, 10)) + "|")
     base = rows[0]["aggregate tok/s"]
     for r in rows:
         print(f"| {r['streams']:>7} | {r['aggregate tok/s']:>15.1f} | "
               f"{r['aggregate tok/s'] / base:>9.2f}x | {r['per-stream tok/s']:>16.1f} | "
-              f"{r['mean batch']:>10.2f} |")
+              f"{r['mean batch']:>10.2f} | {r['bound tok/s']:>11.1f} | "
+              f"{100 * r['aggregate tok/s'] / r['bound tok/s']:>7.1f}% |")
     return 0
+
+
+def decode_bounds(args: argparse.Namespace, rows: list[dict]) -> float:
+    """Give each row the tok/s its mean decode batch b could reach if a step only read its
+    bytes (tools/bench_batch.py's bound: every non-expert weight once, each distinct routed
+    expert once, uniform routing's E (1 - (1 - k/E)^b) of them, all at this device's copy
+    rate, host-held experts too): b / (bytes / rate). The bytes come from an engine of the
+    server's model opened here; returns the copy rate."""
+    engine = Engine.open(args.model or default_model_dir(), backend=args.backend,
+                         load_format=args.load_format, gpu_memory_gib=args.gpu_memory_gib,
+                         prefill_chunk=args.prefill_chunk)
+    bandwidth, per_expert = copy_bandwidth(engine.backend.xp), expert_bytes(engine)
+    for r in rows:
+        b = max(1.0, r["mean batch"])
+        moved = shared_bytes(engine, round(b)) + sum(
+            distinct_experts([], engine.config, b) * e for e in per_expert)
+        r["bound tok/s"] = b * bandwidth / moved
+    return bandwidth
 
 
 if __name__ == "__main__":
