@@ -205,8 +205,27 @@ extern "C" __global__ void hc_post_rows(const float* X, const float* __restrict_
                               Xout + r * n * D, D, n, d);
 }
 
+// Sum of v over the first `threads` threads of the block (whole warps; the others never call
+// it), through named barrier 1; `shared` holds 32 floats. Every caller gets the result.
+__device__ __forceinline__ float group_sum(float v, float* shared, int threads) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) shared[warp] = v;
+    asm volatile("bar.sync 1, %0;" ::"r"(threads));
+    if (warp == 0) {
+        float t = lane < threads / 32 ? shared[lane] : 0.f;
+        t = warp_sum(t);
+        if (lane == 0) shared[31] = t;
+    }
+    asm volatile("bar.sync 1, %0;" ::"r"(threads));
+    return shared[31];
+}
+
 // hc_pre and the sub-block's RMSNorm in one block of 1024 threads (D <= 8192):
 // u = sum_i pre_i X_i, h = u * rsqrt(mean(u^2) + norm_eps) * norm_w; post/comb as hc_pre.
+// Where one warp computes the weights (n a power of two, n * n <= 32), the last warp runs the
+// Sinkhorn (only comb needs it) while the others, each deriving pre itself by the same
+// expression, sum and normalise: the two overlap instead of following each other.
 extern "C" __global__ void hc_pre_norm(const float* __restrict__ mix,
                                        const float* __restrict__ scale,
                                        const float* __restrict__ base, const float* __restrict__ X,
@@ -214,37 +233,49 @@ extern "C" __global__ void hc_pre_norm(const float* __restrict__ mix,
                                        float* post_comb, int D, int n, int iters, float eps,
                                        float norm_eps) {
     __shared__ float pre[MAX_STREAMS], post[MAX_STREAMS], comb[MAX_STREAMS * MAX_STREAMS];
-    __shared__ float red[32];
+    __shared__ float red[32], pre_sum[MAX_STREAMS];  // pre_sum: the summing warps' own copy
     size_t b = blockIdx.z;  // member of a batch: every operand [B, ...]
     mix += b * (2 + n) * n;
     X += b * n * D;
     h += b * D;
     post_comb += b * (n + n * n);
-    if ((n & (n - 1)) == 0 && n * n <= 32) {
-        if (threadIdx.x < 32) hc_weights_warp(mix, scale, base, n, iters, eps, pre, post, comb);
-    } else if (threadIdx.x == 0) {
-        hc_weights(mix, scale, base, n, iters, eps, pre, post, comb);
+    int threads = blockDim.x - 32;
+    const float* p = pre_sum;
+    if ((n & (n - 1)) != 0 || n * n > 32) {  // serial weights in thread 0, then all threads
+        if (threadIdx.x == 0) hc_weights(mix, scale, base, n, iters, eps, pre, post, comb);
+        __syncthreads();
+        for (int i = threadIdx.x; i < n + n * n; i += blockDim.x)
+            post_comb[i] = i < n ? post[i] : comb[i - n];
+        threads = blockDim.x;
+        p = pre;
+    } else if ((int)threadIdx.x >= threads) {  // the last warp: pre, post and the Sinkhorn
+        hc_weights_warp(mix, scale, base, n, iters, eps, pre, post, comb);
+        __syncwarp();
+        for (int i = threadIdx.x - threads; i < n + n * n; i += 32)
+            post_comb[i] = i < n ? post[i] : comb[i - n];
+        return;
+    } else {
+        if (threadIdx.x < (unsigned)n)  // hc_weights_warp's expression for pre, bit for bit
+            pre_sum[threadIdx.x] = sigmoidf(mix[threadIdx.x] * scale[0] + base[threadIdx.x]) + eps;
+        asm volatile("bar.sync 1, %0;" ::"r"(threads));
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < n + n * n; i += blockDim.x)
-        post_comb[i] = i < n ? post[i] : comb[i - n];
-    float u[8];
+    float u[9];
     float ss = 0.f;
 #pragma unroll
-    for (int k = 0; k < 8; k++) {
-        int d = threadIdx.x + k * blockDim.x;
+    for (int k = 0; k < 9; k++) {
+        int d = threadIdx.x + k * threads;
         u[k] = 0.f;
         if (d < D) {
 #pragma unroll
             for (int i = 0; i < MAX_STREAMS; i++)
-                if (i < n) u[k] += pre[i] * X[(size_t)i * D + d];
+                if (i < n) u[k] += p[i] * X[(size_t)i * D + d];
             ss += u[k] * u[k];
         }
     }
-    float r = rsqrtf(block_sum(ss, red) / D + norm_eps);
+    float r = rsqrtf(group_sum(ss, red, threads) / D + norm_eps);
 #pragma unroll
-    for (int k = 0; k < 8; k++) {
-        int d = threadIdx.x + k * blockDim.x;
+    for (int k = 0; k < 9; k++) {
+        int d = threadIdx.x + k * threads;
         if (d < D) h[d] = u[k] * r * norm_w[d];
     }
 }
