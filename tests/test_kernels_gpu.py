@@ -196,6 +196,23 @@ def test_argmax_ties(cp, rng):
     assert g[0] == n[0] == 777
 
 
+@pytest.mark.parametrize("hashed", [False, True])
+def test_moe_route_of_a_batch_is_each_members_own(cp, rng, hashed):
+    """One launch for B = 5 members equals the twin row by row (and so five single launches)."""
+    from ds4.kernels import moe
+
+    B, E, top_k = 5, 256, 6
+    logits, bias = randn(rng, B, E), randn(rng, E, scale=0.1)
+    tid2eid = rng.integers(0, E, (50, top_k)).astype(np.int32) if hashed else None
+    token = rng.integers(0, 50, B).astype(np.int32)
+    idx, wts = np.zeros((8, top_k), np.int32), np.zeros((8, top_k), np.float32)
+    args = (logits, bias, tid2eid, token, top_k, 1.5, idx[:B], wts[:B])
+    g_idx, n_idx = both(cp, moe.moe_route, moe.moe_route_numpy, *args, out_index=6)
+    g_w, n_w = both(cp, moe.moe_route, moe.moe_route_numpy, *args, out_index=7)
+    assert np.array_equal(g_idx, n_idx) and rel_err(g_w, n_w) < 1e-6
+    assert len({tuple(row) for row in g_idx}) == B  # each row routed by its own logits
+
+
 @pytest.mark.parametrize("hashed,bf16", [(False, True), (True, True), (False, False)])
 def test_moe(cp, rng, hashed, bf16):
     from ds4.kernels import moe, to_bf16

@@ -12,7 +12,13 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits,
                                      const float* __restrict__ bias,
                                      const int* __restrict__ tid2eid,
                                      const int* __restrict__ token, int n_experts, int top_k,
-                                     float route_scale, int* idx, float* wts) {
+                                     float route_scale, int* idx, float* wts, int logits_ld,
+                                     int out_ld) {
+    // member blockIdx.z of a batch: logits [B, logits_ld], token [B], idx/wts [B, out_ld]
+    logits += (size_t)blockIdx.z * logits_ld;
+    token += blockIdx.z;
+    idx += (size_t)blockIdx.z * out_ld;
+    wts += (size_t)blockIdx.z * out_ld;
     __shared__ float score[1024], choice[1024];
     __shared__ float bv[32];
     __shared__ int bi[32], picked[32];

@@ -11,17 +11,29 @@ WARPS_PER_BLOCK = 8
 
 
 def moe_route(logits, bias, tid2eid, token, top_k: int, route_scale: float, idx, wts):
-    """idx/wts of the top_k experts by sqrt(softplus(logits)) (+ bias), or tid2eid[token]."""
-    n = logits.shape[0]
+    """idx/wts of the top_k experts by sqrt(softplus(logits)) (+ bias), or tid2eid[token]; for
+    a batch, logits [B, E], token [B], idx/wts [B, >= top_k]: each member's own, one launch."""
+    n, batch = logits.shape[-1], 1 if logits.ndim == 1 else logits.shape[0]
     block = max(32, (n + 31) // 32 * 32)
     args = (ptr(logits), ptr(bias), ptr(tid2eid), ptr(token), i32(n), i32(top_k),
-            f32(route_scale), ptr(idx), ptr(wts))
-    launch("moe", "moe_route", (1,), (block,), args)
+            f32(route_scale), ptr(idx), ptr(wts), i32(_row_ld(logits)), i32(_row_ld(idx)))
+    assert _row_ld(idx) == _row_ld(wts)
+    launch("moe", "moe_route", (1, 1, batch), (block,), args)
     return idx
+
+
+def _row_ld(a) -> int:
+    """Elements from one member's row to the next (0 for a single row)."""
+    return a.strides[0] // a.itemsize if a.ndim == 2 else 0
 
 
 def moe_route_numpy(logits, bias, tid2eid, token, top_k: int, route_scale: float, idx, wts):
     """NumPy twin of moe_route."""
+    if np.ndim(logits) == 2:
+        for b in range(logits.shape[0]):
+            moe_route_numpy(logits[b], bias, tid2eid, token[b:b + 1], top_k, route_scale,
+                            idx[b], wts[b])
+        return idx
     logits = np.asarray(logits, np.float32)
     score = np.sqrt(np.where(logits > 20, logits, np.log1p(np.exp(np.minimum(logits, 20)))))
     if tid2eid is not None:

@@ -375,11 +375,9 @@ class KernelDecoder:
         """y = routed experts + shared expert of h, per member."""
         cfg, b, tokens = self.cfg, self.buf, self.tables[B].tokens
         matvec_rows(t["mlp.gate.weight"], b["h"], b["router"], B)
-        for m in range(B):  # moe_route takes one token (ds4/kernels/moe.cu)
-            r = self.rows[m]
-            moe.moe_route(r["router"], t.get("mlp.gate.e_score_correction_bias"),
-                          t.get("mlp.gate.tid2eid"), tokens[m:m + 1], cfg.num_experts_per_tok,
-                          cfg.routed_scaling_factor, r["idx"], r["wts"])
+        moe.moe_route(b["router"][:B], t.get("mlp.gate.e_score_correction_bias"),
+                      t.get("mlp.gate.tid2eid"), tokens[:B], cfg.num_experts_per_tok,
+                      cfg.routed_scaling_factor, b["idx"][:B], b["wts"][:B])
         moe_rows(cfg, t, b, self.rows, B, self.moe_scratch if self.row_moe[i] else None,
                  self.tables[B].live)  # idle members read no routed expert, count no pick
 
