@@ -38,7 +38,7 @@ TARGETS = {
     "ds4/model/rope.py": ["tests/test_rope.py", "tests/test_engine_blocks.py",
                           "tests/test_parity_tiny.py"],
     "ds4/jobs/speculative.py": ["tests/test_mtp.py"],
-    "ds4/mtp.py": ["tests/test_mtp.py"],
+    "ds4/mtp.py": ["tests/test_mtp_stepwise.py", "tests/test_mtp.py"],
     "ds4/model/placement.py": ["tests/test_placement_policy.py", "tests/test_placement.py"],
     "ds4/cli/replay_stream.py": ["tests/test_replay_stream.py"],
     "ds4/jobs/placement_policy.py": ["tests/test_placement_policy.py"],
