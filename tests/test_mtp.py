@@ -335,6 +335,10 @@ def test_drafts_and_verification_stop_at_the_context_and_the_vocabulary(engine):
     assert spec.stats.drafted <= 2  # no draft proposed past the context
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         s.verify(engine.config.vocab_size, [])
+    held = (list(s.tokens), s.state.n)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        s.verify(first, [engine.config.vocab_size])  # a draft outside it, before any work
+    assert (list(s.tokens), s.state.n) == held
     t = engine.new_session(len(ids) + 3)
     t.sync(ids)
     took = t.verify(first, plain_greedy(engine, ids, 6)[1:])  # 5 drafts, room for 2 of them
