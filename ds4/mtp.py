@@ -103,7 +103,6 @@ def _graph_pass(session, ids: list[int]) -> tuple[int, list, object]:
     """(tokens accepted, their final streams, device logits [S, V] of every token) of one
     decode-graph replay over all of ids; only the picks and the held row come to the host."""
     graph, backend = session.engine.model.kernel_decoder, session.engine.backend
-    session._speculated = None
     try:
         logits = graph.verify(session.state, ids)
         picks = backend.to_numpy(backend.xp.argmax(logits[:-1], axis=-1))
