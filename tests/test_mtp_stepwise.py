@@ -24,7 +24,7 @@ def engine(row_twins):  # noqa: F811 (the fixture above)
     return e
 
 
-@pytest.mark.parametrize("draft", [1, 3])
+@pytest.mark.parametrize("draft", [1, 3, 5])  # 5: graph steps, past the one-pass limit
 def test_speculation_equals_plain_decoding_bitwise(engine, draft):
     ids = engine.tokenizer.encode(PROMPTS[0])
     want, ref = plain_session(engine, ids, 10)
@@ -42,13 +42,14 @@ def test_forced_drafts_are_all_kept_in_one_round_each(engine):
     assert_same_state(main_state(s), main_state(ref))
 
 
-def test_a_stop_inside_the_verified_tokens_rolls_back_to_plain_decoding(engine):
+@pytest.mark.parametrize("count", [4, 6])  # one graph pass; graph steps (past the CSA ratio)
+def test_a_stop_inside_the_verified_tokens_rolls_back_to_plain_decoding(engine, count):
     ids = engine.tokenizer.encode(PROMPTS[2])
-    want, _ = plain_session(engine, ids, 4)
+    want, _ = plain_session(engine, ids, count)
     s = engine.new_session(512)
     s.sync(ids)
     first = int(np.argmax(s.logits))
-    assert s.verify(first, want[1:4]) == want[:4]  # the greedy continuation: all kept
+    assert s.verify(first, want[1:count]) == want[:count]  # the greedy continuation: all kept
     s.keep_speculated(2)
     _, ref = plain_session(engine, ids, 2)
     assert_same_state(main_state(s), main_state(ref))
@@ -91,3 +92,17 @@ def test_rejected_drafts_leave_the_state_of_plain_decoding(engine, offset, wrong
     s.decode(want[offset + 1 + wrong])  # and decoding goes on as plain decoding does
     ref.decode(want[offset + 1 + wrong])
     assert_same_state(main_state(s), main_state(ref))
+
+
+def test_after_a_whole_verify_the_next_draft_starts_from_plain_streams(engine):
+    """A verify that keeps every draft hands MTP the final streams of its last token, bitwise
+    what plain decoding leaves, so the next draft is plain decoding's next draft."""
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    want, ref = plain_session(engine, ids, 4)
+    s = engine.new_session(512)
+    s.sync(ids)
+    assert s.verify(want[0], want[1:4]) == want[:4]
+    assert s.mtp_state.hidden_at == len(s.tokens) == len(ref.tokens)
+    assert np.array_equal(np.asarray(s.mtp_state.hidden), np.asarray(ref.mtp_state.hidden))
+    first = int(np.argmax(s.logits))
+    assert s.draft(first, 2) == ref.draft(first, 2) != []
