@@ -106,3 +106,17 @@ def test_after_a_whole_verify_the_next_draft_starts_from_plain_streams(engine):
     assert np.array_equal(np.asarray(s.mtp_state.hidden), np.asarray(ref.mtp_state.hidden))
     first = int(np.argmax(s.logits))
     assert s.draft(first, 2) == ref.draft(first, 2) != []
+
+
+@pytest.mark.parametrize("count", [3, 5])  # one graph pass; graph steps
+def test_rejected_drafts_give_back_their_mtp_rows(engine, count):
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    want, _ = plain_session(engine, ids, 2)
+    s = engine.new_session(512)
+    s.sync(ids)
+    assert len(s.draft(want[0], count)) == count
+    held = s.mtp_state.positions.copy()
+    wrong = [(want[1] + 1) % engine.config.vocab_size] + [5] * (count - 1)
+    assert s.verify(want[0], wrong) == want[:1]
+    assert s.mtp_state.positions.max() <= len(ids)  # rows of rejected drafts taken back
+    assert (s.mtp_state.positions[:len(ids)] == held[:len(ids)]).all()
