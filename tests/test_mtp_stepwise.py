@@ -122,3 +122,24 @@ def test_rejected_drafts_give_back_their_mtp_rows(engine, count):
     assert s.verify(want[0], wrong) == want[:1]
     assert s.mtp_state.positions.max() <= len(ids)  # rows of rejected drafts taken back
     assert (s.mtp_state.positions[:len(ids)] == held[:len(ids)]).all()
+
+
+def test_a_verify_that_fails_mid_pass_leaves_a_whole_session(engine, monkeypatch):
+    """A device error inside the pass (after it wrote state) propagates, and the session is
+    back at its synced prompt, decoding on as plain decoding does."""
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    want, _ = plain_session(engine, ids, 3)
+    s = engine.new_session(512)
+    s.sync(ids)
+    real = gpu_decode.KernelDecoder.verify
+
+    def failing(self, state, tokens):
+        real(self, state, tokens)
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(gpu_decode.KernelDecoder, "verify", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        s.verify(want[0], want[1:3])
+    monkeypatch.setattr(gpu_decode.KernelDecoder, "verify", real)
+    assert s.tokens == ids and s.state.n == len(ids)
+    _, ref = plain_session(engine, ids, 0)
+    assert_same_state(main_state(s), main_state(ref))
