@@ -145,6 +145,8 @@ def test_keep_speculated_trims_to_the_state_of_fewer_tokens(engine):
     for count in (0, 5):
         with pytest.raises(ValueError, match=f"keep {count} of the 4 verified tokens"):
             s.keep_speculated(count)
+    s.keep_speculated(4)  # all of them: nothing changes
+    assert s.tokens == ids + reference
     s.keep_speculated(2)
     ref = engine.new_session(512)
     ref.sync(ids)
@@ -153,6 +155,19 @@ def test_keep_speculated_trims_to_the_state_of_fewer_tokens(engine):
     with pytest.raises(ValueError, match="follow a verify"):
         s.decode(reference[2])
         s.keep_speculated(1)
+
+
+def test_keep_speculated_of_one_token_holds_only_the_first(engine):
+    ids = prompt(engine, PROMPTS[1])
+    reference = plain_greedy(engine, ids, 3)
+    s = engine.new_session(512)
+    s.sync(ids)
+    assert s.verify(reference[0], reference[1:]) == reference
+    s.keep_speculated(1)
+    ref = engine.new_session(512)
+    ref.sync(ids)
+    ref.decode(reference[0])
+    assert_same_state(main_state(s), main_state(ref))
 
 
 def test_margin_gates_drafts(engine):
