@@ -106,6 +106,12 @@ def step_times(engine: Engine, sessions: list, steps: int) -> tuple[list[float],
     return times, picks
 
 
+def bound_bytes(engine: Engine, batch: int, distinct: float, per_expert: list[int]) -> int:
+    """Bytes a step of `batch` sessions must read: the non-expert weights once and `distinct`
+    experts a layer once each (per_expert: expert_bytes, per layer)."""
+    return shared_bytes(engine, batch) + sum(int(distinct * e) for e in per_expert)
+
+
 def distinct_experts(picks: list, cfg, batch: int) -> float:
     """Mean distinct experts a step reads per layer: counted from the router's picks, or where
     no pick was seen (steps replayed as CUDA graphs: the model's router is not called) the
@@ -130,7 +136,7 @@ def batch_bench(engine: Engine, batches: list[int], prompt: int, steps: int) -> 
         sessions = sessions_at(engine, b, prompt, prompt + steps + 8)
         times, picks = step_times(engine, sessions, steps)
         distinct = distinct_experts(picks, cfg, b)
-        moved = shared_bytes(engine, b) + sum(int(distinct * e) for e in per_expert)
+        moved = bound_bytes(engine, b, distinct, per_expert)
         step = statistics.median(times)
         rows[b] = {"step_s": step, "tok_per_s": b / step, "distinct_experts": distinct,
                    "bound_bytes": moved, "bound_s": moved / bandwidth,

@@ -35,7 +35,7 @@ import threading
 import time
 
 import httpx
-from bench_batch import copy_bandwidth, distinct_experts, expert_bytes, shared_bytes
+from bench_batch import bound_bytes, copy_bandwidth, distinct_experts, expert_bytes
 
 from ds4.engine import Engine, default_model_dir
 from ds4.jobs.scheduler import SchedulerConfig
@@ -324,16 +324,16 @@ def decode_bounds(args: argparse.Namespace, rows: list[dict]) -> float:
     """Give each row the tok/s its mean decode batch b could reach if a step only read its
     bytes (tools/bench_batch.py's bound: every non-expert weight once, each distinct routed
     expert once, uniform routing's E (1 - (1 - k/E)^b) of them, all at this device's copy
-    rate, host-held experts too): b / (bytes / rate). The bytes come from an engine of the
-    server's model opened here; returns the copy rate."""
+    rate; an expert counts its device-held bytes only, so with experts in host memory the
+    bound is optimistic): b / (bytes / rate). The bytes come from an engine of the server's
+    model opened here; returns the copy rate."""
     engine = Engine.open(args.model or default_model_dir(), backend=args.backend,
                          load_format=args.load_format, gpu_memory_gib=args.gpu_memory_gib,
                          prefill_chunk=args.prefill_chunk)
     bandwidth, per_expert = copy_bandwidth(engine.backend.xp), expert_bytes(engine)
     for r in rows:
         b = max(1.0, r["mean batch"])
-        moved = shared_bytes(engine, round(b)) + sum(
-            distinct_experts([], engine.config, b) * e for e in per_expert)
+        moved = bound_bytes(engine, round(b), distinct_experts([], engine.config, b), per_expert)
         r["bound tok/s"] = b * bandwidth / moved
     return bandwidth
 
