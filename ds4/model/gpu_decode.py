@@ -144,24 +144,24 @@ class KernelDecoder:
         tokens[:j + 1] one step at a time gives (the rows are computed the same way)."""
         T = len(tokens)
         assert 1 <= T <= VERIFY_SIZE
-        states, positions = [state] * T, [state.n + j for j in range(T)]
-        if self.cp is np:
-            self.run(self.prepare(states, tokens, positions=positions), serial=True)
-            logits = self.buf["logits"][:T].copy()
-        else:
-            logits = self._replay(states, tokens, positions)
+        logits = self._logits([state] * T, tokens, [state.n + j for j in range(T)])
         state.n += T
         return logits
 
     def _step(self, states: list, tokens: list[int]) -> list:
-        if self.cp is np:  # the NumPy twins (tests): eager, no stream
-            self.run(self.prepare(states, tokens))
-            logits = self.buf["logits"][:len(states)].copy()
-        else:
-            logits = self._replay(states, tokens)
+        logits = self._logits(states, tokens)
         for s in states:
             s.n += 1
         return [logits[b] for b in range(len(states))]
+
+    def _logits(self, states: list, tokens: list[int], positions: list[int] | None = None):
+        """A fresh copy of one step's logits [len(states), V] (positions given: a serial
+        `verify` step); states are not advanced."""
+        if self.cp is not np:
+            return self._replay(states, tokens, positions)
+        # the NumPy twins (tests): eager, no stream
+        self.run(self.prepare(states, tokens, positions=positions), serial=positions is not None)
+        return self.buf["logits"][:len(states)].copy()
 
     def prepare(self, states: list, tokens: list[int], stream=None,
                 positions: list[int] | None = None) -> int:
