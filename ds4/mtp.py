@@ -192,15 +192,13 @@ def _undo(session, spec, keep: int) -> None:
     for i, layer in enumerate(state.layers):
         _restore_rows(layer.raw, copies[f"{i}.raw"], gone)
         for cname, comp in layer.compressors().items():
-            arrays = comp.small_arrays()
-            names = ["pending_kv", "pending_score"]
-            if comp.overlap and any((p + 1) % comp.ratio == 0 for p in gone):
-                names += ["overlap_kv", "overlap_score"]
-            for name in names:
+            closed = comp.overlap and any((p + 1) % comp.ratio == 0 for p in gone)
+            for name, arr in comp.small_arrays().items():
+                copy = copies[f"{i}.{cname}.{name}"]
                 if name.startswith("pending"):
-                    _restore_rows(arrays[name], copies[f"{i}.{cname}.{name}"], gone)
-                else:
-                    arrays[name][...] = copies[f"{i}.{cname}.{name}"]
+                    _restore_rows(arr, copy, gone)
+                elif closed:  # a rejected token closed a window: the overlap it moved
+                    arr[...] = copy
     state.n = spec.n + keep
     del session.tokens[spec.start + keep:]
     session._took([], _host_row(session, spec.rows, keep - 1), spec.rows[keep - 1])
