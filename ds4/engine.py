@@ -15,6 +15,8 @@ from ds4.builtin_model import default_model_dir as default_model_dir
 from ds4.builtin_model import make_tiny as make_tiny
 from ds4.model.config import ModelConfig
 from ds4.model.dummy import CONFIG_DIR, LOAD_FORMATS, dummy_weights, model_path
+from ds4.model.expert_group import owned
+from ds4.model.expert_worker import open_group
 from ds4.model.forward import Model
 from ds4.model.mtp import MtpBlock, dummy_mtp, load_mtp, mtp_bytes
 from ds4.model.placement import ReplacementRule, weight_budget
@@ -44,13 +46,16 @@ class Engine:
     def open(cls, model_dir: str | Path, backend: str = "auto", prefill_chunk: int = 512,
              resident_experts: bool = True, quantize: bool | None = None,
              load_format: str = "auto", seed: int = 0, gpu_memory_gib: float | None = None,
-             parallel: int = 1, ctx: int = 4096, mtp: bool = False) -> Engine:
+             parallel: int = 1, ctx: int = 4096, mtp: bool = False,
+             gpus: int | None = None, expert_owners=None) -> Engine:
         """Load a model directory (or a shipped config's name with load_format="dummy": random
         weights from config.json alone, drawn by `seed`); quantize=None simulates FP8/FP4 only
         for quantised checkpoints. gpu_memory_gib caps the weights' device memory (default on
         the GPU: free memory less `parallel` sessions of `ctx` tokens and the scratch); experts
         beyond it live in mapped host memory. mtp=True also loads the checkpoint's MTP block
-        (`mtp.0.*`) for drafting (ds4.mtp)."""
+        (`mtp.0.*`) for drafting (ds4.mtp). gpus=N splits the routed experts over N GPUs
+        (expert parallel, ds4/model/expert_group.py; expert_owners: a rank per expert, default
+        e mod N; gpus=1 runs that path on one GPU); None keeps them on one."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if load_format not in LOAD_FORMATS:
@@ -61,14 +66,25 @@ class Engine:
         budget = weight_budget(be, cfg, gpu_memory_gib, parallel, ctx, prefill_chunk)
         if mtp and budget is not None:  # the block stays in device memory beside the rest
             budget -= mtp_bytes(cfg)
-        if load_format == "dummy":
-            weights = dummy_weights(cfg, be.xp, seed, budget)
-        elif model_dir.parent == CONFIG_DIR:
+        if load_format != "dummy" and model_dir.parent == CONFIG_DIR:
             raise ValueError(f"{model_dir.name} is a shipped config without weights; serve it "
                              "with --load-format dummy, or pass a checkpoint directory")
-        else:
-            weights = load_weights(model_dir, cfg, be.xp, resident_experts=resident_experts,
-                                   budget=budget)
+        group = None if gpus is None else open_group(be.xp, cfg, model_dir, load_format, seed,
+                                                     gpus, expert_owners)
+        try:
+            experts = None if group is None else owned(group.owners, 0)
+            budget = budget if group is None else None  # each GPU holds its share whole
+            if load_format == "dummy":
+                weights = dummy_weights(cfg, be.xp, seed, budget, experts=experts)
+            else:
+                weights = load_weights(model_dir, cfg, be.xp, resident_experts=resident_experts,
+                                       budget=budget, experts=experts)
+            if group is not None:
+                group.join(weights)
+        except BaseException:
+            if group is not None:
+                group.close()
+            raise
         if quantize is None:
             quantize = weights.low_precision or cfg.quantization_config is not None
         engine = cls(model_dir, cfg, Model(cfg, weights, be, quantize), prefill_chunk)
@@ -107,6 +123,12 @@ class Engine:
         }
         if self.mtp is not None:
             report["mtp_bytes"] = self.mtp.w.nbytes
+        group = self.group
+        if group is not None:
+            own = sum(bank.nbytes for bank in weights.experts)
+            report["weight_bytes"] += sum(group.worker_bytes)
+            report["gpus"] = group.gpus
+            report["expert_bytes_per_gpu"] = [own, *group.worker_bytes]
         if weights.placement is not None:
             report["host_expert_bytes"] = weights.host_nbytes
             report["expert_placement"] = weights.placement.split().describe()
@@ -163,9 +185,17 @@ class Engine:
             s._took([token], row.copy(), device_row)
         return [s.logits for s in sessions]
 
+    @property
+    def group(self):
+        """The expert-parallel group (ds4/model/expert_group.py), None on one GPU."""
+        return getattr(self.model.weights.experts[0], "group", None)
+
     def close(self) -> None:
-        """Free the shared scratch (sessions of this engine must not be used afterwards)."""
+        """Free the shared scratch and stop expert workers (sessions of this engine must not
+        be used afterwards)."""
         self.model.scratch.free()
+        if self.group is not None:
+            self.group.close()
 
     def fingerprint(self) -> dict:
         """What a snapshot must agree on to be restored into this engine."""

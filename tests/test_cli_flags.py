@@ -64,6 +64,7 @@ def test_server_help_shows_defaults_and_what_the_knobs_do() -> None:
     assert "prompt tokens the engine runs through the model in one step" in \
         entries["--prefill-chunk"]
     assert "memory-mapped checkpoint" in entries["--ssd-streaming"]
+    assert "split the routed experts over N GPUs" in entries["--gpus"]
     assert "(default: None)" not in " ".join(entries.values())  # no default: nothing shown
 
 
@@ -83,6 +84,10 @@ def test_generate_and_replay_help_show_defaults() -> None:
     (["ds4", "generate", "-p", "hi", "--gpu-memory-gib", "-3"], "must be > 0"),
     (["ds4", "generate", "-p", "hi", "--mtp-draft", "x"], "'x' is not an integer"),
     (["ds4.cli.server", "--mtp-margin", "-1"], "must be >= 0"),
+    (["ds4.cli.server", "--gpus", "0"], "0 must be >= 1"),
+    (["ds4.cli.server", "--gpus", "2", "--backend", "numpy"], "--gpus needs CUDA devices"),
+    (["ds4.cli.server", "--gpus", "2", "--gpu-memory-gib", "8"], "host overflow"),
+    (["ds4", "generate", "-p", "hi", "--gpus", "2", "--backend", "numpy"], "needs CUDA"),
 ])
 def test_numbers_out_of_range_exit_2_saying_what_is_wanted(argv, says):
     r = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,

@@ -61,3 +61,31 @@ def add_mtp(p: argparse.ArgumentParser) -> None:
                    help="propose a draft only when the MTP's top-1 logit beats its runner-up "
                         "by at least X logits (raw logits, before any temperature); drafting "
                         "stops at the first draft below it; 0: always propose")
+
+
+gpu_count = argument_type(int, "an integer", lambda v: v >= 1, "must be >= 1")
+
+
+def add_gpus(p: argparse.ArgumentParser) -> None:
+    """`--gpus N`: the routed experts split over N GPUs of this host (expert parallel)."""
+    p.add_argument("--gpus", type=gpu_count, default=None, metavar="N",
+                   help="split the routed experts over N GPUs of this host (expert e on GPU "
+                        "e mod N; attention, the shared expert, the router and the head stay "
+                        "on GPU 0; NCCL sums the experts' outputs); default: one GPU")
+
+
+def gpus_refusal(gpus: int | None, backend: str, gpu_memory_gib: float | None = None,
+                 ssd_streaming: bool = False) -> str | None:
+    """Why --gpus cannot go with the other flags (None when it can)."""
+    if gpus is None:
+        return None
+    if gpu_memory_gib is not None:
+        return ("--gpus holds every expert in device memory on its GPU; --gpu-memory-gib "
+                "(host overflow) is for one GPU")
+    if ssd_streaming:
+        return "--gpus and --ssd-streaming exclude each other"
+    from ds4.backend import cuda_available
+
+    if backend == "numpy" or (backend == "auto" and not cuda_available()):
+        return "--gpus needs CUDA devices (CuPy); this run uses the NumPy backend"
+    return None

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from ds4.cli.flags import ShowDefaults, add_mtp, add_version, positive_float
+from ds4.cli.flags import ShowDefaults, add_gpus, add_mtp, add_version, gpus_refusal, positive_float
 from ds4.jobs.events import SamplingOptions
 from ds4.tokenizer import EOS_ID
 
@@ -65,6 +65,7 @@ def generate_flags(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt text as is, no chat template")
     add_mtp(gen)
+    add_gpus(gen)
 
 
 def make_tiny_command(args: argparse.Namespace, out: TextIO) -> int:
@@ -92,7 +93,7 @@ def generate_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     model = args.model or default_model_dir()
     engine = Engine.open(model, backend=args.backend, load_format=args.load_format,
                          seed=args.seed or 0, gpu_memory_gib=args.gpu_memory_gib, ctx=args.ctx,
-                         mtp=args.mtp)
+                         mtp=args.mtp, gpus=args.gpus)
     check_vocabulary(engine)  # as the server does: no id may fall outside the embedding
     options = SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed)
@@ -161,7 +162,11 @@ def report_speed(err: TextIO, prompt_tokens: int, prefill_s: float, generated: i
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `ds4` command."""
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.command == "generate" and (why := gpus_refusal(args.gpus, args.backend,
+                                                           args.gpu_memory_gib)):
+        p.error(why)
     try:
         if args.command == "make-tiny":
             return make_tiny_command(args, sys.stdout)

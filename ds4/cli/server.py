@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from ds4.cli.flags import ShowDefaults, add_mtp, add_version, port_number, positive_float
+from ds4.cli.flags import (
+    ShowDefaults,
+    add_gpus,
+    add_mtp,
+    add_version,
+    gpus_refusal,
+    port_number,
+    positive_float,
+)
 from ds4.jobs.ssd_streaming import ssd_streaming_refusal
 from ds4.server.config import DEFAULT_MAX_TOKENS, ServerConfig
 
@@ -81,6 +89,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-disk-min-tokens", type=positive_int, default=512,
                    help="shortest prefix worth a checkpoint")
     add_mtp(p)
+    add_gpus(p)
     return p
 
 
@@ -89,6 +98,8 @@ def config_from(argv: list[str] | None) -> ServerConfig:
     p = parser()
     a = p.parse_args(argv)
     if a.ssd_streaming and (why := ssd_streaming_refusal(a.parallel, a.backend, a.load_format)):
+        p.error(why)
+    if why := gpus_refusal(a.gpus, a.backend, a.gpu_memory_gib, a.ssd_streaming):
         p.error(why)
     return ServerConfig(model_dir=a.model, host=a.host, port=a.port, parallel=a.parallel,
                         ctx=a.ctx, prefill_chunk=a.prefill_chunk, backend=a.backend,
@@ -99,7 +110,8 @@ def config_from(argv: list[str] | None) -> ServerConfig:
                         kv_disk_interval=a.kv_disk_interval,
                         kv_disk_min_tokens=a.kv_disk_min_tokens,
                         load_format=a.load_format, seed=a.seed, gpu_memory_gib=a.gpu_memory_gib,
-                        mtp=a.mtp, mtp_draft=a.mtp_draft, mtp_margin=a.mtp_margin)
+                        mtp=a.mtp, mtp_draft=a.mtp_draft, mtp_margin=a.mtp_margin,
+                        gpus=a.gpus)
 
 
 def figure(name: str, value: object) -> str:

@@ -163,3 +163,11 @@ extern "C" __global__ void swiglu_rows(const float* __restrict__ y, const float*
     }
     act[t] = g / (1.f + expf(-g)) * u * (scale ? scale[r] : 1.f);
 }
+
+// Expert parallel (ds4/model/expert_group.py): out[p] = map[idx[p]], a rank's own expert id for
+// each global pick, or -1 where another rank holds that expert (the batch MoE skips those).
+extern "C" __global__ void moe_localize(const int* __restrict__ map, const int* __restrict__ idx,
+                                        int n, int* __restrict__ out) {
+    int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p < n) out[p] = map[idx[p]];
+}

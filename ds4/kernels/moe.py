@@ -125,3 +125,18 @@ def swiglu_rows_numpy(y, scale, act, limit: float):
     act[...] = _swiglu(y[:, :inter], y[:, inter:],
                        limit) * (1.0 if scale is None else scale[:, None])
     return act
+
+
+def moe_localize(expert_map, idx, out):
+    """out = expert_map[idx]: a rank's own expert id per pick of idx (int32, any shape,
+    contiguous), -1 where another rank holds the expert."""
+    n = idx.size
+    launch("moe", "moe_localize", (max(1, -(-n // 256)),), (256,),
+           (ptr(expert_map), ptr(idx), i32(n), ptr(out)))
+    return out
+
+
+def moe_localize_numpy(expert_map, idx, out):
+    """NumPy twin of moe_localize."""
+    out[...] = np.asarray(expert_map)[np.asarray(idx)]
+    return out

@@ -249,18 +249,20 @@ MOE(bf16_none, Bf16, NoShared)
 // y[b] = sum_j part[b * k + j] in slot order, then + spart[b] (the shared expert), as the
 // unbatched kernels add the shared expert onto the routed sum. Idle rows (b >= *live, live
 // non-null) joined no unit, so their part rows hold nothing of this call: their routed sum is 0.
+// A pick whose idx is negative (an expert another rank holds: expert parallel) joined no unit
+// either and adds nothing (0 + a == a, so a sum without such picks is unchanged).
 extern "C" __global__ void rows_moe_sum(const float* __restrict__ part,
                                         const float* __restrict__ spart, int k, int rows,
-                                        int batch, const int* __restrict__ live, float* y,
-                                        long long y_ld) {
+                                        int batch, const int* __restrict__ live,
+                                        const int* __restrict__ idx, float* y, long long y_ld) {
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= batch * rows) return;
     int b = t / rows, r = t - b * rows;
     float s = 0.f;
     if (!live || b < *live) {
         const float* p = part + (size_t)b * k * rows + r;
-        s = p[0];
-        for (int j = 1; j < k; j++) s += p[(size_t)j * rows];
+        for (int j = 0; j < k; j++)
+            if (idx[b * k + j] >= 0) s += p[(size_t)j * rows];
     }
     if (spart) s = s + spart[(size_t)b * rows + r];
     y[b * y_ld + r] = s;

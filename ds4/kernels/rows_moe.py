@@ -177,7 +177,7 @@ def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, 
     n = batch * dn.rows
     launch("rows_moe", "rows_moe_sum", (-(-n // 256),), (256,),
            (ptr(act.part), ptr(act.spart if sops else None), i32(k), i32(dn.rows), i32(batch),
-            ptr(live), ptr(y), np.int64(_ld(y))))
+            ptr(live), ptr(idx), ptr(y), np.int64(_ld(y))))
 
 
 @dataclass
@@ -284,12 +284,11 @@ def moe_numpy(gate_up, down, idx, wts, x, act, y, batch: int, inter: int, limit:
                           wts[p // k, p % k])
             part[p] = rows_numpy(dn, dfmt, a[None])[0]
     for b in range(batch):
+        total = np.zeros(down.shape[1], np.float32)  # an idle row: no routed part
         if b < live_count(live, batch):
-            total = part[b * k]
-            for j in range(1, k):
-                total = total + part[b * k + j]
-        else:  # an idle row: no routed part
-            total = np.zeros(down.shape[1], np.float32)
+            for j in range(k):
+                if idx[b, j] >= 0:  # (negative: an expert another rank holds)
+                    total = total + part[b * k + j]
         if shared is not None:
             total = total + _shared_numpy(shared, x[b:b + 1], limit)
         y[b] = total

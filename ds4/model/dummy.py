@@ -213,9 +213,12 @@ def expert_bytes(cfg: ModelConfig) -> int:
     return sum(int(np.prod(c)) + int(np.prod(s)) for c, s in expert_shapes(cfg, fmt).values())
 
 
-def dummy_weights(cfg: ModelConfig, xp, seed: int = 0, budget: int | None = None) -> Weights:
+def dummy_weights(cfg: ModelConfig, xp, seed: int = 0, budget: int | None = None,
+                  experts: list | None = None) -> Weights:
     """Random weights of every tensor the forward pass reads; `budget` (bytes of device memory
-    for all weights, None: no limit) sends the coldest experts to mapped host memory."""
+    for all weights, None: no limit) sends the coldest experts to mapped host memory.
+    `experts` (per layer, the expert ids to hold: one rank's share under expert parallel)
+    holds only those, with the values they have in the whole model."""
     fmt, fp8 = expert_format(cfg), cfg.quantization_config is not None
     if fp8:
         weight_block(cfg)  # a bad weight_block_size is an error before anything is drawn
@@ -226,6 +229,8 @@ def dummy_weights(cfg: ModelConfig, xp, seed: int = 0, budget: int | None = None
     dense = sum(int(t.nbytes) for name, t in tensors.items() if name in shapes)
     L, E = cfg.num_hidden_layers, cfg.n_routed_experts
     resident = np.ones((L, E), dtype=bool)
+    if experts is not None:
+        return Weights(tensors, dummy_experts(cfg, xp, seed, experts), {}, fp8)
     if budget is not None:
         resident = choose_resident(budget - dense, expert_bytes(cfg), np.zeros((L, E)))
     if fmt is None:
@@ -243,13 +248,28 @@ def dummy_weights(cfg: ModelConfig, xp, seed: int = 0, budget: int | None = None
     return weights
 
 
-def _word_bank(xp, cfg: ModelConfig, i: int, seed: int) -> ExpertBank:
-    """A layer's BF16 experts as stacked words."""
+def dummy_experts(cfg: ModelConfig, xp, seed: int, experts: list) -> list:
+    """Per layer, a resident bank of the experts `experts[layer]` (in that order), drawn as
+    dummy_weights draws the whole model (an expert worker's share)."""
+    fmt = expert_format(cfg)
+    if fmt is None:
+        return [_word_bank(xp, cfg, i, seed, ids) for i, ids in enumerate(experts)]
+    return [ExpertBank.from_stacks(xp, *(_whole_stack(xp, cfg, fmt, i, kind, seed, ids)
+                                         for kind in ("gate_up", "down")))
+            for i, ids in enumerate(experts)]
+
+
+def _word_bank(xp, cfg: ModelConfig, i: int, seed: int, ids: list | None = None) -> ExpertBank:
+    """A layer's BF16 experts as stacked words (ids: only those, in that order)."""
     I, D, E = cfg.moe_intermediate_size, cfg.hidden_size, cfg.n_routed_experts
     stem = f"model.layers.{i}.mlp.experts."
     gate_up = bf16_words(Random(xp, seed, stem + "gate_up"), (E * 2 * I, D), 1 / math.sqrt(D))
     down = bf16_words(Random(xp, seed, stem + "down"), (E * D, I), 1 / math.sqrt(I))
-    return ExpertBank.from_stacks(xp, gate_up.reshape(E, 2 * I, D), down.reshape(E, D, I))
+    gate_up, down = gate_up.reshape(E, 2 * I, D), down.reshape(E, D, I)
+    if ids is not None:
+        pick = xp.asarray(np.asarray(ids, dtype=np.int64))
+        gate_up, down = xp.ascontiguousarray(gate_up[pick]), xp.ascontiguousarray(down[pick])
+    return ExpertBank.from_stacks(xp, gate_up, down)
 
 
 def _packed_banks(xp, cfg: ModelConfig, fmt: str, seed: int, resident: np.ndarray) -> list:
@@ -276,16 +296,27 @@ def _packed_banks(xp, cfg: ModelConfig, fmt: str, seed: int, resident: np.ndarra
     return banks
 
 
-def _whole_stack(xp, cfg, fmt: str, i: int, kind: str, seed: int) -> pk.PackedMatrix:
+def _whole_stack(xp, cfg, fmt: str, i: int, kind: str, seed: int,
+                 ids: list | None = None) -> pk.PackedMatrix:
     """A layer's resident stack, drawn chunk by chunk into one device array (no second copy
-    of the layer while it is drawn)."""
+    of the layer while it is drawn); ids: only those experts, in that order."""
     E, (code_shape, scale_shape) = cfg.n_routed_experts, expert_shapes(cfg, fmt)[kind]
-    codes = xp.empty((E, *code_shape), xp.uint8)
-    scale = xp.empty((E, *scale_shape), xp.uint8)
+    ids = list(range(E)) if ids is None else list(ids)
+    at = {e: j for j, e in enumerate(ids)}
+    codes = xp.empty((len(ids), *code_shape), xp.uint8)
+    scale = xp.empty((len(ids), *scale_shape), xp.uint8)
     for first in range(0, E, EXPERT_CHUNK):
-        part = expert_chunk(xp, cfg, fmt, i, kind, first, min(EXPERT_CHUNK, E - first), seed)
-        codes[first : first + len(part.codes)] = part.codes
-        scale[first : first + len(part.codes)] = part.scale
+        n = min(EXPERT_CHUNK, E - first)
+        here = [(e - first, at[e]) for e in range(first, first + n) if e in at]
+        if not here:
+            continue
+        part = expert_chunk(xp, cfg, fmt, i, kind, first, n, seed)
+        src, dst = (np.array(c) for c in zip(*here))
+        if len(here) == n and dst[0] + n - 1 == dst[-1]:  # the whole chunk, in order
+            codes[dst[0]:dst[0] + n], scale[dst[0]:dst[0] + n] = part.codes, part.scale
+        else:
+            codes[xp.asarray(dst)] = part.codes[xp.asarray(src)]
+            scale[xp.asarray(dst)] = part.scale[xp.asarray(src)]
     return pk.PackedMatrix(fmt, codes, scale, part.shape[-1], part.block)
 
 

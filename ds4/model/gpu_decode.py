@@ -38,7 +38,8 @@ from ds4.model.gpu_batch import (
     ProjectionPlan,
     matvec_rows,
 )
-from ds4.model.gpu_moe import moe_rows, row_moe_fits, row_moe_scratch
+from ds4.model.gpu_group import DecoderShard
+from ds4.model.gpu_moe import moe_rows, row_moe_fits, row_moe_scratch, shared_of
 from ds4.model.state import SessionState
 
 SIZES = (1, 2, 4, 8)  # batch sizes with a graph; a batch runs in the smallest that holds it
@@ -50,20 +51,21 @@ class KernelDecoder:
     """Decode steps of a model through ds4/kernels, one CUDA graph per batch size."""
 
     def __init__(self, cfg, top: dict, layers: list[dict], freqs: dict, xp=None,
-                 kv_fp8: bool = False, indexer_fp4: bool = False):
+                 kv_fp8: bool = False, indexer_fp4: bool = False, group=None):
         if xp is None:
             import cupy as xp
         self.cp, self.cfg, self.top, self.layers, self.freqs = xp, cfg, top, layers, freqs
         # the official graph's rounding (Engine.open(quantize=...)), as ds4/model/quant.py does it
         self.kv_fp8, self.indexer_fp4 = kv_fp8, indexer_fp4
         self.buf = self._buffers(cfg)
+        self.moe_scratch = row_moe_scratch(xp, cfg, layers, MAX_MEMBERS)
+        self.row_moe = [self.moe_scratch is not None
+                        and row_moe_fits(t, MAX_MEMBERS, cfg.num_experts_per_tok) for t in layers]
+        self.group, self.shard = group, self._shard(group)  # expert parallel (gpu_group.py)
         self.rows = self._row_views()
         self.tables = {B: MemberTable(xp, cfg.num_hidden_layers, B) for B in SIZES}
         self.serial = [MemberTable(xp, cfg.num_hidden_layers, 1) for _ in range(VERIFY_SIZE)]
         self.projections = [self._projection_plan(t) for t in layers]
-        self.moe_scratch = row_moe_scratch(xp, cfg, layers, MAX_MEMBERS)
-        self.row_moe = [self.moe_scratch is not None
-                        and row_moe_fits(t, MAX_MEMBERS, cfg.num_experts_per_tok) for t in layers]
         self.keys = [0] * cfg.num_hidden_layers  # most keys a query attends, per layer (grids)
         self.index_rows = 1  # most compressed rows an indexer scores (grid, scores buffer)
         self.graphs: dict = {}  # batch size (a verify's: ("verify", size)) -> captured graph
@@ -81,7 +83,23 @@ class KernelDecoder:
                   for i in range(cfg.num_hidden_layers)]
         freqs = {k: gpu_weights.rope_frequencies(xp, r) for k, r in model.ropes.items()}
         return cls(cfg, gpu_weights.model_tensors(xp, model.weights), layers, freqs, xp,
-                   kv_fp8=model.kv_fp8 is not None, indexer_fp4=model.indexer_qat is not None)
+                   kv_fp8=model.kv_fp8 is not None, indexer_fp4=model.indexer_qat is not None,
+                   group=getattr(model.weights.experts[0], "group", None))
+
+    def _shard(self, group) -> DecoderShard | None:
+        """Rank 0's DecoderShard of an expert-parallel group (None without one); the router's
+        picks and the normed hidden rows then live in its wire, which the MoE broadcasts."""
+        if group is None:
+            return None
+        if not all(self.row_moe):
+            raise ValueError("expert parallel decode needs every layer's experts in a format "
+                             "ds4/kernels/rows_moe.py reads")
+        stacks = [(t["experts.gate_up"], t["experts.down"]) for t in self.layers]
+        shard = DecoderShard(self.cp, self.cfg, group.comm, group.device_maps, stacks,
+                             MAX_MEMBERS, self.moe_scratch, y=self.buf["y"])
+        for name in ("idx", "wts", "h"):
+            self.buf[name] = shard.views[name]
+        return shard
 
     def _buffers(self, cfg) -> dict:
         cp, f = self.cp, self.cp.float32
@@ -160,7 +178,9 @@ class KernelDecoder:
         if self.cp is not np:
             return self._replay(states, tokens, positions)
         # the NumPy twins (tests): eager, no stream
-        self.run(self.prepare(states, tokens, positions=positions), serial=positions is not None)
+        B = self.prepare(states, tokens, positions=positions)
+        self._tell(("verify", B) if positions is not None else B, B, "eager")
+        self.run(B, serial=positions is not None)
         return self.buf["logits"][:len(states)].copy()
 
     def prepare(self, states: list, tokens: list[int], stream=None,
@@ -188,7 +208,10 @@ class KernelDecoder:
             B = self.prepare(states, tokens, stream=stream, positions=positions)
             key = ("verify", B) if serial else B
             graph = self.graphs.get(key) if self.use_graphs else None
-            if graph is None and self.use_graphs and key in self._warm:
+            capture = graph is None and self.use_graphs and key in self._warm
+            self._tell(key, B, "replay" if graph is not None else
+                       "capture" if capture else "eager")
+            if capture:
                 stream.begin_capture()
                 self.run(B, serial)
                 self.graphs[key] = graph = stream.end_capture()
@@ -200,6 +223,11 @@ class KernelDecoder:
             logits = self.buf["logits"][:len(states)].copy()
         cp.cuda.get_current_stream().wait_event(stream.record())
         return logits
+
+    def _tell(self, key, B: int, mode: str) -> None:
+        """Expert parallel: the workers run their side of this step (gpu_group.py)."""
+        if self.group is not None:
+            self.group.tell("step", key, B, mode)
 
     def idle_state(self) -> SessionState:
         """The empty session idle members run (it never advances: every step is at position 0,
@@ -255,6 +283,8 @@ class KernelDecoder:
         """Enqueue one decode step for the B members of tables[B] (no host syncs); serial:
         the state kernels run member after member through `serial` (see `verify`)."""
         hc.embed_streams(self.top["embed"], self.tables[B].tokens, self.buf["X"][:B])
+        if self.shard is not None:  # the idle members' bound travels with the wire
+            self.shard.views["live"][...] = self.tables[B].live
         for i in range(self.cfg.num_hidden_layers):
             self.run_layer(i, B, serial)
         self.run_head(B)
@@ -378,6 +408,9 @@ class KernelDecoder:
         moe.moe_route(b["router"][:B], t.get("mlp.gate.e_score_correction_bias"),
                       t.get("mlp.gate.tid2eid"), tokens[:B], cfg.num_experts_per_tok,
                       cfg.routed_scaling_factor, b["idx"][:B], b["wts"][:B])
+        if self.shard is not None:
+            self.shard.layer(i, B, shared=shared_of(t))
+            return
         moe_rows(cfg, t, b, self.rows, B, self.moe_scratch if self.row_moe[i] else None,
                  self.tables[B].live)  # idle members read no routed expert, count no pick
 

@@ -46,18 +46,41 @@ def swiglu(xp, gate, up, limit: float):
 def moe(xp, cfg, lw, x, token_ids, hashed: bool, to_host):
     """f = sum_k w_k expert_k(x) + shared(x) for x [S, D]."""
     ids, weights = route(xp, cfg, lw, x, token_ids, hashed)
-    if x.shape[0] == 1:
-        routed = _routed_one(xp, cfg, lw.experts, x[0], ids[0], weights[0])[None, :]
-    elif xp is not np and lw.experts.resident:
-        routed = _routed_grouped(xp, cfg, lw.experts, x, ids, weights, to_host)
+    if getattr(lw.experts, "group", None) is not None:  # expert parallel: ds4/model/expert_group
+        routed = lw.experts.routed(xp, cfg, x, ids, weights, to_host)
     else:
-        routed = _routed_many(xp, cfg, lw.experts, x, ids, weights, to_host(ids))
+        routed = _routed(xp, cfg, lw.experts, x, ids, weights, to_host)
     if "mlp.shared_experts.gate_proj.weight" not in lw:
         return routed
     gate = linear(xp, x, lw["mlp.shared_experts.gate_proj.weight"])
     up = linear(xp, x, lw["mlp.shared_experts.up_proj.weight"])
     shared = swiglu(xp, gate, up, cfg.swiglu_limit)
     return routed + linear(xp, shared, lw["mlp.shared_experts.down_proj.weight"])
+
+
+def _routed(xp, cfg, bank, x, ids, weights, to_host):
+    """sum_k weights[:, k] * expert_{ids[:, k]}(x) for x [S, D] over one bank."""
+    if x.shape[0] == 1:
+        return _routed_one(xp, cfg, bank, x[0], ids[0], weights[0])[None, :]
+    if xp is not np and bank.resident:
+        return _routed_grouped(xp, cfg, bank, x, ids, weights, to_host)
+    return _routed_many(xp, cfg, bank, x, ids, weights, to_host(ids))
+
+
+def routed_local(xp, cfg, bank, x, ids, weights, to_host):
+    """One rank's part of the routed sum (expert parallel): ids index its own bank, and a
+    negative id is a pick another rank holds, which adds nothing here (the grouped kernels
+    skip it; the other paths give it expert 0 with weight 0)."""
+    here = ids >= 0
+    if xp is not np and bank.resident and _grouped_kernels_fit(bank, x):
+        from ds4.kernels import grouped
+
+        gate_up, down = bank.stacked
+        ids = xp.where(here, ids, bank.count).astype(xp.int32)
+        return grouped.routed(xp, gate_up, down, x, ids, weights, cfg.swiglu_limit, parts(),
+                              skips=True)
+    ids, weights = xp.where(here, ids, 0), xp.where(here, weights, 0)
+    return _routed(xp, cfg, bank, x, ids, weights, to_host)
 
 
 def _routed_one(xp, cfg, bank, x, ids, weights):

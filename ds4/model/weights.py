@@ -65,8 +65,8 @@ class Weights:
             if isinstance(t, PackedMatrix):
                 t.scratch = scratch
         for bank in self.experts:
-            if isinstance(bank, ExpertBank):  # a benchmark's duck-typed banks hold no packing
-                bank.bind(scratch)
+            if isinstance(bank, ExpertBank) or hasattr(bank, "group"):  # (a benchmark's
+                bank.bind(scratch)  # duck-typed banks hold no packing)
 
 
 class LayerWeights:
@@ -85,11 +85,12 @@ class LayerWeights:
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: bool = True,
-                 budget: int | None = None) -> Weights:
+                 budget: int | None = None, experts: list | None = None) -> Weights:
     """Map and check a checkpoint; every tensor stays in its stored format where it is packed
     (FP8 / FP4 codes + scales), routed experts stay mapped when not resident. `budget` (bytes
     of device memory for all weights; None: no limit) sends the coldest packed experts to
-    mapped host memory."""
+    mapped host memory. `experts` (per layer, the expert ids to hold: one rank's share under
+    expert parallel) holds only those, in that order, all resident."""
     stored = unhybrid(read_checkpoint(model_dir))
     mtp = {k: v for k, v in stored.items() if k.startswith("mtp.")}
     official = not any(k.startswith(("model.", "lm_head.")) for k in stored)
@@ -116,6 +117,10 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
         progress.update(named[name].nbytes)
     if "lm_head.weight" not in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    if experts is not None:  # one rank's share: those experts only, all resident
+        banks = [_share_bank(xp, pair, ids) for pair, ids in zip(expert_sources, experts)]
+        progress.close()
+        return Weights(tensors, banks, mtp, packed)
     mask = _resident_mask(cfg, expert_sources, budget, tensors, resident_experts)
     host = _host_memory(xp, expert_sources, mask)
     experts, offset = [], 0
@@ -134,6 +139,24 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
 
         weights.placement = ExpertPlacement(experts, budget)
     return weights
+
+
+def checkpoint_experts(model_dir: str | Path, cfg: ModelConfig, xp, experts: list) -> list:
+    """Per layer, an ExpertBank of the experts `experts[layer]` of a checkpoint (an expert
+    worker's share: nothing else is read)."""
+    stored = unhybrid(read_checkpoint(model_dir))
+    official = not any(k.startswith(("model.", "lm_head.")) for k in stored)
+    block = weight_block(cfg)
+    for t in stored.values():
+        t.block = block
+    return [_share_bank(xp, _expert_sources(stored, cfg, i, official, block), ids)
+            for i, ids in enumerate(experts)]
+
+
+def _share_bank(xp, sources: tuple, ids: list) -> ExpertBank:
+    """A resident bank of experts `ids` (in that order) of one layer's (gate_up, down)."""
+    gate_up, down = ([part[e] for e in ids] for part in sources)
+    return ExpertBank(xp, gate_up, down, True, isinstance(gate_up[0][0], PackedMatrix))
 
 
 def device_tensors(xp, named: dict, packed: bool, block: tuple[int, int]) -> dict:

@@ -42,3 +42,4 @@ class ServerConfig:
     mtp: bool = False  # MTP speculative decoding of greedy jobs
     mtp_draft: int = 1
     mtp_margin: float = 0.0
+    gpus: int | None = None  # expert parallel over this many GPUs (None: one, no group)

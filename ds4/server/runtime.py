@@ -296,7 +296,7 @@ def open_engine(model_dir: str, cfg: ServerConfig) -> Engine:
     engine = Engine.open(model_dir, backend=cfg.backend, prefill_chunk=cfg.prefill_chunk,
                          resident_experts=not cfg.ssd_streaming, load_format=cfg.load_format,
                          seed=cfg.seed, gpu_memory_gib=cfg.gpu_memory_gib,
-                         parallel=cfg.parallel, ctx=cfg.ctx, mtp=cfg.mtp)
+                         parallel=cfg.parallel, ctx=cfg.ctx, mtp=cfg.mtp, gpus=cfg.gpus)
     check_vocabulary(engine)
     return engine
 

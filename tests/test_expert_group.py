@@ -1,0 +1,151 @@
+"""Expert parallel (Engine.open(gpus=N), ds4/model/expert_group.py) on CPU: the ranks are
+threads exchanging host arrays, the NumPy twin of the NCCL group. Split over 2 and 3 ranks,
+the tiny model and the tiny model as a packed FP8 + FP4 checkpoint give one engine's greedy
+tokens, with logits within 1e-5 of their scale (the ranks' partial sums add in another order;
+measured 5.7e-6 absolute on logits of magnitude ~3); one rank gives them bitwise. Prefill
+runs in several chunks, then single steps and a batched step; the kernel decoder (through its
+NumPy twins) runs its own side of the group: the wire, the local picks, the all-reduce."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from test_batch_engine import packed_tiny, prompt
+from test_gpu_decode_twins import row_twins, twins  # noqa: F401 (fixtures)
+
+from ds4.engine import Engine, default_model_dir
+from ds4.model.expert_group import HostComm, HostExchange, local_maps, owned, owner_table
+from ds4.model.gpu_decode import GraphDecode
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-packed"])
+def model_dir(request, tmp_path_factory):
+    if request.param == "tiny":
+        return default_model_dir()
+    return packed_tiny(tmp_path_factory.mktemp("official"))
+
+
+def greedy(engine: Engine, lengths=(40, 23), steps: int = 6):
+    """(tokens, logits) of greedy decoding for sessions of these prompt lengths: single
+    steps first, then batched steps of all of them."""
+    sessions = [engine.new_session(256) for _ in lengths]
+    for s, n in zip(sessions, lengths):
+        s.sync(prompt(n, n))
+    tokens, logits = [], []
+    for _ in range(steps):
+        for s in sessions:
+            tokens.append(int(np.argmax(s.logits)))
+            logits.append(s.logits.copy())
+            s.decode(tokens[-1])
+    for _ in range(steps):
+        picks = [int(np.argmax(s.logits)) for s in sessions]
+        tokens += picks
+        logits += [row.copy() for row in engine.decode_batch(sessions, picks)]
+    return tokens, np.array(logits)
+
+
+def opened(model_dir, **kw) -> Engine:
+    return Engine.open(model_dir, backend="numpy", prefill_chunk=16, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    e = opened(model_dir)
+    yield greedy(e), e.memory_report()
+    e.close()
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 3])
+def test_split_experts_give_one_engines_tokens(model_dir, reference, gpus):
+    (want, ref), report = reference
+    e = opened(model_dir, gpus=gpus)
+    try:
+        got, logits = greedy(e)
+        assert got == want
+        if gpus == 1:
+            assert np.array_equal(logits, ref)
+        assert np.abs(logits - ref).max() <= TOL * np.abs(ref).max()
+        split = e.memory_report()
+        assert split["weight_bytes"] == report["weight_bytes"]
+        assert split["gpus"] == gpus and len(split["expert_bytes_per_gpu"]) == gpus
+    finally:
+        e.close()
+
+
+def test_an_owner_table_places_experts_where_it_says(model_dir, reference):
+    (want, _), _ = reference
+    cfg = opened(model_dir).config
+    table = np.zeros(cfg.n_routed_experts, dtype=int)
+    table[:3] = 1  # rank 1 holds three experts, rank 0 the rest
+    e = opened(model_dir, gpus=2, expert_owners=table)
+    try:
+        assert greedy(e)[0] == want
+        per_gpu = e.memory_report()["expert_bytes_per_gpu"]
+        assert per_gpu[1] * (cfg.n_routed_experts - 3) == per_gpu[0] * 3
+    finally:
+        e.close()
+
+
+def test_the_decode_graphs_group_side_gives_the_same_tokens(row_twins):  # noqa: F811
+    """The kernel decoder's MoE over the group (rank 0's router writing into the wire, every
+    rank's rows_moe over its local picks, the all-reduce) equals the one-GPU kernel decoder:
+    bitwise on one rank, within 5e-5 of the logits' scale on two (measured 1.2e-5: the ranks'
+    sums add in another order, and the twins split x into bf16 hi + lo per batch)."""
+    runs = []
+    for gpus in (None, 1, 2):
+        e = opened(default_model_dir(), gpus=gpus)
+        e.model.kernel_decoder = GraphDecode(e.model)  # one-token steps: the twin decoder
+        e.model.batch_rows = False  # batched steps too
+        try:
+            runs.append(greedy(e, steps=4))
+            assert (e.model.kernel_decoder.decoder.shard is None) == (gpus is None)
+        finally:
+            e.close()
+    (want, ref), (one, one_logits), (two, two_logits) = runs
+    assert one == want and two == want and np.array_equal(one_logits, ref)
+    assert np.abs(two_logits - ref).max() <= 5 * TOL * np.abs(ref).max()
+
+
+def test_default_owners_are_expert_mod_n_and_maps_index_each_ranks_share():
+    owners = owner_table(2, 7, 3)
+    assert owners.tolist() == [[0, 1, 2, 0, 1, 2, 0]] * 2
+    assert owned(owners, 1) == [[1, 4], [1, 4]]
+    assert local_maps(owners, 0)[0].tolist() == [0, -1, -1, 1, -1, -1, 2]
+    assert local_maps(owners, 2)[1].tolist() == [-1, -1, 0, -1, -1, 1, -1]
+
+
+@pytest.mark.parametrize("table, message", [([0, 1, 2], "ranks 0..1"), ([0, 0, 0], "each")])
+def test_bad_owner_tables_are_refused(table, message):
+    with pytest.raises(ValueError, match=message):
+        owner_table(1, 3, 2, table)
+
+
+def test_bad_gpu_counts_are_refused():
+    with pytest.raises(ValueError, match="gpus must be >= 1"):
+        Engine.open(default_model_dir(), backend="numpy", gpus=0)
+    experts = opened(default_model_dir()).config.n_routed_experts
+    with pytest.raises(ValueError, match="at least one expert"):
+        Engine.open(default_model_dir(), backend="numpy", gpus=experts + 1)
+
+
+def test_host_ranks_broadcast_rank_0_and_sum_in_rank_order():
+    exchange, n = HostExchange(3, timeout=30), 3
+    bufs = [np.full(4, r + 1, np.float32) for r in range(n)]
+    sums = [np.arange(4, dtype=np.float32) * (r + 1) for r in range(n)]
+
+    def rank(r):
+        comm = HostComm(exchange, r)
+        comm.broadcast(bufs[r])
+        comm.all_reduce(sums[r])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(np.array_equal(b, np.ones(4)) for b in bufs)
+    assert all(np.array_equal(s, np.arange(4) * 6.0) for s in sums)
