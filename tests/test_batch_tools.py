@@ -59,3 +59,16 @@ def test_bench_mtp_keeps_plain_tokens_on_a_model_cut_to_its_first_layers(capsys)
     rows = {r[0]: r for r in table_rows(out)}
     assert rows["forced"][3] == "100.0%" and rows["forced"][5] == "yes"
     assert rows["mtp"][5] == "yes" and float(rows["plain"][2]) > 0
+
+
+def test_bench_gpus_compares_each_group_with_one_gpu(capsys):
+    """tools/bench_gpus.py on the tiny model's CPU twin of a group: one row per engine, the
+    group rows with the one-GPU engine's greedy tokens."""
+    bench = load_tool("bench_gpus")
+    assert bench.main(["--model", "tiny", "--load-format", "auto", "--backend", "numpy",
+                       "--gpus", "2,3", "--concurrency", "1,2", "--prompt-tokens", "40",
+                       "--tokens", "3"]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert [r[0] for r in rows] == ["one GPU, no group", "--gpus 2", "--gpus 3"]
+    assert all(r[4] == "same" for r in rows)
+    assert all(float(r[1].split()[0]) > 0 for r in rows)

@@ -43,6 +43,7 @@ def expert_bytes(engine: Engine) -> list[int]:
     """Bytes of one routed expert (gate_up + down) as held, per layer."""
     out = []
     for bank in engine.model.weights.experts:
+        bank = getattr(bank, "local", bank)  # expert parallel: rank 0's share
         out.append(bank.nbytes // bank.count if bank.resident else 0)
     return out
 

@@ -71,10 +71,11 @@ def server(parallel: int, args: argparse.Namespace):
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
-    """ds4-server's model flags: --model, --load-format (unless auto) and --gpu-memory-gib, each
-    only when given."""
+    """ds4-server's model flags: --model, --load-format (unless auto), --gpu-memory-gib and
+    --gpus, each only when given."""
     flags = ["--model", args.model] if args.model else []
     flags += ["--load-format", args.load_format] if args.load_format != "auto" else []
+    flags += ["--gpus", str(args.gpus)] if args.gpus else []
     return flags + (["--gpu-memory-gib", str(args.gpu_memory_gib)] if args.gpu_memory_gib else [])
 
 
@@ -183,6 +184,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
     p.add_argument("--backend", choices=("auto", "numpy", "cupy"), default="numpy")
     p.add_argument("--gpu-memory-gib", type=float, default=None)
+    p.add_argument("--gpus", type=int, default=None, help="ds4-server --gpus N (expert "
+                   "parallel); with --streams the bound stays one GPU's: every byte at one "
+                   "device's copy rate, so a group may pass 100%%")
     p.add_argument("--sequential", action="store_true", help="run the --parallel 1 server, "
                    "then the --parallel 2 one (implied by --model)")
     return p
@@ -329,7 +333,7 @@ def decode_bounds(args: argparse.Namespace, rows: list[dict]) -> float:
     model opened here; returns the copy rate."""
     engine = Engine.open(args.model or default_model_dir(), backend=args.backend,
                          load_format=args.load_format, gpu_memory_gib=args.gpu_memory_gib,
-                         prefill_chunk=args.prefill_chunk)
+                         prefill_chunk=args.prefill_chunk, gpus=args.gpus)
     bandwidth, per_expert = copy_bandwidth(engine.backend.xp), expert_bytes(engine)
     for r in rows:
         b = max(1.0, r["mean batch"])

@@ -68,11 +68,17 @@ class DecoderShard:
         if mode == "eager" or self.xp.__name__ == "numpy":
             self.run(batch)
             return
+        cuda = self.xp.cuda
         if self._stream is None:
-            self._stream = self.xp.cuda.Stream(non_blocking=True)
-        with self._stream:
+            self._stream = cuda.Stream(non_blocking=True)
+        stream = self._stream
+        # after the `rows` programs before it and before the ones after it, as on rank 0
+        # (its collectives must keep rank 0's order)
+        stream.wait_event(cuda.get_current_stream().record())
+        with stream:
             if mode == "capture":
-                self._stream.begin_capture()
+                stream.begin_capture()
                 self.run(batch)
-                self.graphs[key] = self._stream.end_capture()
-            self.graphs[key].launch(self._stream)
+                self.graphs[key] = stream.end_capture()
+            self.graphs[key].launch(stream)
+        cuda.get_current_stream().wait_event(stream.record())
