@@ -149,3 +149,30 @@ def test_host_ranks_broadcast_rank_0_and_sum_in_rank_order():
         t.join()
     assert all(np.array_equal(b, np.ones(4)) for b in bufs)
     assert all(np.array_equal(s, np.arange(4) * 6.0) for s in sums)
+
+
+def no_comm():
+    """A worker's communicator where no collective runs (the spawn test below)."""
+    return None
+
+
+def test_a_spawned_worker_loads_its_share_and_stops(model_dir, reference):
+    """The process a GPU group starts per extra GPU (here on NumPy, no NCCL): a fresh
+    interpreter loads its experts from the model directory, reports their bytes (rank 1's
+    share of e mod 2), and exits when told to stop."""
+    from ds4.model.expert_worker import ShardSource, spawn_worker
+
+    e = opened(model_dir, gpus=2)
+    want = e.memory_report()["expert_bytes_per_gpu"][1]
+    e.close()
+    owners = owner_table(e.config.num_hidden_layers, e.config.n_routed_experts, 2)
+    link, proc = spawn_worker(ShardSource(str(model_dir), "auto", 0), owners, 1, no_comm,
+                              backend="numpy")
+    try:
+        assert link.poll(120) and link.recv() == ("ready", want)
+        link.send(("stop",))
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.terminate()

@@ -31,11 +31,12 @@ def sync(engine: Engine) -> None:
 
 
 def measure(engine: Engine, prompt: int, tokens: int, concurrency: list[int]) -> dict:
-    """Prefill tok/s of one prompt, then decode tok/s of `c` sessions stepping together (after
-    two untimed warm-up steps), and the first session's greedy tokens."""
+    """Prefill tok/s of one prompt (after an untimed one: compiles, cuBLAS plans, the pool),
+    then decode tok/s of `c` sessions stepping together (after two untimed warm-up steps),
+    and the first session's greedy tokens."""
     ids = [1 + i % 1000 for i in range(prompt)]
     s = engine.new_session(prompt + tokens + 16)
-    s.sync(ids[:16])  # compile and warm outside the timing
+    s.sync(ids[::-1])
     s = engine.new_session(prompt + tokens + 16)
     sync(engine)
     start = time.perf_counter()

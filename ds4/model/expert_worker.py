@@ -15,6 +15,7 @@ import multiprocessing
 import threading
 import traceback
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -85,14 +86,10 @@ def _process_group(xp, cfg, source: ShardSource, owners: np.ndarray, gpus: int) 
     if gpus > have:
         raise ValueError(f"--gpus {gpus} needs {gpus} CUDA devices; this machine has {have}")
     uid = nccl.get_unique_id()
-    ctx = multiprocessing.get_context("spawn")  # CUDA state must not be forked
     links, procs = [], []
     for rank in range(1, gpus):
-        mine, theirs = ctx.Pipe()
-        p = ctx.Process(target=_process_main, args=(source, owners, rank, gpus, uid, theirs),
-                        daemon=True, name=f"ds4-expert-rank{rank}")
-        p.start()
-        links.append(mine)
+        link, p = spawn_worker(source, owners, rank, partial(NcclComm, gpus, uid, rank))
+        links.append(link)
         procs.append(p)
 
     def stop():
@@ -104,12 +101,27 @@ def _process_group(xp, cfg, source: ShardSource, owners: np.ndarray, gpus: int) 
     return ExpertGroup(xp, cfg, owners, lambda: NcclComm(gpus, uid, 0), links, stop)
 
 
-def _process_main(source: ShardSource, owners, rank: int, gpus: int, uid, link) -> None:
-    """A worker process: its GPU is device `rank`."""
+def spawn_worker(source: ShardSource, owners, rank: int, connect, backend: str = "cupy"):
+    """(rank 0's end of the link, the process) of a worker process for `rank` that loads its
+    share, reports, then calls `connect()` for its communicator (picklable: NcclComm's
+    arguments in a partial)."""
+    ctx = multiprocessing.get_context("spawn")  # CUDA state must not be forked
+    mine, theirs = ctx.Pipe()
+    p = ctx.Process(target=_process_main, args=(source, owners, rank, connect, theirs, backend),
+                    daemon=True, name=f"ds4-expert-rank{rank}")
+    p.start()
+    return mine, p
+
+
+def _process_main(source: ShardSource, owners, rank: int, connect, link, backend: str) -> None:
+    """A worker process: on CuPy its GPU is device `rank` (NumPy: the tests' host twin)."""
+    if backend == "numpy":
+        _serve(np, source, owners, rank, connect, link)
+        return
     import cupy
 
     cupy.cuda.Device(rank).use()
-    _serve(cupy, source, owners, rank, lambda: NcclComm(gpus, uid, rank), link)
+    _serve(cupy, source, owners, rank, connect, link)
 
 
 def _serve(xp, source: ShardSource, owners, rank: int, make_comm, link) -> None:
