@@ -30,6 +30,36 @@ MAX_BATCH = 8  # sessions per batched decode step; larger batches run as several
 
 
 
+class StepLogits(Sequence):
+    """What Engine.decode_batch returns: each session's logits after that step, copied to the
+    host only when read."""
+
+    def __init__(self, sessions: list[Session]):
+        self._rows = [(s, s._host_logits, s._device_logits) for s in sessions]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        session, host, device = self._rows[i]
+        if host is None and device is not None:
+            if session._device_logits is device:  # the session's own copy, made once
+                return session.logits
+            host = np.asarray(session.engine.backend.to_numpy(device), dtype=np.float32)
+        return host
+
+
+def _argmax_rows(xp, rows: list) -> list[int]:
+    """Each device row's argmax (lowest id on ties, as greedy sampling), in one launch."""
+    from ds4.kernels import sampling as kernels
+
+    out = xp.zeros(len(rows), dtype=xp.int32)
+    kernels.argmax(xp.stack(rows), out)
+    return [int(v) for v in out.get()]
+
+
 class Engine:
     """A loaded model; sessions share its weights and scratch buffers (one thread drives it)."""
 
@@ -148,9 +178,10 @@ class Engine:
         return placement.stats() if placement is not None else None
 
     def decode_batch(self, sessions: Sequence[Session],
-                     tokens: Sequence[int]) -> list[np.ndarray]:
+                     tokens: Sequence[int]) -> Sequence[np.ndarray]:
         """Append one token to each session in one engine step; logits (float32 [vocab]) per
-        session, equal to each one's own `Session.decode` (see docs/PERF.md for the rounding).
+        session, equal to each one's own `Session.decode` (see docs/PERF.md for the rounding),
+        copied to the host when read (StepLogits).
 
         A batch of one is exactly `Session.decode`; more than MAX_BATCH sessions run as
         several steps of at most MAX_BATCH.
@@ -162,28 +193,32 @@ class Engine:
             raise ValueError("a session may appear only once in a decode batch")
         for s, t in zip(sessions, tokens):
             s._check_decode(self, t)
-        out: list[np.ndarray] = []
         for b in range(0, len(sessions), MAX_BATCH):
-            out += self._decode_rows(sessions[b:b + MAX_BATCH], tokens[b:b + MAX_BATCH])
-        return out
+            self._decode_rows(sessions[b:b + MAX_BATCH], tokens[b:b + MAX_BATCH])
+        return StepLogits(sessions)
 
-    def _decode_rows(self, sessions: list[Session], tokens: list[int]) -> list[np.ndarray]:
+    def _decode_rows(self, sessions: list[Session], tokens: list[int]) -> None:
         if len(sessions) == 1:
-            return [sessions[0].decode(tokens[0])]
+            sessions[0].decode(tokens[0])
+            return
         graph = self.model.kernel_decoder  # CuPy: one graph replay for the whole batch
+        gpu = self.backend.is_gpu
         try:
             if graph is not None and not self.model.batch_rows:
                 logits = graph.decode_batch([s.state for s in sessions], tokens)
             else:
                 logits = self.model.decode_many([s.state for s in sessions], tokens)
-            host = [np.asarray(self.backend.to_numpy(row), dtype=np.float32) for row in logits]
+            # GPU: the rows stay there (a session copies its own on first read) and one launch
+            # takes every row's argmax, which greedy jobs then sample without a sync of their own
+            host = ([None] * len(logits) if gpu else
+                    [np.array(row, dtype=np.float32) for row in logits])
+            greedy = _argmax_rows(self.backend.xp, logits) if gpu else [None] * len(logits)
         except BaseException:
             for s in sessions:  # each one's layers may have written rows: back to a whole state
                 s._rewind_after_failure()
             raise
-        for s, token, row, device_row in zip(sessions, tokens, host, logits):
-            s._took([token], row.copy(), device_row)
-        return [s.logits for s in sessions]
+        for s, token, row, device_row, best in zip(sessions, tokens, host, logits, greedy):
+            s._took([token], row, device_row, best)
 
     @property
     def group(self):

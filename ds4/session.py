@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ds4.model.state import SessionState
-from ds4.sampling import sample
+from ds4.sampling import is_greedy, sample
 from ds4.snapshot import (
     FRONTIER_LOGITS,
     FRONTIER_PREFIX,
@@ -66,13 +66,28 @@ class Session:
         self.ctx_size = ctx_size
         self.state = SessionState(engine.backend.xp, engine.config, ctx_size)
         self.tokens: list[int] = []
-        self.logits: np.ndarray | None = None
+        self._host_logits: np.ndarray | None = None  # copied from the device on first read
         self._device_logits = None  # the same logits where the backend left them (GPU: CuPy)
+        self._greedy: int | None = None  # their argmax, when a batched step took it already
         self._frontier: Frontier | None = None
         self.mtp_state = engine.mtp.new_state() if engine.mtp is not None else None
         self._speculated: Speculated | None = None  # the last verify, while it may be trimmed
         self._draft_kept = None  # (position, MtpState.keep) of the last draft
         self._verify_arrays: dict | None = None  # state copies a verify rolls back to
+
+    @property
+    def logits(self) -> np.ndarray | None:
+        """The last logits (float32 [vocab], read-only) on the host; on the GPU they are copied
+        from the device on first read, so a step whose job only samples (on the device) moves
+        no vocabulary row."""
+        if self._host_logits is None and self._device_logits is not None:
+            self._host_logits = _read_only(np.asarray(
+                self.engine.backend.to_numpy(self._device_logits), dtype=np.float32))
+        return self._host_logits
+
+    @logits.setter
+    def logits(self, value: np.ndarray | None) -> None:
+        self._host_logits, self._greedy = value, None
 
     def reusable_prefix(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of token_ids sync would keep without recomputing."""
@@ -136,6 +151,8 @@ class Session:
     def sample(self, opts, rng: np.random.Generator) -> int:
         """Next token drawn from the last logits where they live (GPU: only the id comes back)."""
         # the same seed gives the same tokens as ds4.sampling.sample on s.logits
+        if self._greedy is not None and is_greedy(opts):
+            return self._greedy  # (greedy draws no random number either way)
         logits = self._device_logits if self._device_logits is not None else self.logits
         if logits is None:
             raise ValueError("no logits yet: sync a prompt first")
@@ -216,7 +233,8 @@ class Session:
             return
         try:
             logits = model.forward(self.state, ids)
-            host = np.asarray(self.engine.backend.to_numpy(logits), dtype=np.float32)
+            host = (None if self.engine.backend.is_gpu  # (read lazily: `logits`)
+                    else np.asarray(logits, dtype=np.float32))
         except BaseException:
             self._rewind_after_failure()
             raise
@@ -239,11 +257,14 @@ class Session:
             self.mtp_state.hidden, self.mtp_state.hidden_at = X[-1], len(self.tokens)
         return host, X
 
-    def _took(self, ids: list[int], host: np.ndarray, device_logits) -> None:
-        """The state now covers `ids` too; its logits are `host` (and `device_logits` there)."""
+    def _took(self, ids: list[int], host: np.ndarray | None, device_logits,
+              greedy: int | None = None) -> None:
+        """The state now covers `ids` too; its logits are `host` (None on the GPU: copied on
+        first read) and `device_logits` there, `greedy` their argmax when already taken."""
         self.tokens.extend(ids)
         self.logits = _read_only(host)
         self._device_logits = device_logits if self.engine.backend.is_gpu else None
+        self._greedy = greedy
 
     def _rewind_after_failure(self) -> None:
         # earlier layers may have written rows and moved pending/overlap state: fall back

@@ -60,3 +60,34 @@ def test_session_samples_its_device_logits():
         return out
 
     assert run(5) == run(5)
+
+
+def test_argmax_of_rows_in_one_launch_equals_each_rows_host_argmax():
+    import cupy
+
+    from ds4.kernels import sampling as kernels
+
+    block = np.stack([r[:64] for r in rows()] + [np.full(64, -np.inf, np.float32)])
+    out = cupy.full(len(block), -1, dtype=cupy.int32)
+    kernels.argmax(cupy.asarray(block), out)
+    assert out.get().tolist() == [int(np.argmax(r)) for r in block]
+
+
+def test_a_batched_steps_greedy_picks_and_lazy_logits_are_each_sessions_own():
+    """After Engine.decode_batch on the GPU a session's logits stay on the device until read,
+    and the argmax the step took for every row (one launch) is what greedy sampling of that
+    session draws, and what the host argmax of its logits gives."""
+    from ds4.engine import Engine, default_model_dir
+
+    eng = Engine.open(default_model_dir(), backend="cupy")
+    sessions = [eng.new_session(256) for _ in range(3)]
+    for k, s in enumerate(sessions):
+        s.sync([0, 17 + k, 99, 1234, 5 + 3 * k])
+    greedy = SamplingOptions(temperature=0.0)
+    for _ in range(6):
+        picks = [s.sample(greedy, make_rng(0)) for s in sessions]
+        rows = eng.decode_batch(sessions, picks)
+        assert all(s._host_logits is None and s._greedy is not None for s in sessions)
+        assert [s.sample(greedy, make_rng(0)) for s in sessions] == \
+            [int(np.argmax(s.logits)) for s in sessions]
+        assert all(np.array_equal(r, s.logits) for r, s in zip(rows, sessions))

@@ -9,10 +9,12 @@ __device__ __forceinline__ unsigned int order_key(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Argmax of x[0..n) into out[0]; one block of 1024 threads.
-extern "C" __global__ void argmax(const float* __restrict__ x, int n, int* out) {
+// Argmax of each row x[b * ld .. b * ld + n) into out[b]; one block of 1024 threads a row.
+extern "C" __global__ void argmax(const float* __restrict__ x, int n, int* out, long long ld) {
     __shared__ float bv[32];
     __shared__ int bi[32];
+    x += blockIdx.x * ld;
+    out += blockIdx.x;
     float v = -INFINITY;
     int idx = 0x7fffffff;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -27,7 +29,7 @@ extern "C" __global__ void argmax(const float* __restrict__ x, int n, int* out) 
         v = lane < nw ? bv[lane] : -INFINITY;
         idx = lane < nw ? bi[lane] : 0x7fffffff;
         warp_argmax(v, idx);
-        if (lane == 0) out[0] = idx;
+        if (lane == 0) out[0] = idx == 0x7fffffff ? 0 : idx;  // every entry -inf: 0, as NumPy
     }
 }
 

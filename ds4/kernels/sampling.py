@@ -8,14 +8,19 @@ from ds4.kernels import NULL, i32, launch, ptr
 
 
 def argmax(x, out):
-    """out[0] = the index of the largest x (lowest index on ties)."""
-    launch("sampling", "argmax", (1,), (1024,), (ptr(x), i32(x.shape[0]), ptr(out)))
+    """out[0] = the index of the largest x (lowest index on ties); x [B, n] (rows contiguous):
+    out[b] per row, one launch."""
+    rows, ld = (1, 0) if x.ndim == 1 else (x.shape[0], x.strides[0] // x.itemsize)
+    assert x.strides[-1] == x.itemsize
+    launch("sampling", "argmax", (rows,), (1024,),
+           (ptr(x), i32(x.shape[-1]), ptr(out), np.int64(ld)))
     return out
 
 
 def argmax_numpy(x, out):
     """NumPy twin of argmax."""
-    out[0] = int(np.argmax(x))
+    x = np.asarray(x)
+    out[: 1 if x.ndim == 1 else x.shape[0]] = np.argmax(x.reshape(-1, x.shape[-1]), axis=1)
     return out
 
 
