@@ -198,8 +198,8 @@ class Engine:
         return StepLogits(sessions)
 
     def _decode_rows(self, sessions: list[Session], tokens: list[int]) -> None:
-        if len(sessions) == 1:
-            sessions[0].decode(tokens[0])
+        if len(sessions) == 1:  # (checked by decode_batch; _run leaves the logits lazy)
+            sessions[0]._run([tokens[0]])
             return
         graph = self.model.kernel_decoder  # CuPy: one graph replay for the whole batch
         gpu = self.backend.is_gpu
