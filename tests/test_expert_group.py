@@ -176,3 +176,14 @@ def test_a_spawned_worker_loads_its_share_and_stops(model_dir, reference):
     finally:
         if proc.is_alive():
             proc.terminate()
+
+
+def test_a_step_after_a_worker_exited_fails_clearly_instead_of_waiting():
+    e = opened(default_model_dir(), gpus=2)
+    s = e.new_session(64)
+    s.sync([0, 5, 9, 13])
+    e.group.links[0].send(("stop",))  # the worker leaves, as if it had crashed
+    e.group.workers[0].join(30)
+    with pytest.raises(RuntimeError, match="expert worker of GPU 1 has exited"):
+        s.decode(int(np.argmax(s.logits)))
+    e.close()

@@ -189,8 +189,10 @@ class ExpertGroup:
     `make_comm` once every worker has loaded), and one link per worker (a connection that
     takes the next program's name before its collectives run)."""
 
-    def __init__(self, xp, cfg, owners: np.ndarray, make_comm, links: list, stop=None):
+    def __init__(self, xp, cfg, owners: np.ndarray, make_comm, links: list, stop=None,
+                 workers: list | None = None):
         self.xp, self.cfg, self.owners, self.links = xp, cfg, owners, links
+        self.workers = workers or []  # their threads or processes (is_alive), rank order
         self.gpus = int(owners.max()) + 1
         self.maps = local_maps(owners, 0)
         self.comm = None
@@ -216,7 +218,14 @@ class ExpertGroup:
         self.comm = self._make_comm()
 
     def tell(self, *program) -> None:
-        """Tell every worker which program runs next (rank 0 then runs its own side)."""
+        """Tell every worker which program runs next (rank 0 then runs its own side); a
+        worker that has exited is an error here, before rank 0 would wait for it in NCCL."""
+        for rank, worker in enumerate(self.workers, start=1):
+            if not worker.is_alive():
+                code = getattr(worker, "exitcode", None)
+                raise RuntimeError(f"the expert worker of GPU {rank} has exited"
+                                   f"{'' if code is None else f' (exit code {code})'}; "
+                                   "restart the server")
         for link in self.links:
             link.send(program)
 

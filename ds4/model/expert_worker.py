@@ -76,7 +76,7 @@ def _thread_group(xp, cfg, source: ShardSource, owners: np.ndarray, gpus: int) -
         for t in threads:
             t.join(timeout=30)
 
-    return ExpertGroup(xp, cfg, owners, lambda: HostComm(exchange, 0), links, stop)
+    return ExpertGroup(xp, cfg, owners, lambda: HostComm(exchange, 0), links, stop, threads)
 
 
 def _process_group(xp, cfg, source: ShardSource, owners: np.ndarray, gpus: int) -> ExpertGroup:
@@ -98,7 +98,7 @@ def _process_group(xp, cfg, source: ShardSource, owners: np.ndarray, gpus: int) 
             if p.is_alive():
                 p.terminate()
 
-    return ExpertGroup(xp, cfg, owners, lambda: NcclComm(gpus, uid, 0), links, stop)
+    return ExpertGroup(xp, cfg, owners, lambda: NcclComm(gpus, uid, 0), links, stop, procs)
 
 
 def spawn_worker(source: ShardSource, owners, rank: int, connect, backend: str = "cupy"):
