@@ -6,6 +6,8 @@ a packed FP8 + FP4 checkpoint; two ranks where two GPUs exist."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from test_batch_engine import packed_tiny
@@ -110,5 +112,6 @@ def test_nccl_group_gives_one_gpus_tokens(model_dir, reference, gpus):
         assert got == want
         assert np.abs(logits - ref).max() <= TOL * np.abs(ref).max()
         assert e.memory_report()["gpus"] == gpus
+        assert os.environ["NCCL_NVLS_ENABLE"] == "0"  # NVLink multicast off where NCCL runs
     finally:
         e.close()

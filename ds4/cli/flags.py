@@ -84,7 +84,7 @@ def gpus_refusal(gpus: int | None, backend: str, gpu_memory_gib: float | None = 
                 "(host overflow) is for one GPU")
     if ssd_streaming:
         return "--gpus and --ssd-streaming exclude each other"
-    from ds4.backend import cuda_available
+    from ds4.engine import cuda_available
 
     if backend == "numpy" or (backend == "auto" and not cuda_available()):
         return "--gpus needs CUDA devices (CuPy); this run uses the NumPy backend"
