@@ -87,19 +87,8 @@ class KernelDecoder:
                    group=getattr(model.weights.experts[0], "group", None))
 
     def _shard(self, group) -> DecoderShard | None:
-        """Rank 0's DecoderShard of an expert-parallel group (None without one); the router's
-        picks and the normed hidden rows then live in its wire, which the MoE broadcasts."""
-        if group is None:
-            return None
-        if not all(self.row_moe):
-            raise ValueError("expert parallel decode needs every layer's experts in a format "
-                             "ds4/kernels/rows_moe.py reads")
-        stacks = [(t["experts.gate_up"], t["experts.down"]) for t in self.layers]
-        shard = DecoderShard(self.cp, self.cfg, group.comm, group.device_maps, stacks,
-                             MAX_MEMBERS, self.moe_scratch, y=self.buf["y"])
-        for name in ("idx", "wts", "h"):
-            self.buf[name] = shard.views[name]
-        return shard
+        """Rank 0's DecoderShard of an expert-parallel group (None without one)."""
+        return None if group is None else DecoderShard.for_rank0(self, group, MAX_MEMBERS)
 
     def _buffers(self, cfg) -> dict:
         cp, f = self.cp, self.cp.float32

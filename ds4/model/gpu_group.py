@@ -30,6 +30,21 @@ class DecoderShard:
         self._stream = None
 
     @classmethod
+    def for_rank0(cls, decoder, group, members: int) -> DecoderShard:
+        """Rank 0's shard inside a KernelDecoder: the router's picks and the normed hidden
+        rows then live in its wire (the decoder's idx, wts and h buffers become its views),
+        and the MoE's sum lands in the decoder's y."""
+        if not all(decoder.row_moe):
+            raise ValueError("expert parallel decode needs every layer's experts in a format "
+                             "ds4/kernels/rows_moe.py reads")
+        stacks = [(t["experts.gate_up"], t["experts.down"]) for t in decoder.layers]
+        shard = cls(decoder.cp, decoder.cfg, group.comm, group.device_maps, stacks, members,
+                    decoder.moe_scratch, y=decoder.buf["y"])
+        for name in ("idx", "wts", "h"):
+            decoder.buf[name] = shard.views[name]
+        return shard
+
+    @classmethod
     def for_worker(cls, worker) -> DecoderShard:
         """A worker's shard over its banks (no shared expert: rank 0 adds it)."""
         from ds4.model.gpu_decode import MAX_MEMBERS
