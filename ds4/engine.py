@@ -225,6 +225,11 @@ class Engine:
         """The expert-parallel group (ds4/model/expert_group.py), None on one GPU."""
         return getattr(self.model.weights.experts[0], "group", None)
 
+    def fault(self) -> str | None:
+        """Why this engine can no longer step (an expert worker of its group has exited),
+        None while it can."""
+        return self.group.fault() if self.group is not None else None
+
     def close(self) -> None:
         """Free the shared scratch and stop expert workers (sessions of this engine must not
         be used afterwards)."""

@@ -187,3 +187,24 @@ def test_a_step_after_a_worker_exited_fails_clearly_instead_of_waiting():
     with pytest.raises(RuntimeError, match="expert worker of GPU 1 has exited"):
         s.decode(int(np.argmax(s.logits)))
     e.close()
+
+
+def test_health_is_503_saying_why_once_an_expert_worker_has_exited():
+    """A server whose group lost a worker says so on /health (an orchestrator restarts it),
+    and a new request gets a 503 in its protocol's shape saying why, not a hang."""
+    import httpx
+    from test_server_support import live_server
+
+    with live_server(backend="numpy", gpus=2) as (url, runtime):
+        assert httpx.get(url + "/health").status_code == 200
+        group = runtime.engine.group
+        group.links[0].send(("stop",))
+        group.workers[0].join(30)
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503
+        assert "expert worker of GPU 1 has exited" in health.json()["error"]
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": "deepseek-v4-flash", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503
+        assert "expert worker of GPU 1" in r.json()["error"]["message"]

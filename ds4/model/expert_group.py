@@ -217,15 +217,20 @@ class ExpertGroup:
             raise
         self.comm = self._make_comm()
 
-    def tell(self, *program) -> None:
-        """Tell every worker which program runs next (rank 0 then runs its own side); a
-        worker that has exited is an error here, before rank 0 would wait for it in NCCL."""
+    def fault(self) -> str | None:
+        """Why the group cannot step (a worker has exited), None while every worker runs."""
         for rank, worker in enumerate(self.workers, start=1):
             if not worker.is_alive():
                 code = getattr(worker, "exitcode", None)
-                raise RuntimeError(f"the expert worker of GPU {rank} has exited"
-                                   f"{'' if code is None else f' (exit code {code})'}; "
-                                   "restart the server")
+                return (f"the expert worker of GPU {rank} has exited"
+                        f"{'' if code is None else f' (exit code {code})'}; restart the server")
+        return None
+
+    def tell(self, *program) -> None:
+        """Tell every worker which program runs next (rank 0 then runs its own side); a
+        worker that has exited is an error here, before rank 0 would wait for it in NCCL."""
+        if (why := self.fault()) is not None:
+            raise RuntimeError(why)
         for link in self.links:
             link.send(program)
 

@@ -115,7 +115,10 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
 
 async def health(request: Request, runtime: Runtime) -> Response:
     """200 when the model is loaded and the scheduler runs (with the model's fingerprint and
-    the --trace file), else 503."""
+    the --trace file), else 503 (loading, a failed load, or an engine that can no longer step)."""
+    fault = runtime.engine_fault() if runtime.state == SERVING else None
+    if fault is not None:  # e.g. an expert worker (--gpus) has exited: every step would fail
+        return json_response({"status": "error", "error": fault}, 503)
     if runtime.state == SERVING:
         trace = runtime.trace_file()  # lets ds4-replay refuse to replay a trace into its writer
         model = {"model_fingerprint": runtime.model_fingerprint}  # and another model's trace

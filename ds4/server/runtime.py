@@ -99,6 +99,11 @@ class Runtime:
         self.state = SERVING
         return True
 
+    def engine_fault(self) -> str | None:
+        """Why the serving engine can no longer step (Engine.fault), None while it can."""
+        fault = getattr(self.engine, "fault", None)  # (the tests' scripted engines have none)
+        return fault() if fault is not None else None
+
     def write_trace_header(self, model_dir: str) -> None:
         """Note the model's fingerprint (/health shows it) and write the --trace file's first
         line: the fingerprint and the slots' settings, so ds4-replay can refuse another
@@ -159,10 +164,13 @@ class Runtime:
         return self.scheduler.stats.busy_slots if self.scheduler is not None else 0
 
     def require_serving(self) -> None:
-        """A 503 while the model loads (or failed to load)."""
+        """A 503 while the model loads (or failed to load), or once the engine can no longer
+        step (an expert worker has exited)."""
         if self.state != SERVING:
             raise ApiError(503, "model is loading" if self.state == LOADING
                            else f"model failed to load: {self.error}")
+        if (fault := self.engine_fault()) is not None:
+            raise ApiError(503, fault)
 
     async def tokenize(self, turn: Turn, limit: int | None = None) -> Prompt:
         """Render and tokenize off the event loop; bad chat input becomes a 400, and so does a
