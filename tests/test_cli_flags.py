@@ -88,6 +88,9 @@ def test_generate_and_replay_help_show_defaults() -> None:
     (["ds4.cli.server", "--gpus", "2", "--backend", "numpy"], "--gpus needs CUDA devices"),
     (["ds4.cli.server", "--gpus", "2", "--gpu-memory-gib", "8"], "host overflow"),
     (["ds4", "generate", "-p", "hi", "--gpus", "2", "--backend", "numpy"], "needs CUDA"),
+    (["ds4.cli.server", "--expert-owners", "owners.json"], "over the GPUs of --gpus N"),
+    (["ds4", "generate", "-p", "hi", "--gpus", "2", "--expert-owners", "/no/such.json"],
+     "--expert-owners /no/such.json"),
 ])
 def test_numbers_out_of_range_exit_2_saying_what_is_wanted(argv, says):
     r = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,

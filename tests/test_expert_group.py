@@ -208,3 +208,22 @@ def test_health_is_503_saying_why_once_an_expert_worker_has_exited():
             "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 503
         assert "expert worker of GPU 1" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("table", [[0, 1], [[0, 1, 0]], [0.5, 1, 0]])
+def test_owner_tables_of_the_wrong_shape_or_type_are_refused(table):
+    with pytest.raises(ValueError, match="one per expert"):
+        owner_table(2, 3, 2, table)
+
+
+def test_the_servers_owner_table_reaches_the_group():
+    """ds4-server's --expert-owners table (ServerConfig.expert_owners) places the experts."""
+    from test_server_support import live_server
+
+    e = opened(default_model_dir())
+    E = e.config.n_routed_experts
+    e.close()
+    table = [1] * 2 + [0] * (E - 2)
+    with live_server(backend="numpy", gpus=2, expert_owners=table) as (_, runtime):
+        per_gpu = runtime.engine.memory_report()["expert_bytes_per_gpu"]
+        assert per_gpu[0] * 2 == per_gpu[1] * (E - 2)

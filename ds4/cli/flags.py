@@ -72,6 +72,26 @@ def add_gpus(p: argparse.ArgumentParser) -> None:
                    help="split the routed experts over N GPUs of this host (expert e on GPU "
                         "e mod N; attention, the shared expert, the router and the head stay "
                         "on GPU 0; NCCL sums the experts' outputs); default: one GPU")
+    p.add_argument("--expert-owners", metavar="FILE",
+                   help="with --gpus: a JSON file placing the routed experts, one GPU index "
+                        "per expert, or one such list per layer (default: expert e on GPU "
+                        "e mod N)")
+
+
+def expert_owners(path: str | None, gpus: int | None):
+    """The --expert-owners table read from its JSON file (None without one); (None, why) when
+    it cannot be used: ((table or None), refusal or None)."""
+    if path is None:
+        return None, None
+    if gpus is None:
+        return None, "--expert-owners places experts over the GPUs of --gpus N"
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f), None
+    except (OSError, ValueError) as e:
+        return None, f"--expert-owners {path}: {e}"
 
 
 def gpus_refusal(gpus: int | None, backend: str, gpu_memory_gib: float | None = None,

@@ -9,7 +9,15 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from ds4.cli.flags import ShowDefaults, add_gpus, add_mtp, add_version, gpus_refusal, positive_float
+from ds4.cli.flags import (
+    ShowDefaults,
+    add_gpus,
+    add_mtp,
+    add_version,
+    expert_owners,
+    gpus_refusal,
+    positive_float,
+)
 from ds4.jobs.events import SamplingOptions
 from ds4.tokenizer import EOS_ID
 
@@ -93,7 +101,7 @@ def generate_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     model = args.model or default_model_dir()
     engine = Engine.open(model, backend=args.backend, load_format=args.load_format,
                          seed=args.seed or 0, gpu_memory_gib=args.gpu_memory_gib, ctx=args.ctx,
-                         mtp=args.mtp, gpus=args.gpus)
+                         mtp=args.mtp, gpus=args.gpus, expert_owners=args.owners)
     check_vocabulary(engine)  # as the server does: no id may fall outside the embedding
     options = SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed)
@@ -164,9 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `ds4` command."""
     p = parser()
     args = p.parse_args(argv)
-    if args.command == "generate" and (why := gpus_refusal(args.gpus, args.backend,
-                                                           args.gpu_memory_gib)):
-        p.error(why)
+    if args.command == "generate":
+        owners, why = expert_owners(args.expert_owners, args.gpus)
+        why = why or gpus_refusal(args.gpus, args.backend, args.gpu_memory_gib)
+        if why:
+            p.error(why)
+        args.owners = owners
     try:
         if args.command == "make-tiny":
             return make_tiny_command(args, sys.stdout)

@@ -18,6 +18,7 @@ from ds4.cli.flags import (
     add_gpus,
     add_mtp,
     add_version,
+    expert_owners,
     gpus_refusal,
     port_number,
     positive_float,
@@ -99,7 +100,8 @@ def config_from(argv: list[str] | None) -> ServerConfig:
     a = p.parse_args(argv)
     if a.ssd_streaming and (why := ssd_streaming_refusal(a.parallel, a.backend, a.load_format)):
         p.error(why)
-    if why := gpus_refusal(a.gpus, a.backend, a.gpu_memory_gib, a.ssd_streaming):
+    owners, why = expert_owners(a.expert_owners, a.gpus)
+    if why := why or gpus_refusal(a.gpus, a.backend, a.gpu_memory_gib, a.ssd_streaming):
         p.error(why)
     return ServerConfig(model_dir=a.model, host=a.host, port=a.port, parallel=a.parallel,
                         ctx=a.ctx, prefill_chunk=a.prefill_chunk, backend=a.backend,
@@ -111,7 +113,7 @@ def config_from(argv: list[str] | None) -> ServerConfig:
                         kv_disk_min_tokens=a.kv_disk_min_tokens,
                         load_format=a.load_format, seed=a.seed, gpu_memory_gib=a.gpu_memory_gib,
                         mtp=a.mtp, mtp_draft=a.mtp_draft, mtp_margin=a.mtp_margin,
-                        gpus=a.gpus)
+                        gpus=a.gpus, expert_owners=owners)
 
 
 def figure(name: str, value: object) -> str:

@@ -30,7 +30,12 @@ def owner_table(layers: int, experts: int, gpus: int, table=None) -> np.ndarray:
     layer) when given, else expert e on GPU e mod N."""
     if table is None:
         table = np.arange(experts) % gpus
-    owners = np.broadcast_to(np.asarray(table, dtype=np.int64), (layers, experts)).copy()
+    table = np.asarray(table)
+    if table.shape not in ((experts,), (layers, experts)) or table.dtype.kind not in "iu":
+        raise ValueError(f"an expert owner table is {experts} integer ranks (one per expert) "
+                         f"or {layers} rows of them (one per layer), got shape "
+                         f"{list(table.shape)} of {table.dtype}")
+    owners = np.broadcast_to(table.astype(np.int64), (layers, experts)).copy()
     if owners.min() < 0 or owners.max() >= gpus:
         raise ValueError(f"expert owners must be ranks 0..{gpus - 1}")
     if any(len(np.unique(row)) < gpus for row in owners):

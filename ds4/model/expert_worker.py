@@ -170,7 +170,10 @@ class Worker:
     def serve(self, link) -> None:
         """Run rank 0's programs until it says stop."""
         while True:
-            program = link.recv()
+            try:
+                program = link.recv()
+            except (EOFError, OSError):  # rank 0 is gone (its engine was dropped unclosed)
+                return
             if program[0] == "stop":
                 return
             getattr(self, "_" + program[0])(*program[1:])

@@ -43,3 +43,4 @@ class ServerConfig:
     mtp_draft: int = 1
     mtp_margin: float = 0.0
     gpus: int | None = None  # expert parallel over this many GPUs (None: one, no group)
+    expert_owners: list | None = None  # --expert-owners: a GPU per expert (or per layer row)

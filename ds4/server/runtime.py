@@ -304,7 +304,8 @@ def open_engine(model_dir: str, cfg: ServerConfig) -> Engine:
     engine = Engine.open(model_dir, backend=cfg.backend, prefill_chunk=cfg.prefill_chunk,
                          resident_experts=not cfg.ssd_streaming, load_format=cfg.load_format,
                          seed=cfg.seed, gpu_memory_gib=cfg.gpu_memory_gib,
-                         parallel=cfg.parallel, ctx=cfg.ctx, mtp=cfg.mtp, gpus=cfg.gpus)
+                         parallel=cfg.parallel, ctx=cfg.ctx, mtp=cfg.mtp, gpus=cfg.gpus,
+                         expert_owners=cfg.expert_owners)
     check_vocabulary(engine)
     return engine
 
