@@ -50,6 +50,15 @@ def test_bench_parallel_streams_mode(capsys):
     assert 0 < bounds[0] <= bounds[1] and all(0 < float(r[6].rstrip("%")) for r in rows)
 
 
+def test_bench_parallel_streams_mode_samples_at_a_temperature(capsys):
+    bench = load_tool("bench_parallel")
+    assert bench.main(["--streams", "2", "--stream-tokens", "8", "--repeat", "1",
+                       "--temperature", "0.8"]) == 0
+    out = capsys.readouterr().out
+    assert "8 temperature 0.8 tokens per stream" in out
+    assert float(table_rows(out)[0][1]) > 0
+
+
 def test_bench_mtp_keeps_plain_tokens_on_a_model_cut_to_its_first_layers(capsys):
     bench = load_tool("bench_mtp")
     assert bench.main(["--backend", "numpy", "--tokens", "6", "--prompt-tokens", "12",

@@ -115,7 +115,9 @@ def test_an_edited_token_is_reported_with_its_job_and_position(recorded, tmp_pat
     assert replay_main([str(edited), "--jobs", str(record["seq"])]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"job {record['seq']}: diverges at token 4: expected {want[4]}, got {got}"
-    assert out[1].startswith("  expected: '") and out[2].startswith("  got:      '")
+    quotes = ("'", '"')  # repr() quotes text holding a ' with "
+    assert out[1].startswith(tuple("  expected: " + q for q in quotes))
+    assert out[2].startswith(tuple("  got:      " + q for q in quotes))
     assert out[1] != out[2] and "[" in out[1]
     assert "0 token-exact, 1 diverged or failed" in out[-1]
 

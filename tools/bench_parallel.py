@@ -91,10 +91,12 @@ def wait_healthy(url: str, proc: subprocess.Popen, log, timeout: float = 120) ->
     raise RuntimeError(f"ds4-server did not come up:\n{log.read().decode(errors='replace')}")
 
 
-def stream(url: str, prompt: str, max_tokens: int, on_token=None) -> dict:
-    """Stream one greedy chat turn; return send time, content-chunk arrival times and tokens."""
+def stream(url: str, prompt: str, max_tokens: int, on_token=None,
+           temperature: float = 0.0) -> dict:
+    """Stream one chat turn (greedy unless temperature > 0); return send time, content-chunk
+    arrival times and tokens."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "max_tokens": max_tokens, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}
     out = {"sent": time.monotonic(), "times": [], "tokens": 0}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=None) as r:
@@ -260,14 +262,16 @@ STREAM_PROMPTS = ("Tell me a long story about a fox who learns to sail.",
                   "Teach me the rules of a made-up game.")
 
 
-def concurrent_streams(url: str, n: int, tokens: int) -> dict:
-    """n greedy streams started together: aggregate tok/s from the first token to the last."""
+def concurrent_streams(url: str, n: int, tokens: int, temperature: float = 0.0) -> dict:
+    """n streams (greedy unless temperature > 0) started together: aggregate tok/s from the
+    first token to the last."""
     results: dict[int, dict] = {}
     start = threading.Barrier(n)
 
     def client(i: int) -> None:
         start.wait()
-        results[i] = stream(url, STREAM_PROMPTS[i % len(STREAM_PROMPTS)] + f" ({i})", tokens)
+        results[i] = stream(url, STREAM_PROMPTS[i % len(STREAM_PROMPTS)] + f" ({i})", tokens,
+                            temperature=temperature)
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
@@ -294,6 +298,8 @@ def streams_main(argv: list[str]) -> int:
     p = parser()
     p.add_argument("--streams", required=True, help="concurrent stream counts, comma separated")
     p.add_argument("--stream-tokens", type=int, default=64, help="tokens per stream (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy streams; above "
+                   "it each job samples its tokens (one by one, on the device)")
     args = p.parse_args(argv)
     counts = [int(n) for n in args.streams.split(",")]
     Tokenizer.for_model(default_model_dir())  # builds the tiny model once, outside the timing
@@ -302,13 +308,14 @@ def streams_main(argv: list[str]) -> int:
         for n in counts:
             runs, steps0, rows0 = [], *batch_sizes(url)
             for _ in range(args.repeat):
-                runs.append(concurrent_streams(url, n, args.stream_tokens))
+                runs.append(concurrent_streams(url, n, args.stream_tokens, args.temperature))
             steps, sessions = batch_sizes(url)
             row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             row["mean batch"] = (sessions - rows0) / max(1.0, steps - steps0)
             rows.append(row)
     bandwidth = decode_bounds(args, rows)  # after the server stopped: its device is free
-    print(f"{args.stream_tokens} greedy tokens per stream, one server of --parallel "
+    kind = "greedy" if args.temperature <= 0 else f"temperature {args.temperature:g}"
+    print(f"{args.stream_tokens} {kind} tokens per stream, one server of --parallel "
           f"{max(counts)}, median of {args.repeat}; load average {os.getloadavg()[0]:.2f}; "
           f"bound read at the copy rate {bandwidth / 1e9:.1f} GB/s")
     print(f"| {'streams':>7} | {'aggregate tok/s':>15} | {'x 1 stream':>10} | "
