@@ -23,7 +23,7 @@ from ds4.model.placement import ReplacementRule, weight_budget
 from ds4.model.state import state_bytes
 from ds4.model.weights import load_weights, weight_block
 from ds4.session import ContextOverflow as ContextOverflow
-from ds4.session import Session
+from ds4.session import Session, host_logits
 from ds4.session import Speculated as Speculated
 
 MAX_BATCH = 8  # sessions per batched decode step; larger batches run as several steps
@@ -47,7 +47,7 @@ class StepLogits(Sequence):
         if host is None and device is not None:
             if session._device_logits is device:  # the session's own copy, made once
                 return session.logits
-            host = np.asarray(session.engine.backend.to_numpy(device), dtype=np.float32)
+            host = host_logits(session.engine.backend, device)
         return host
 
 
@@ -202,7 +202,6 @@ class Engine:
             sessions[0]._run([tokens[0]])
             return
         graph = self.model.kernel_decoder  # CuPy: one graph replay for the whole batch
-        gpu = self.backend.is_gpu
         try:
             if graph is not None and not self.model.batch_rows:
                 logits = graph.decode_batch([s.state for s in sessions], tokens)
@@ -210,15 +209,14 @@ class Engine:
                 logits = self.model.decode_many([s.state for s in sessions], tokens)
             # GPU: the rows stay there (a session copies its own on first read) and one launch
             # takes every row's argmax, which greedy jobs then sample without a sync of their own
-            host = ([None] * len(logits) if gpu else
-                    [np.array(row, dtype=np.float32) for row in logits])
-            greedy = _argmax_rows(self.backend.xp, logits) if gpu else [None] * len(logits)
+            greedy = (_argmax_rows(self.backend.xp, logits) if self.backend.is_gpu
+                      else [None] * len(logits))
         except BaseException:
             for s in sessions:  # each one's layers may have written rows: back to a whole state
                 s._rewind_after_failure()
             raise
-        for s, token, row, device_row, best in zip(sessions, tokens, host, logits, greedy):
-            s._took([token], row, device_row, best)
+        for s, token, row, best in zip(sessions, tokens, logits, greedy):
+            s._took([token], None, row, best)
 
     @property
     def group(self):

@@ -112,8 +112,7 @@ def _graph_pass(session, ids: list[int]) -> tuple[int, list, object]:
     accepted = 1
     while accepted < len(ids) and ids[accepted] == int(picks[accepted - 1]):
         accepted += 1
-    whole = accepted == len(ids)  # else the undo that follows holds row accepted - 1
-    session._took(ids, _host_row(session, logits, len(ids) - 1) if whole else None, logits[-1])
+    session._took(ids, None, logits[-1])  # (a rollback's undo then holds row accepted - 1)
     streams = [graph.last_streams(j) for j in range(accepted)]  # what a rollback can keep
     if session.mtp_state is not None:
         session.mtp_state.hidden, session.mtp_state.hidden_at = streams[-1], len(session.tokens)
@@ -201,12 +200,7 @@ def _undo(session, spec, keep: int) -> None:
                     arr[...] = copy
     state.n = spec.n + keep
     del session.tokens[spec.start + keep:]
-    session._took([], _host_row(session, spec.rows, keep - 1), spec.rows[keep - 1])
-
-
-def _host_row(session, logits, row: int) -> np.ndarray:
-    """Row `row` of device logits [S, V], as the float32 host array a session holds."""
-    return np.array(session.engine.backend.to_numpy(logits[row]), dtype=np.float32)
+    session._took([], None, spec.rows[keep - 1])
 
 
 def _restore_rows(arr, copy, positions) -> None:

@@ -81,8 +81,7 @@ class Session:
         from the device on first read, so a step whose job only samples (on the device) moves
         no vocabulary row."""
         if self._host_logits is None and self._device_logits is not None:
-            self._host_logits = _read_only(np.asarray(
-                self.engine.backend.to_numpy(self._device_logits), dtype=np.float32))
+            self._host_logits = host_logits(self.engine.backend, self._device_logits)
         return self._host_logits
 
     @logits.setter
@@ -233,12 +232,10 @@ class Session:
             return
         try:
             logits = model.forward(self.state, ids)
-            host = (None if self.engine.backend.is_gpu  # (read lazily: `logits`)
-                    else np.asarray(logits, dtype=np.float32))
         except BaseException:
             self._rewind_after_failure()
             raise
-        self._took(ids, host, logits)
+        self._took(ids, None, logits)
         if self.mtp_state is not None:  # the decode graph's streams: the next draft's input
             self.mtp_state.hidden = model.kernel_decoder.last_streams()
             self.mtp_state.hidden_at = len(self.tokens)
@@ -259,11 +256,15 @@ class Session:
 
     def _took(self, ids: list[int], host: np.ndarray | None, device_logits,
               greedy: int | None = None) -> None:
-        """The state now covers `ids` too; its logits are `host` (None on the GPU: copied on
-        first read) and `device_logits` there, `greedy` their argmax when already taken."""
+        """The state now covers `ids` too; its logits are `device_logits` where the backend
+        left them (the GPU: copied to the host on first read) and `host` there when already
+        copied (None on NumPy: a copy of them now); `greedy` their argmax when taken."""
         self.tokens.extend(ids)
+        gpu = self.engine.backend.is_gpu
+        if host is None and not gpu and device_logits is not None:
+            host = np.array(device_logits, dtype=np.float32)
         self.logits = _read_only(host)
-        self._device_logits = device_logits if self.engine.backend.is_gpu else None
+        self._device_logits = device_logits if gpu else None
         self._greedy = greedy
 
     def _rewind_after_failure(self) -> None:
@@ -306,6 +307,12 @@ class Session:
         for name, arr in current.items():
             copies[name][...] = arr
         self._frontier = Frontier(list(self.tokens), self.logits, self.state.n, copies)
+
+
+def host_logits(backend, device_logits) -> np.ndarray:
+    """Logits from where the backend left them, as the read-only float32 host array a
+    session holds."""
+    return _read_only(np.asarray(backend.to_numpy(device_logits), dtype=np.float32))
 
 
 def _read_only(logits: np.ndarray | None) -> np.ndarray | None:

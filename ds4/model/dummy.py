@@ -226,11 +226,11 @@ def dummy_weights(cfg: ModelConfig, xp, seed: int = 0, budget: int | None = None
     tensors = {name: dense_tensor(xp, cfg, name, shape, seed, fp8)
                for name, shape in shapes.items()}
     tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
+    if experts is not None:
+        return Weights(tensors, dummy_experts(cfg, xp, seed, experts), {}, fp8)
     dense = sum(int(t.nbytes) for name, t in tensors.items() if name in shapes)
     L, E = cfg.num_hidden_layers, cfg.n_routed_experts
     resident = np.ones((L, E), dtype=bool)
-    if experts is not None:
-        return Weights(tensors, dummy_experts(cfg, xp, seed, experts), {}, fp8)
     if budget is not None:
         resident = choose_resident(budget - dense, expert_bytes(cfg), np.zeros((L, E)))
     if fmt is None:

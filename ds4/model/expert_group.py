@@ -146,11 +146,12 @@ def wire_views(xp, wire, rows: int, k: int, hidden: int) -> dict:
 
 def rows_part(xp, cfg, bank, expert_map, wire, rows: int, to_host):
     """One rank's part of the routed MoE of a broadcast wire: the picks of its own experts
-    (expert_map: its local id per global expert, -1 elsewhere), float32 [rows, D]."""
+    (expert_map: its local id per global expert, -1 elsewhere, on its device), float32
+    [rows, D]."""
     from ds4.model.moe import routed_local
 
     v = wire_views(xp, wire, rows, cfg.num_experts_per_tok, cfg.hidden_size)
-    ids = xp.asarray(expert_map)[v["idx"]]
+    ids = expert_map[v["idx"]]
     part = routed_local(xp, cfg, bank, v["h"], ids, v["wts"], to_host)
     return xp.ascontiguousarray(part, dtype=xp.float32)
 

@@ -140,7 +140,8 @@ class Worker:
     """One worker rank: its experts per layer, their local maps, its communicator."""
 
     def __init__(self, xp, cfg, banks: list, maps: np.ndarray):
-        self.xp, self.cfg, self.banks, self.maps = xp, cfg, banks, maps
+        self.xp, self.cfg, self.banks = xp, cfg, banks
+        self.maps = xp.asarray(maps)  # on its device once (every program reads a row)
         self.comm = None
         self._decoder = None
 

@@ -54,7 +54,7 @@ class DecoderShard:
         stacks = [tuple(kernel_weight(xp, w) for w in b.stacked) for b in worker.banks]
         scratch = rows_moe.moe_scratch(xp, MAX_MEMBERS, cfg.num_experts_per_tok,
                                        cfg.moe_intermediate_size, cfg.hidden_size)
-        return cls(xp, cfg, worker.comm, xp.asarray(worker.maps), stacks, MAX_MEMBERS, scratch)
+        return cls(xp, cfg, worker.comm, worker.maps, stacks, MAX_MEMBERS, scratch)
 
     def sent(self, batch: int) -> int:
         """Floats of the wire a step of `batch` tokens broadcasts (through its hidden rows)."""

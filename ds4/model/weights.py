@@ -65,8 +65,8 @@ class Weights:
             if isinstance(t, PackedMatrix):
                 t.scratch = scratch
         for bank in self.experts:
-            if isinstance(bank, ExpertBank) or hasattr(bank, "group"):  # (a benchmark's
-                bank.bind(scratch)  # duck-typed banks hold no packing)
+            if hasattr(bank, "bind"):  # (a benchmark's duck-typed banks hold no packing)
+                bank.bind(scratch)
 
 
 class LayerWeights:
