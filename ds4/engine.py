@@ -56,8 +56,18 @@ def _argmax_rows(xp, rows: list) -> list[int]:
     from ds4.kernels import sampling as kernels
 
     out = xp.zeros(len(rows), dtype=xp.int32)
-    kernels.argmax(xp.stack(rows), out)
+    kernels.argmax(_as_block(xp, rows), out)
     return [int(v) for v in out.get()]
+
+
+def _as_block(xp, rows: list):
+    """rows as one [B, V] array: a view where they lie one after another in memory (the rows
+    of one step's logits), else a stacked copy."""
+    first = rows[0]
+    if all(r.flags.c_contiguous and r.shape == first.shape and r.dtype == first.dtype
+           and r.data.ptr == first.data.ptr + i * first.nbytes for i, r in enumerate(rows)):
+        return xp.ndarray((len(rows), first.size), first.dtype, memptr=first.data)
+    return xp.stack(rows)
 
 
 class Engine:

@@ -73,6 +73,38 @@ def test_argmax_of_rows_in_one_launch_equals_each_rows_host_argmax():
     assert out.get().tolist() == [int(np.argmax(r)) for r in block]
 
 
+def test_argmax_takes_the_lowest_index_of_a_tie_on_vector_and_scalar_paths():
+    """Vocabulary-sized rows (read four at a time), a ragged length and a row that starts off a
+    16-byte boundary (read one at a time): ties at the maximum go to the lowest index."""
+    import cupy
+
+    from ds4.kernels import sampling as kernels
+
+    rng = np.random.default_rng(3)
+    block = rng.standard_normal((3, 129283)).astype(np.float32)
+    block[0, [70001, 5, 129282]] = 9.0  # the tie: 5 wins
+    block[1, [129282, 129281]] = 9.0  # in the scalar tail
+    block[2, 3] = block[2, 4] = 9.0  # inside one group of four
+    for n, offset in ((129280, 0), (129283, 0), (129000, 1)):
+        dev = cupy.asarray(block)[:, offset:offset + n]
+        out = cupy.full(3, -1, dtype=cupy.int32)
+        kernels.argmax(dev, out)
+        assert out.get().tolist() == [int(np.argmax(r)) for r in block[:, offset:offset + n]]
+
+
+def test_a_steps_logit_rows_go_to_argmax_as_one_view_not_a_copy():
+    import cupy
+
+    from ds4.engine import _as_block
+
+    logits = cupy.arange(12, dtype=cupy.float32).reshape(3, 4)
+    rows = [logits[b] for b in range(3)]
+    assert _as_block(cupy, rows).data.ptr == logits.data.ptr
+    assert cupy.array_equal(_as_block(cupy, rows), logits)
+    scattered = [logits[2], logits[0]]
+    assert cupy.array_equal(_as_block(cupy, scattered), cupy.stack(scattered))
+
+
 def test_a_batched_steps_greedy_picks_and_lazy_logits_are_each_sessions_own():
     """After Engine.decode_batch on the GPU a session's logits stay on the device until read,
     and the argmax the step took for every row (one launch) is what greedy sampling of that

@@ -192,8 +192,12 @@ __device__ void moe_gate_up(const Bank& rb, const Bank& sg, const Bank& su, cons
         if (unit >= 0) {
             const int* u = units + 1 + UNIT * unit;
             Bank ex = rb.at(u[0]);
-            gate_up_group<F, NT>(ex, ex, 0, inter, inter, cols, x, x_ld, u, k, wts, act,
-                                 batch, limit, KW, tile, red);
+            if (NT == 2 && u[1] <= 4)  // few tokens: one mma per tile (same sums, half the work)
+                gate_up_group<F, 1>(ex, ex, 0, inter, inter, cols, x, x_ld, u, k, wts, act,
+                                    batch, limit, KW, tile, red);
+            else
+                gate_up_group<F, NT>(ex, ex, 0, inter, inter, cols, x, x_ld, u, k, wts, act,
+                                     batch, limit, KW, tile, red);
         } else if constexpr (!FS::NONE) {
             gate_up_group<FS, NT>(sg, su, 0, 0, s_inter, cols, x, x_ld, nullptr, k, wts, sact,
                                   batch, limit, KW, tile, red);
@@ -212,14 +216,20 @@ __device__ void moe_down(const Bank& rb, const Bank& sd, const int* units, int r
          item += gridDim.x) {
         if (unit >= 0) {
             const int* u = units + 1 + UNIT * unit;
-            down_group<F, NT>(rb.at(u[0]), 0, rows, inter, act, u, part, batch, KW, tile, red);
+            if (NT == 2 && u[1] <= 4)
+                down_group<F, 1>(rb.at(u[0]), 0, rows, inter, act, u, part, batch, KW, tile, red);
+            else
+                down_group<F, NT>(rb.at(u[0]), 0, rows, inter, act, u, part, batch, KW, tile,
+                                  red);
         } else if constexpr (!FS::NONE) {
             down_group<FS, NT>(sd, 0, rows, s_inter, sact, nullptr, spart, batch, KW, tile, red);
         }
     }
 }
 
-// NT = 1 (hi and lo in one tile) serves calls of up to 4 tokens, NT = 2 up to 8; the trailing
+// NT = 1 (hi and lo in one tile) serves calls of up to 4 tokens, NT = 2 up to 8 (whose units of
+// at most 4 tokens still take the NT = 1 path: an output is hi + lo summed in the same order
+// either way, so it is bitwise the same, at half the mma and x-split work); the trailing
 // arguments are the launch bounds (`32 * RW, 1` where ptxas would otherwise squeeze a kernel
 // that needs more than 128 registers, one block per SM either way, into 128 and spill).
 #define MOE_NT(name, F, FS, NT, ...) \
