@@ -320,8 +320,8 @@ def v4_moe(cp, rng):
     return gu, down, shared, inter, hidden
 
 
-@pytest.fixture(scope="module")
-def moe_case():
+def make_moe_case():
+    """The V4 experts of the MoE tests (skips without CuPy + CUDA)."""
     if not cuda_available():
         pytest.skip("needs CuPy + CUDA")
     import cupy as cp
@@ -330,9 +330,16 @@ def moe_case():
     return v4_moe(cp, np.random.default_rng(8))
 
 
-def run_moe(cp, case, idx, wts, x, batch, shared=True, **kw):
+@pytest.fixture(scope="module")
+def moe_case():
+    return make_moe_case()
+
+
+def run_moe(cp, case, idx, wts, x, batch, shared=True, words=True, **kw):
     gu, down, sh, inter, hidden = case
     scratch = RM.moe_scratch(cp, 8, idx.shape[1], inter, hidden, inter)
+    if not words:  # the kernels that split x themselves
+        scratch.words = scratch.act_words = None
     y = cp.zeros((batch, hidden), cp.float32)
     RM.moe(gu, down, cp.asarray(idx[:batch]), cp.asarray(wts[:batch]), cp.asarray(x[:batch]),
           scratch, y, batch, inter, 10.0, sh if shared else None, **kw)

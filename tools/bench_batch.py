@@ -99,12 +99,20 @@ def step_times(engine: Engine, sessions: list, steps: int) -> tuple[list[float],
         noted: list = []
         with recorded_routes(noted):
             start = time.perf_counter()
-            logits = engine.decode_batch(sessions, tokens)  # host logits: the step is done
+            logits = engine.decode_batch(sessions, tokens)
+            _finish(engine)  # the logits stay on the device until read: wait for the step
             elapsed = time.perf_counter() - start
         if i:
             times.append(elapsed)
             picks.append(noted)
     return times, picks
+
+
+def _finish(engine: Engine) -> None:
+    """Wait until the device has run everything queued (nothing to wait for on NumPy)."""
+    xp = engine.backend.xp
+    if xp is not np:
+        xp.cuda.Device().synchronize()
 
 
 def bound_bytes(engine: Engine, batch: int, distinct: float, per_expert: list[int]) -> int:

@@ -10,6 +10,9 @@ The placed-MoE lines (--placed, or with the MoE table) run the same experts as P
 with every --host-every'th expert in pinned mapped host memory (read over PCIe), read once per
 batch through their address tables, against the per-member placed.cu kernels they replace.
 
+The MoE lines split x and the activations once (rows.split_rows) wherever the scratch has the
+words, as the decoder's does ("spli=0": a scratch without them, the kernels splitting x).
+
     PYTHONPATH=. python3 tools/bench_rows.py [--batches 1,2,4,8] [--no-moe] [--placed]
 """
 
@@ -106,11 +109,14 @@ def pick_sets(batch: int) -> list[np.ndarray]:
 
 
 def bench_moe(cp, bank, batch: int, with_shared: bool, per_expert: float | None = None,
-              **kw) -> tuple[float, float, int]:
+              split_x: bool = True, **kw) -> tuple[float, float, int]:
     """(seconds, GB/s, distinct experts) of rows.moe for `batch` tokens of 6 random picks
-    (per_expert: an expert's bytes, for placed stacks whose nbytes count the device share)."""
+    (per_expert: an expert's bytes, for placed stacks whose nbytes count the device share;
+    split_x False: a scratch without split words, so the kernels split x themselves)."""
     gu, dn, shared = bank
     scratch = RM.moe_scratch(cp, batch, TOP_K, INTER, HIDDEN, INTER)
+    if not split_x:
+        scratch.words = scratch.act_words = None
     x = cp.random.standard_normal((batch, HIDDEN), dtype=cp.float32)
     y = cp.zeros((batch, HIDDEN), cp.float32)
     wts = cp.full((batch, TOP_K), 0.2, cp.float32)
@@ -226,8 +232,8 @@ def moe_table(cp, copy, batches, placed_only: bool = False, host_every: int = 4)
 def plain_table(cp, copy, batches, bank) -> None:
     """rows.moe over a device stack, against the one-token packed kernels."""
     old = old_moe(cp, bank)
-    for with_shared, kw in ((False, {}), (True, {}), (True, {"fuse_shared": False}),
-                            (True, {"persistent": False})):
+    for with_shared, kw in ((False, {}), (True, {}), (True, {"split_x": False}),
+                            (True, {"fuse_shared": False}), (True, {"persistent": False})):
         for b in batches:
             t, rate, distinct = bench_moe(cp, bank, b, with_shared, **kw)
             label = (f"moe {distinct:4.1f} experts" + (" +shared" if with_shared else "")
@@ -273,6 +279,12 @@ def main() -> None:
         for b in batches:
             t, rate = bench_matvec(cp, mats, group, b)
             line(f"{fmt} {name}", b, t, rate, copy, old if b == 1 else None)
+        if fmt == FP8:  # x split once per launch (rows.split_rows), as the decoder does
+            xs = cp.zeros(max(batches) * R.words_ld(FP8, cols * (rows // (group or rows))),
+                          cp.uint32)
+            for b in batches:
+                t, rate = bench_matvec(cp, mats, group, b, xs=xs)
+                line(f"  split x: {name}", b, t, rate, copy)
         del mats
     if not args.no_moe:
         moe_table(cp, copy, batches, host_every=args.host_every)

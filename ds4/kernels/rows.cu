@@ -22,10 +22,10 @@ __device__ __forceinline__ void matvec_group(const u8* W, const u8* S, int rows,
         for (int mt = 0; mt < MT; mt++)
             set_tile<F, MT>(tl, mt, W, S, row0 + 16 * mt, rows, cols, sc_ld, shift);
         int slot = lane_slot<NT>(), kt0, kt1;
-        const float* xc = slot < batch
-            ? x + slot * x_ld + (size_t)(row0 / rows_per_group) * cols : nullptr;
+        XSrc src = lane_src<F, NT, false>(x, x_ld, nullptr, 0, slot < batch ? slot : -1,
+                                          (long long)(row0 / rows_per_group) * cols);
         k_span<F>(cols, kw, KW, kt0, kt1);
-        warp_rows<F, MT, DEPTH, NT>(tl, xc, kt0, kt1, cols, shift, v);
+        warp_rows<F, MT, DEPTH, NT, false>(tl, src, kt0, kt1, cols, shift, v);
     }
     reduce_k<MT>(v, kw, KW, red);
     if (kw != 0 || row0 >= rows) return;
@@ -57,6 +57,46 @@ MATVEC_VARIANTS(Fp8)
 MATVEC_VARIANTS(Fp4)
 MATVEC_NT(Bf16, 1, 4)
 MATVEC_NT(Bf16, 2, 2)
+
+// x [n, >= K] (row stride x_ld) as format F's split words (rows.cuh): out [n, out_ld], out_ld
+// = 2 * KT * 2 * CH words (KT = ceil(K / (4 CH)) k-tiles), hi words then lo words, columns
+// past K zero. Thread i makes word i of a row's hi part and the same word of its lo part.
+template <class F>
+__device__ void split_rows(const float* x, int n, int K, long long x_ld, u32* out,
+                           long long out_ld, long long i) {
+    constexpr int W = words_per_lane<F>();
+    long long half = out_ld / 2;
+    if (i >= n * half) return;
+    long long row = i / half, j = i - row * half;
+    int kt = (int)(j / (4 * W)), t = (int)(j / W) & 3, m = (int)(j % W) >> 1, r = (int)j & 1;
+    long long c = (long long)kt * 4 * F::CH + t * F::CH;
+    int c0 = (int)c + F::xcol(m, r, 0), c1 = (int)c + F::xcol(m, r, 1);
+    const float k = F::SCALED ? X_SCALE : 1.f;
+    const float* xr = x + row * x_ld;
+    float v0 = c0 < K ? xr[c0] * k : 0.f, v1 = c1 < K ? xr[c1] * k : 0.f;
+    u32 hi, lo;
+    split_pair(v0, v1, hi, lo);
+    out[row * out_ld + j] = hi;
+    out[row * out_ld + half + j] = lo;
+}
+
+// Up to two split jobs in one launch (blockIdx.y): format codes 0 fp8, 1 fp4 (rows.py's
+// FORMAT_CODE); job 1 with n1 = 0 is none.
+extern "C" __global__ void rows_split(const float* __restrict__ x0, int n0, int K0, long long ld0,
+                                      u32* out0, long long out_ld0, int fmt0,
+                                      const float* __restrict__ x1, int n1, int K1, long long ld1,
+                                      u32* out1, long long out_ld1, int fmt1) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    bool second = blockIdx.y == 1;
+    const float* x = second ? x1 : x0;
+    int n = second ? n1 : n0, K = second ? K1 : K0, fmt = second ? fmt1 : fmt0;
+    long long ld = second ? ld1 : ld0, out_ld = second ? out_ld1 : out_ld0;
+    u32* out = second ? out1 : out0;
+    if (fmt == 0)
+        split_rows<Fp8>(x, n, K, ld, out, out_ld, i);
+    else
+        split_rows<Fp4>(x, n, K, ld, out, out_ld, i);
+}
 
 // Several matrices of one width multiplying the same x, one launch. table[ENTRY * m ..] =
 // (codes, scales, y, rows, format 0 fp8 / 1 fp4 / 2 bf16, scale ld, shift, y_ld, first block):

@@ -22,6 +22,12 @@
 // which k slot holds which column, so lane t feeds its own 16-byte chunk of codes (columns
 // [k-tile + t * CH, + CH)) and the matching x (F::xcol says which column sits in which slot).
 //
+// x may also come split once per launch (rows_split, rows.cu): the B words of every lane and
+// k-tile laid out as the mma reads them, so each warp loads them instead of loading, scaling
+// and splitting its x chunk again for every 16-row tile (the same words: the same sums).
+// Layout of format F for one row of x: words [part][k-tile][lane t][mma m][register r], part
+// 0 = hi, 1 = lo, each part KT * 2 * CH words (KT k-tiles of 4 * CH columns, zero past K).
+//
 // Row independence: a block's warps split k into fixed spans by shape only, and their partial
 // sums (hi + lo per warp) are added in warp order; an mma column depends on its own B column
 // only. So y[b] is bitwise the same for any B and any other rows of the batch.
@@ -199,32 +205,83 @@ __device__ __forceinline__ void load_x(const float* xc, int col, int cols, float
     }
 }
 
-// acc[mt][n] += the stage's k-tiles: NT = 1 puts hi in columns 0..3 and lo in 4..7 of one
-// tile (lanes g >= 4 feed lo), NT = 2 runs a hi and a lo mma.
+// Where a lane's B words come from: its x column (x, split here for every k-tile) or the words
+// rows_split wrote (w: the lane's own words of k-tile 0 in its part; lo: from hi to lo words,
+// for NT = 2). Both null: a lane without a column (zeros).
+struct XSrc {
+    const float* x;
+    const u32* w;
+    long long lo;
+};
+
+// Split x words per lane and k-tile of format F (two per mma).
+template <class F>
+__device__ constexpr int words_per_lane() { return 2 * F::MMAS; }
+
+// The lane's B words of k-tile kt from split x: b[m][n] = (register 0, register 1) of mma m
+// for tile n (NT = 1: hi for lanes g < 4, lo for the others, by the lane's pointer; NT = 2:
+// n = 0 hi, 1 lo).
+template <class F, int NT>
+__device__ __forceinline__ void split_words(const XSrc& src, int kt, u32 (&b)[F::MMAS][NT][2]) {
+    constexpr int W = words_per_lane<F>();
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int i = 0; i < W / 4; i++) {
+            uint4 q = make_uint4(0, 0, 0, 0);
+            if (src.w) q = __ldg((const uint4*)(src.w + n * src.lo + (size_t)kt * 4 * W) + i);
+            b[2 * i][n][0] = q.x;
+            b[2 * i][n][1] = q.y;
+            b[2 * i + 1][n][0] = q.z;
+            b[2 * i + 1][n][1] = q.w;
+        }
+}
+
+// acc[mt] += A (the stage's tiles of mma m of k-tile d) times B words b0, b1 (tile n).
 template <class F, int MT, int DEPTH, int NT>
-__device__ __forceinline__ void mma_stage(const Stage<F, MT, DEPTH>& st, const float* xc,
+__device__ __forceinline__ void mma_tiles(const Stage<F, MT, DEPTH>& st, int d, int m, int n,
+                                          u32 b0, u32 b1, float (&acc)[MT][NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        u32 a[4];
+        F::decode(st.q[d][mt][0], m, st.mul[d][mt][0], a[0], a[2]);
+        F::decode(st.q[d][mt][1], m, st.mul[d][mt][1], a[1], a[3]);
+        mma_bf16(acc[mt][n], a, b0, b1);
+    }
+}
+
+// acc[mt][n] += the stage's k-tiles: NT = 1 puts hi in columns 0..3 and lo in 4..7 of one
+// tile (lanes g >= 4 feed lo), NT = 2 runs a hi and a lo mma. XS: B words from split x;
+// else the lane's x chunk loaded and split here, one mma's words at a time.
+template <class F, int MT, int DEPTH, int NT, bool XS>
+__device__ __forceinline__ void mma_stage(const Stage<F, MT, DEPTH>& st, const XSrc& src,
                                           int kt, int kt1, int cols, float (&acc)[MT][NT][4]) {
     int t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
 #pragma unroll
     for (int d = 0; d < DEPTH; d++) {
         if (kt + d >= kt1) break;
-        float xr[F::CH];
-        load_x<F>(xc, (kt + d) * 4 * F::CH + t * F::CH, cols, xr);
+        if constexpr (XS) {
+            u32 b[F::MMAS][NT][2];
+            split_words<F, NT>(src, kt + d, b);
 #pragma unroll
-        for (int m = 0; m < F::MMAS; m++) {
-            u32 hi0, lo0, hi1, lo1;
-            split_pair(xr[F::xcol(m, 0, 0)], xr[F::xcol(m, 0, 1)], hi0, lo0);
-            split_pair(xr[F::xcol(m, 1, 0)], xr[F::xcol(m, 1, 1)], hi1, lo1);
+            for (int m = 0; m < F::MMAS; m++)
 #pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                u32 a[4];
-                F::decode(st.q[d][mt][0], m, st.mul[d][mt][0], a[0], a[2]);
-                F::decode(st.q[d][mt][1], m, st.mul[d][mt][1], a[1], a[3]);
+                for (int n = 0; n < NT; n++)
+                    mma_tiles<F, MT, DEPTH, NT>(st, d, m, n, b[m][n][0], b[m][n][1], acc);
+        } else {
+            float xr[F::CH];
+            load_x<F>(src.x, (kt + d) * 4 * F::CH + t * F::CH, cols, xr);
+#pragma unroll
+            for (int m = 0; m < F::MMAS; m++) {
+                u32 hi0, lo0, hi1, lo1;
+                split_pair(xr[F::xcol(m, 0, 0)], xr[F::xcol(m, 0, 1)], hi0, lo0);
+                split_pair(xr[F::xcol(m, 1, 0)], xr[F::xcol(m, 1, 1)], hi1, lo1);
                 if constexpr (NT == 1) {
-                    mma_bf16(acc[mt][0], a, g < 4 ? hi0 : lo0, g < 4 ? hi1 : lo1);
+                    mma_tiles<F, MT, DEPTH, NT>(st, d, m, 0, g < 4 ? hi0 : lo0,
+                                                g < 4 ? hi1 : lo1, acc);
                 } else {
-                    mma_bf16(acc[mt][0], a, hi0, hi1);
-                    mma_bf16(acc[mt][1], a, lo0, lo1);
+                    mma_tiles<F, MT, DEPTH, NT>(st, d, m, 0, hi0, hi1, acc);
+                    mma_tiles<F, MT, DEPTH, NT>(st, d, m, NT - 1, lo0, lo1, acc);
                 }
             }
         }
@@ -233,9 +290,9 @@ __device__ __forceinline__ void mma_stage(const Stage<F, MT, DEPTH>& st, const f
 
 // v[mt][i] = this warp's sum over k-tiles [kt0, kt1) of its tiles for the lane's outputs
 // (i: row g col 2t, row g col 2t + 1, row g + 8 col 2t, row g + 8 col 2t + 1; column = slot
-// of the batch), hi + lo already added. xc: the lane's B column of x (nullptr: none).
-template <class F, int MT, int DEPTH, int NT>
-__device__ __forceinline__ void warp_rows(const Tiles<MT>& tl, const float* xc, int kt0, int kt1,
+// of the batch), hi + lo already added. src: the lane's B column (XSrc).
+template <class F, int MT, int DEPTH, int NT, bool XS>
+__device__ __forceinline__ void warp_rows(const Tiles<MT>& tl, const XSrc& src, int kt0, int kt1,
                                           int cols, int shift, float (&v)[MT][4]) {
     float acc[MT][NT][4];
 #pragma unroll
@@ -248,7 +305,7 @@ __device__ __forceinline__ void warp_rows(const Tiles<MT>& tl, const float* xc, 
     load_stage(cur, tl, kt0, kt1, cols, shift);
     for (int kt = kt0; kt < kt1; kt += DEPTH) {
         if (kt + DEPTH < kt1) load_stage(nxt, tl, kt + DEPTH, kt1, cols, shift);
-        mma_stage<F, MT, DEPTH, NT>(cur, xc, kt, kt1, cols, acc);
+        mma_stage<F, MT, DEPTH, NT, XS>(cur, src, kt, kt1, cols, acc);
         cur = nxt;
     }
 #pragma unroll
@@ -305,3 +362,16 @@ __device__ __forceinline__ int lane_slot() {
     return NT == 1 ? (g & 3) : g;
 }
 
+
+// The lane's XSrc for row `row` of x from column col0 (row < 0: no column): x + row * x_ld +
+// col0, or (XS) the words xs + row * xs_ld, hi then lo from xs_ld / 2, at col0 (a multiple of
+// 4 * CH).
+template <class F, int NT, bool XS>
+__device__ __forceinline__ XSrc lane_src(const float* x, long long x_ld, const u32* xs,
+                                         long long xs_ld, int row, long long col0) {
+    if (row < 0) return XSrc{nullptr, nullptr, 0};
+    if constexpr (!XS) return XSrc{x + row * x_ld + col0, nullptr, 0};
+    int t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
+    long long half = xs_ld / 2, at = row * xs_ld + col0 / 2 + t * words_per_lane<F>();
+    return XSrc{nullptr, xs + at + (NT == 1 && g >= 4 ? half : 0), half};
+}

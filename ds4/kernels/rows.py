@@ -10,6 +10,12 @@ product; the twins compute W (hi + lo) exactly, so kernel and twin agree to fp32
 Row independence: how k is split and summed depends on the matrix shape only, so row b of a
 batch is bitwise the result of the same row alone (batch=1).
 
+x split once (`split_rows`, rows.cu's rows_split): the B words of every lane laid out as the
+mma reads them, so the row kernels of a launch load them instead of splitting x again for
+every row tile (docs/PERF.md); the words are the same, so are the sums. The MoE's scratch
+(rows_moe.py) holds them; the dense matrices split x in the kernel (split once, they measured
+no faster: the extra launch costs what the split saves).
+
 Every launcher allocates nothing and reads all sizes from its arguments or device memory, so a
 decode step made of them can be captured in a CUDA graph; plans (matvec_plan, moe_scratch)
 allocate once up front.
@@ -128,6 +134,52 @@ def matvec(w, x, y, batch: int, rows_per_group: int | None = None,
             i32(batch), i32(kw))
     name = f"rows_matvec_{KERNEL_NAME[op.fmt]}_m{mt}_d{depth}_n{nt}"
     launch("rows", name, (blocks,), (32 * WARPS,), args)
+
+
+def words_ld(fmt: str, cols: int) -> int:
+    """uint32 words per row of x split for format fmt (FP8 / FP4): hi then lo, each
+    ceil(cols / (4 CH)) k-tiles of 2 CH words (columns past cols zero)."""
+    return 2 * _k_tiles(fmt, cols) * 2 * CHUNK[fmt]
+
+
+def split_rows(jobs: list) -> None:
+    """rows_split: for each of up to two jobs (x [>= n, K] fp32, n, K, fmt, out uint32 [>= n,
+    words_ld(fmt, K)] contiguous), out = the split words of x's first n rows, one launch."""
+    assert 1 <= len(jobs) <= 2
+    args, most = [], 0
+    for x, n, cols, fmt, out in jobs + [(None, 0, 0, FP8, None)] * (2 - len(jobs)):
+        ld = words_ld(fmt, cols)
+        assert out is None or (out.dtype == np.uint32 and out.size >= n * ld and x.strides[-1] == 4)
+        args += [ptr(x), i32(n), i32(cols), np.int64(_ld(x) if x is not None else 0), ptr(out),
+                 np.int64(ld), i32(FORMAT_CODE[fmt])]
+        most = max(most, n * ld // 2)
+    launch("rows", "rows_split", (-(-most // 256), len(jobs)), (256,), tuple(args))
+
+
+def _xcol(fmt: str, m, r, h):
+    """rows.cuh's F::xcol: the chunk column of half h of B register r of mma m."""
+    if fmt == FP4:
+        return 8 * (m >> 1) + 2 * (m & 1) + r + 4 * h
+    return 4 * m + r + 2 * h
+
+
+def split_rows_numpy(jobs: list) -> None:
+    """NumPy twin of split_rows (host arrays)."""
+    for x, n, cols, fmt, out in jobs:
+        ch, ld = CHUNK[fmt], words_ld(fmt, cols)
+        j = np.arange(ld // 2)
+        w = 2 * (ch // 4)  # words per lane and k-tile
+        kt, t, m, r = j // (4 * w), (j // w) % 4, (j % w) >> 1, j & 1
+        base = kt * 4 * ch + t * ch
+        xs = np.zeros((n, base.max() + 4 * ch), np.float32)
+        xs[:, :cols] = np.asarray(x, np.float32)[:n, :cols] * np.float32(2.0 ** X_SHIFT[fmt])
+        pair = [xs[:, base + _xcol(fmt, m, r, h)] for h in (0, 1)]
+        hi = [to_bf16(v).reshape(v.shape).astype(np.uint32) for v in pair]
+        lo = [to_bf16(v - widen(to_bf16(v)).reshape(v.shape)).reshape(v.shape).astype(np.uint32)
+              for v in pair]
+        o = out.reshape(-1)[:n * ld].reshape(n, ld)
+        o[:, :ld // 2] = hi[0] | (hi[1] << 16)
+        o[:, ld // 2:] = lo[0] | (lo[1] << 16)
 
 
 def _matvec_rows(w, x, y, batch: int, rows_per_group) -> None:

@@ -100,13 +100,12 @@ __device__ __forceinline__ bool moe_item(int item, int n_units, int tiles, int t
 
 // gate/up of one row group: rows j0.. of gate (tile 0) and of up (tile 1, `up_row` rows
 // further), x columns of the unit's tokens (or the batch, for the shared expert); act[out
-// pair] = silu(min(g, limit)) * clamp(u, +-limit) * weight.
-template <class F, int NT>
+// pair] = silu(min(g, limit)) * clamp(u, +-limit) * weight. XS: x's split words xs instead.
+template <class F, int NT, bool XS>
 __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int up_row, int inter,
-                              int cols,
-                              const float* x, long long x_ld, const int* unit, int k,
-                              const float* wts, float* act, int batch, float limit, int KW,
-                              int tile, float* red) {
+                              int cols, const float* x, long long x_ld, const u32* xs,
+                              long long xs_ld, const int* unit, int k, const float* wts,
+                              float* act, int batch, float limit, int KW, int tile, float* red) {
     int warp = threadIdx.x >> 5, kw = warp % KW, g = lane_slot<NT>();
     int j0 = (tile * (RW / KW) + warp / KW) * 16;
     float v[2][4] = {};
@@ -116,9 +115,10 @@ __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int u
         set_tile<F, 2>(tl, 1, up.codes(e), up.scales(e), up_row + j0, up_row + inter, cols,
                        up.sc_ld, up.shift);
         int n = unit ? unit[1] : batch, kt0, kt1;
-        const float* xc = g < n ? x + (unit ? unit[2 + g] / k : g) * x_ld : nullptr;
+        XSrc src = lane_src<F, NT, XS>(x, x_ld, xs, xs_ld, g < n ? (unit ? unit[2 + g] / k : g)
+                                       : -1, 0);
         k_span<F>(cols, kw, KW, kt0, kt1);
-        warp_rows<F, 2, 2, NT>(tl, xc, kt0, kt1, cols, bk.shift, v);
+        warp_rows<F, 2, 2, NT, XS>(tl, src, kt0, kt1, cols, bk.shift, v);
     }
     reduce_k<2>(v, kw, KW, red);
     if (kw != 0 || j0 >= inter) return;
@@ -137,11 +137,12 @@ __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int u
     }
 }
 
-// down of one row group (32 rows): out[out pair][r] = down_e[r] . act[pair].
-template <class F, int NT>
+// down of one row group (32 rows): out[out pair][r] = down_e[r] . act[pair] (XS: act's split
+// words as).
+template <class F, int NT, bool XS>
 __device__ void down_group(const Bank& bk, long long e, int rows, int inter, const float* act,
-                           const int* unit, float* out, int batch, int KW, int tile,
-                           float* red) {
+                           const u32* as, long long as_ld, const int* unit, float* out,
+                           int batch, int KW, int tile, float* red) {
     int warp = threadIdx.x >> 5, kw = warp % KW, g = lane_slot<NT>();
     int r0 = (tile * (RW / KW) + warp / KW) * 32;
     float v[2][4] = {};
@@ -151,9 +152,10 @@ __device__ void down_group(const Bank& bk, long long e, int rows, int inter, con
         set_tile<F, 2>(tl, 0, W, S, r0, rows, inter, bk.sc_ld, bk.shift);
         set_tile<F, 2>(tl, 1, W, S, r0 + 16, rows, inter, bk.sc_ld, bk.shift);
         int n = unit ? unit[1] : batch, kt0, kt1;
-        const float* xc = g < n ? act + (size_t)(unit ? unit[2 + g] : g) * inter : nullptr;
+        XSrc src = lane_src<F, NT, XS>(act, inter, as, as_ld, g < n ? (unit ? unit[2 + g] : g)
+                                       : -1, 0);
         k_span<F>(inter, kw, KW, kt0, kt1);
-        warp_rows<F, 2, 2, NT>(tl, xc, kt0, kt1, inter, bk.shift, v);
+        warp_rows<F, 2, 2, NT, XS>(tl, src, kt0, kt1, inter, bk.shift, v);
     }
     reduce_k<2>(v, kw, KW, red);
     if (kw != 0 || r0 >= rows) return;
@@ -174,17 +176,21 @@ __device__ void down_group(const Bank& bk, long long e, int rows, int inter, con
 #define MOE_GATE_UP_ARGS BANK_ARGS(rb), BANK_ARGS(sg), BANK_ARGS(su), \
     const int* __restrict__ units, int routed, int k, const float* __restrict__ wts, \
     const float* __restrict__ x, long long x_ld, float* act, float* sact, int inter, \
-    int s_inter, int cols, int batch, float limit, int KW, int tiles, int tiles_s
+    int s_inter, int cols, int batch, float limit, int KW, int tiles, int tiles_s, \
+    const u32* __restrict__ xs, long long xs_ld, const u32* __restrict__ ss, long long ss_ld
 #define MOE_DOWN_ARGS BANK_ARGS(rb), BANK_ARGS(sd), const int* __restrict__ units, \
     int routed, const float* __restrict__ act, const float* __restrict__ sact, float* part, \
-    float* spart, int rows, int inter, int s_inter, int batch, int KW, int tiles, int tiles_s
+    float* spart, int rows, int inter, int s_inter, int batch, int KW, int tiles, int tiles_s, \
+    const u32* __restrict__ as, long long as_ld, const u32* __restrict__ sas, long long sas_ld
 
-// Persistent grid over the items of the routed experts hit, then the shared expert's.
-template <class F, class FS, int NT>
+// Persistent grid over the items of the routed experts hit, then the shared expert's. XS: x
+// split once, routed words xs (format F) and shared words ss (format FS).
+template <class F, class FS, int NT, bool XS>
 __device__ void moe_gate_up(const Bank& rb, const Bank& sg, const Bank& su, const int* units,
                             int routed, int k, const float* wts, const float* x,
                             long long x_ld, float* act, float* sact, int inter, int s_inter,
-                            int cols, int batch, float limit, int KW, int tiles, int tiles_s) {
+                            int cols, int batch, float limit, int KW, int tiles, int tiles_s,
+                            const u32* xs, long long xs_ld, const u32* ss, long long ss_ld) {
     __shared__ float red[RW * 2 * 4 * 32];
     int n_units = routed ? units[0] : 0, unit, tile;
     for (int item = blockIdx.x; moe_item(item, n_units, tiles, tiles_s, unit, tile);
@@ -193,23 +199,24 @@ __device__ void moe_gate_up(const Bank& rb, const Bank& sg, const Bank& su, cons
             const int* u = units + 1 + UNIT * unit;
             Bank ex = rb.at(u[0]);
             if (NT == 2 && u[1] <= 4)  // few tokens: one mma per tile (same sums, half the work)
-                gate_up_group<F, 1>(ex, ex, 0, inter, inter, cols, x, x_ld, u, k, wts, act,
-                                    batch, limit, KW, tile, red);
+                gate_up_group<F, 1, XS>(ex, ex, 0, inter, inter, cols, x, x_ld, xs, xs_ld, u, k,
+                                        wts, act, batch, limit, KW, tile, red);
             else
-                gate_up_group<F, NT>(ex, ex, 0, inter, inter, cols, x, x_ld, u, k, wts, act,
-                                     batch, limit, KW, tile, red);
+                gate_up_group<F, NT, XS>(ex, ex, 0, inter, inter, cols, x, x_ld, xs, xs_ld, u, k,
+                                         wts, act, batch, limit, KW, tile, red);
         } else if constexpr (!FS::NONE) {
-            gate_up_group<FS, NT>(sg, su, 0, 0, s_inter, cols, x, x_ld, nullptr, k, wts, sact,
-                                  batch, limit, KW, tile, red);
+            gate_up_group<FS, NT, XS>(sg, su, 0, 0, s_inter, cols, x, x_ld, ss, ss_ld, nullptr, k,
+                                      wts, sact, batch, limit, KW, tile, red);
         }
     }
 }
 
-template <class F, class FS, int NT>
+template <class F, class FS, int NT, bool XS>
 __device__ void moe_down(const Bank& rb, const Bank& sd, const int* units, int routed,
                          const float* act, const float* sact, float* part, float* spart,
                          int rows, int inter, int s_inter, int batch, int KW, int tiles,
-                         int tiles_s) {
+                         int tiles_s, const u32* as, long long as_ld, const u32* sas,
+                         long long sas_ld) {
     __shared__ float red[RW * 2 * 4 * 32];
     int n_units = routed ? units[0] : 0, unit, tile;
     for (int item = blockIdx.x; moe_item(item, n_units, tiles, tiles_s, unit, tile);
@@ -217,12 +224,14 @@ __device__ void moe_down(const Bank& rb, const Bank& sd, const int* units, int r
         if (unit >= 0) {
             const int* u = units + 1 + UNIT * unit;
             if (NT == 2 && u[1] <= 4)
-                down_group<F, 1>(rb.at(u[0]), 0, rows, inter, act, u, part, batch, KW, tile, red);
+                down_group<F, 1, XS>(rb.at(u[0]), 0, rows, inter, act, as, as_ld, u, part, batch,
+                                     KW, tile, red);
             else
-                down_group<F, NT>(rb.at(u[0]), 0, rows, inter, act, u, part, batch, KW, tile,
-                                  red);
+                down_group<F, NT, XS>(rb.at(u[0]), 0, rows, inter, act, as, as_ld, u, part, batch,
+                                      KW, tile, red);
         } else if constexpr (!FS::NONE) {
-            down_group<FS, NT>(sd, 0, rows, s_inter, sact, nullptr, spart, batch, KW, tile, red);
+            down_group<FS, NT, XS>(sd, 0, rows, s_inter, sact, sas, sas_ld, nullptr, spart, batch,
+                                   KW, tile, red);
         }
     }
 }
@@ -232,21 +241,26 @@ __device__ void moe_down(const Bank& rb, const Bank& sd, const int* units, int r
 // either way, so it is bitwise the same, at half the mma and x-split work); the trailing
 // arguments are the launch bounds (`32 * RW, 1` where ptxas would otherwise squeeze a kernel
 // that needs more than 128 registers, one block per SM either way, into 128 and spill).
-#define MOE_NT(name, F, FS, NT, ...) \
+#define MOE_KERNELS(name, F, FS, NT, XS, ...) \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__) \
     rows_gate_up_##name##_n##NT(MOE_GATE_UP_ARGS) { \
-        moe_gate_up<F, FS, NT>(BANK(rb), BANK(sg), BANK(su), units, routed, k, wts, x, x_ld, \
-                               act, sact, inter, s_inter, cols, batch, limit, KW, tiles, \
-                               tiles_s); } \
+        moe_gate_up<F, FS, NT, XS>(BANK(rb), BANK(sg), BANK(su), units, routed, k, wts, x, x_ld, \
+                                   act, sact, inter, s_inter, cols, batch, limit, KW, tiles, \
+                                   tiles_s, xs, xs_ld, ss, ss_ld); } \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__) \
     rows_down_##name##_n##NT(MOE_DOWN_ARGS) { \
-        moe_down<F, FS, NT>(BANK(rb), BANK(sd), units, routed, act, sact, part, spart, rows, \
-                            inter, s_inter, batch, KW, tiles, tiles_s); }
+        moe_down<F, FS, NT, XS>(BANK(rb), BANK(sd), units, routed, act, sact, part, spart, rows, \
+                                inter, s_inter, batch, KW, tiles, tiles_s, as, as_ld, sas, \
+                                sas_ld); }
+#define MOE_NT(name, F, FS, NT, ...) MOE_KERNELS(name, F, FS, NT, false, __VA_ARGS__)
 #define MOE_B(name, F, FS, ...) MOE_NT(name, F, FS, 1, __VA_ARGS__) \
     MOE_NT(name, F, FS, 2, __VA_ARGS__)
 #define MOE(name, F, FS) MOE_B(name, F, FS, 32 * RW)
 
 MOE_B(fp4_fp8, Fp4, Fp8, 32 * RW, 1)
+// the decoder's experts reading x and the activations split once (rows_split, rows.cu)
+MOE_KERNELS(xs_fp4_fp8, Fp4, Fp8, 1, true, 32 * RW, 2)
+MOE_KERNELS(xs_fp4_fp8, Fp4, Fp8, 2, true, 32 * RW, 1)
 MOE(fp4_bf16, Fp4, Bf16)
 MOE(fp8_fp8, Fp8, Fp8)
 MOE(bf16_bf16, Bf16, Bf16)

@@ -37,6 +37,8 @@ from ds4.kernels.rows import (
     operand,
     pick_split,
     rows_numpy,
+    split_rows,
+    words_ld,
 )
 
 UNIT = 10  # ints per expert in the grouping table (rows_moe.cu)
@@ -47,13 +49,17 @@ MOE_KERNELS = {(FP4, FP8), (FP4, "bf16"), (FP8, FP8), ("bf16", "bf16")}
 @dataclass
 class MoeScratch:
     """Buffers of one MoE call: routed act [pairs, inter], shared act [batch, s_inter], the
-    per-pair down products [pairs, D], the shared one [batch, D], the expert groups (int32)."""
+    per-pair down products [pairs, D], the shared one [batch, D], the expert groups (int32);
+    on the GPU the split words (rows.split_rows) of x for FP4 experts and an FP8 shared expert
+    (words), of act (FP4) and of sact (FP8) (act_words), None elsewhere."""
 
     act: object
     sact: object
     part: object
     spart: object
     units: object
+    words: tuple | None = None
+    act_words: tuple | None = None
 
 
 def moe_scratch(xp, batch: int, k: int, inter: int, hidden: int,
@@ -62,8 +68,14 @@ def moe_scratch(xp, batch: int, k: int, inter: int, hidden: int,
     pairs = batch * k
     assert batch <= MAX_BATCH and pairs <= MAX_PAIRS
     z = functools.partial(xp.zeros, dtype=xp.float32)
-    return MoeScratch(z((pairs, inter)), z((batch, max(shared_inter, 1))), z((pairs, hidden)),
-                      z((batch, hidden)), xp.zeros(1 + UNIT * pairs, dtype=xp.int32))
+    scratch = MoeScratch(z((pairs, inter)), z((batch, max(shared_inter, 1))), z((pairs, hidden)),
+                         z((batch, hidden)), xp.zeros(1 + UNIT * pairs, dtype=xp.int32))
+    if xp is not np:
+        w = functools.partial(xp.zeros, dtype=xp.uint32)
+        scratch.words = (w((batch, words_ld(FP4, hidden))), w((batch, words_ld(FP8, hidden))))
+        scratch.act_words = (w((pairs, words_ld(FP4, inter))),
+                             w((batch, words_ld(FP8, max(shared_inter, 1)))))
+    return scratch
 
 
 @dataclass
@@ -170,10 +182,18 @@ def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, 
            (ptr(idx), i32(call.pairs), i32(k), i32(gu.count), ptr(gu.on_host), ptr(live),
             ptr(counts), ptr(act.units)))
     parts = _moe_parts(gu.fmt, sops, fuse_shared, 1 if batch <= 4 else 2)
+    xs = call.split_ready(parts)
+    if xs:  # x split once for the routed FP4 and the shared FP8 experts
+        split_rows([(x, batch, gu.cols, FP4, act.words[0]),
+                    (x, batch, gu.cols, FP8, act.words[1])])
+        parts = [("xs_" + name, routed, s) for name, routed, s in parts]
     for name, routed, s in parts:
-        _moe_gate_up(f"rows_gate_up_{name}", routed, s, call)
+        _moe_gate_up(f"rows_gate_up_{name}", routed, s, call, xs)
+    if xs:
+        split_rows([(act.act, call.pairs, inter, FP4, act.act_words[0]),
+                    (act.sact, batch, call.s_inter, FP8, act.act_words[1])])
     for name, routed, s in parts:
-        _moe_down(f"rows_down_{name}", routed, s, call)
+        _moe_down(f"rows_down_{name}", routed, s, call, xs)
     n = batch * dn.rows
     launch("rows_moe", "rows_moe_sum", (-(-n // 256),), (256,),
            (ptr(act.part), ptr(act.spart if sops else None), i32(k), i32(dn.rows), i32(batch),
@@ -204,6 +224,20 @@ class MoeCall:
     def grid(self, name: str, items: int) -> tuple[int]:
         return (min(items, resident_blocks(name)) if self.persistent else items,)
 
+    def split_ready(self, parts: list) -> bool:
+        """Whether the launches read x and act split once (rows.cu's xs kernels): one fused
+        FP4 + FP8-shared pair, with the scratch's words."""
+        return (self.act.words is not None and len(parts) == 1 and parts[0][2] is not None
+                and self.gu.fmt == FP4 and parts[0][2][0].fmt == FP8)
+
+
+def _words(pairs: list, xs: bool) -> tuple:
+    """The split-word arguments of an MoE launch: (words, row length) for routed then shared
+    operands (nulls when the launch reads x itself)."""
+    if not xs:
+        return (ptr(None), np.int64(0)) * 2
+    return tuple(v for a in pairs for v in (ptr(a), np.int64(a.shape[-1])))
+
 
 def _moe_parts(fmt: str, sops, fuse: bool, nt: int) -> list[tuple[str, bool, list | None]]:
     """(kernel suffix, routed?, shared operands or None) of each launch pair."""
@@ -217,7 +251,7 @@ def _moe_parts(fmt: str, sops, fuse: bool, nt: int) -> list[tuple[str, bool, lis
     return [(f"{f}_none_n{nt}", True, None), (f"{s}_{s}_n{nt}", False, sops)]
 
 
-def _moe_gate_up(kname: str, routed: bool, sops, c: MoeCall) -> None:
+def _moe_gate_up(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -> None:
     kw = pick_split(c.k * -(-c.inter // 16), _k_tiles(c.gu.fmt, c.gu.cols))
     rows_per_block = 16 * (WARPS // kw)
     tiles = -(-c.inter // rows_per_block)
@@ -227,11 +261,11 @@ def _moe_gate_up(kname: str, routed: bool, sops, c: MoeCall) -> None:
     args = (*Bank(c.gu).args(), *sg.args(), *su.args(), ptr(c.act.units), i32(int(routed)),
             i32(c.k), ptr(c.wts), ptr(c.x), np.int64(_ld(c.x)), ptr(c.act.act),
             ptr(c.act.sact), i32(c.inter), i32(c.s_inter), i32(c.gu.cols), i32(c.batch),
-            f32(c.limit), i32(kw), i32(tiles), i32(tiles_s))
+            f32(c.limit), i32(kw), i32(tiles), i32(tiles_s), *_words(c.act.words, xs))
     launch("rows_moe", kname, c.grid(kname, items), (32 * WARPS,), args)
 
 
-def _moe_down(kname: str, routed: bool, sops, c: MoeCall) -> None:
+def _moe_down(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -> None:
     hidden = c.dn.rows
     kw = pick_split(c.k * -(-hidden // 32), _k_tiles(c.dn.fmt, c.inter))
     tiles = -(-hidden // (32 * (WARPS // kw)))
@@ -240,7 +274,7 @@ def _moe_down(kname: str, routed: bool, sops, c: MoeCall) -> None:
     args = (*Bank(c.dn).args(), *Bank(sops[2] if sops else None).args(), ptr(c.act.units),
             i32(int(routed)), ptr(c.act.act), ptr(c.act.sact), ptr(c.act.part),
             ptr(c.act.spart), i32(hidden), i32(c.inter), i32(c.s_inter), i32(c.batch), i32(kw),
-            i32(tiles), i32(tiles_s))
+            i32(tiles), i32(tiles_s), *_words(c.act.act_words, xs))
     launch("rows_moe", kname, c.grid(kname, items), (32 * WARPS,), args)
 
 
