@@ -145,7 +145,8 @@ def words_ld(fmt: str, cols: int) -> int:
 def split_rows(jobs: list) -> None:
     """rows_split: for each of up to two jobs (x [>= n, K] fp32, n, K, fmt, out uint32 [>= n,
     words_ld(fmt, K)] contiguous), out = the split words of x's first n rows, one launch."""
-    assert 1 <= len(jobs) <= 2
+    assert 1 <= len(jobs) <= 2 and all(job[3] in (FP8, FP4) for job in jobs), \
+        "rows_split lays out FP8 and FP4 words only"  # (it reads any other code as FP4)
     args, most = [], 0
     for x, n, cols, fmt, out in jobs + [(None, 0, 0, FP8, None)] * (2 - len(jobs)):
         ld = words_ld(fmt, cols)

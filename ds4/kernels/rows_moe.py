@@ -231,12 +231,12 @@ class MoeCall:
                 and self.gu.fmt == FP4 and parts[0][2][0].fmt == FP8)
 
 
-def _words(pairs: list, xs: bool) -> tuple:
-    """The split-word arguments of an MoE launch: (words, row length) for routed then shared
-    operands (nulls when the launch reads x itself)."""
+def _words(words: tuple, xs: bool) -> tuple:
+    """The split-word arguments of an MoE launch: (words, row length) for the routed then the
+    shared operand (nulls when the launch reads x itself)."""
     if not xs:
         return (ptr(None), np.int64(0)) * 2
-    return tuple(v for a in pairs for v in (ptr(a), np.int64(a.shape[-1])))
+    return tuple(v for a in words for v in (ptr(a), np.int64(a.shape[-1])))
 
 
 def _moe_parts(fmt: str, sops, fuse: bool, nt: int) -> list[tuple[str, bool, list | None]]:
