@@ -279,12 +279,6 @@ def main() -> None:
         for b in batches:
             t, rate = bench_matvec(cp, mats, group, b)
             line(f"{fmt} {name}", b, t, rate, copy, old if b == 1 else None)
-        if fmt == FP8:  # x split once per launch (rows.split_rows), as the decoder does
-            xs = cp.zeros(max(batches) * R.words_ld(FP8, cols * (rows // (group or rows))),
-                          cp.uint32)
-            for b in batches:
-                t, rate = bench_matvec(cp, mats, group, b, xs=xs)
-                line(f"  split x: {name}", b, t, rate, copy)
         del mats
     if not args.no_moe:
         moe_table(cp, copy, batches, host_every=args.host_every)
