@@ -164,22 +164,33 @@ extern "C" __global__ void hc_weights_rows(const float* __restrict__ mix,
 }
 
 // X_new[j] = post[j] * y + sum_i comb[i, j] X[i] (the C^T direction) at channel d of one
-// token's streams X [n, D]. All of X[:, d] is read before any write, so Xout may alias X.
-__device__ __forceinline__ void expand_streams(const float* X, const float* y, const float* post,
-                                               const float* comb, float* Xout, int D, int n,
-                                               int d) {
+// token's streams X [n, D], into xn[j] (registers): all of X[:, d] is read first.
+__device__ __forceinline__ void expand_channel(const float* X, const float* y, const float* post,
+                                               const float* comb, int D, int n, int d,
+                                               float* xn) {
     float xs[MAX_STREAMS];
     // Constant trip counts keep xs in registers.
 #pragma unroll
     for (int i = 0; i < MAX_STREAMS; i++) xs[i] = i < n ? X[(size_t)i * D + d] : 0.f;
     float yd = y[d];
-    for (int j = 0; j < n; j++) {
+#pragma unroll
+    for (int j = 0; j < MAX_STREAMS; j++) {
+        if (j >= n) break;
         float acc = post[j] * yd;
 #pragma unroll
         for (int i = 0; i < MAX_STREAMS; i++)
             if (i < n) acc += comb[i * n + j] * xs[i];
-        Xout[(size_t)j * D + d] = acc;
+        xn[j] = acc;
     }
+}
+
+// expand_channel stored to Xout (which may alias X).
+__device__ __forceinline__ void expand_streams(const float* X, const float* y, const float* post,
+                                               const float* comb, float* Xout, int D, int n,
+                                               int d) {
+    float xn[MAX_STREAMS];
+    expand_channel(X, y, post, comb, D, n, d, xn);
+    for (int j = 0; j < n; j++) Xout[(size_t)j * D + d] = xn[j];
 }
 
 // Decode: one token; post_comb = [post (n), comb (n*n)] as hc_pre stored it.
@@ -221,33 +232,53 @@ __device__ __forceinline__ float group_sum(float v, float* shared, int threads) 
     return shared[31];
 }
 
-// hc_pre and the sub-block's RMSNorm in one block of 1024 threads (D <= 8192):
-// u = sum_i pre_i X_i, h = u * rsqrt(mean(u^2) + norm_eps) * norm_w; post/comb as hc_pre.
-// Where one warp computes the weights (n a power of two, n * n <= 32), the last warp runs the
-// Sinkhorn (only comb needs it) while the others, each deriving pre itself by the same
-// expression, sum and normalise: the two overlap instead of following each other.
-extern "C" __global__ void hc_pre_norm(const float* __restrict__ mix,
-                                       const float* __restrict__ scale,
-                                       const float* __restrict__ base, const float* __restrict__ X,
-                                       const float* __restrict__ norm_w, float* h,
-                                       float* post_comb, int D, int n, int iters, float eps,
-                                       float norm_eps) {
+
+// u = sum_i p_i X_i over the first `threads` threads into us (D floats of shared memory), then
+// h = u * rsqrt(mean(u^2) + norm_eps) * norm_w. X is read through L2 (other blocks of the
+// launch may have written it: hc_unit).
+__device__ __forceinline__ void collapse_sum_norm(const float* p, const float* X,
+                                                  const float* __restrict__ norm_w, float* h,
+                                                  float* us, float* red, int D, int n,
+                                                  float norm_eps, int threads) {
+    float ss = 0.f;
+#pragma unroll 4
+    for (int d = threadIdx.x; d < D; d += threads) {
+        float u = 0.f;
+#pragma unroll
+        for (int i = 0; i < MAX_STREAMS; i++)
+            if (i < n) u += p[i] * __ldcg(X + (size_t)i * D + d);
+        us[d] = u;
+        ss += u * u;
+    }
+    float r = rsqrtf(group_sum(ss, red, threads) / D + norm_eps);
+    for (int d = threadIdx.x; d < D; d += threads) h[d] = us[d] * r * norm_w[d];
+}
+
+// The weights of one unit from its mix, the collapse u = sum_i pre_i X_i and its RMSNorm h, by
+// one block (member pointers already offset; us: D floats of shared memory). Where one warp
+// computes the weights (n a power of two, n * n <= 32), the last warp runs the Sinkhorn (only
+// comb needs it) while the others, each deriving pre itself by the same expression, sum and
+// normalise: the two overlap instead of following each other. head: the output head's
+// collapse (mix holds the n pre values only; no post, no comb).
+__device__ void collapse_norm(const float* mix, const float* __restrict__ scale,
+                              const float* __restrict__ base, const float* X,
+                              const float* __restrict__ norm_w, float* h, float* post_comb,
+                              int D, int n, int iters, float eps, float norm_eps, bool head,
+                              float* us) {
     __shared__ float pre[MAX_STREAMS], post[MAX_STREAMS], comb[MAX_STREAMS * MAX_STREAMS];
     __shared__ float red[32], pre_sum[MAX_STREAMS];  // pre_sum: the summing warps' own copy
-    size_t b = blockIdx.z;  // member of a batch: every operand [B, ...]
-    mix += b * (2 + n) * n;
-    X += b * n * D;
-    h += b * D;
-    post_comb += b * (n + n * n);
     int threads = blockDim.x - 32;
     const float* p = pre_sum;
-    if ((n & (n - 1)) != 0 || n * n > 32) {  // serial weights in thread 0, then all threads
-        if (threadIdx.x == 0) hc_weights(mix, scale, base, n, iters, eps, pre, post, comb);
+    if (head || (n & (n - 1)) != 0 || n * n > 32) {  // weights first, then every thread sums
+        if (head && threadIdx.x < (unsigned)n)
+            pre_sum[threadIdx.x] = sigmoidf(mix[threadIdx.x] * scale[0] + base[threadIdx.x]) + eps;
+        if (!head && threadIdx.x == 0)
+            hc_weights(mix, scale, base, n, iters, eps, pre, post, comb);
         __syncthreads();
-        for (int i = threadIdx.x; i < n + n * n; i += blockDim.x)
+        for (int i = threadIdx.x; !head && i < n + n * n; i += blockDim.x)
             post_comb[i] = i < n ? post[i] : comb[i - n];
         threads = blockDim.x;
-        p = pre;
+        p = head ? pre_sum : pre;
     } else if ((int)threadIdx.x >= threads) {  // the last warp: pre, post and the Sinkhorn
         hc_weights_warp(mix, scale, base, n, iters, eps, pre, post, comb);
         __syncwarp();
@@ -259,23 +290,103 @@ extern "C" __global__ void hc_pre_norm(const float* __restrict__ mix,
             pre_sum[threadIdx.x] = sigmoidf(mix[threadIdx.x] * scale[0] + base[threadIdx.x]) + eps;
         asm volatile("bar.sync 1, %0;" ::"r"(threads));
     }
-    float u[9];
-    float ss = 0.f;
+    collapse_sum_norm(p, X, norm_w, h, us, red, D, n, norm_eps, threads);
+}
+
+constexpr int MAX_D = 8192;  // channels the collapse keeps in shared memory
+
+// hc_pre and the sub-block's RMSNorm in one block of 1024 threads (D <= MAX_D):
+// u = sum_i pre_i X_i, h = u * rsqrt(mean(u^2) + norm_eps) * norm_w; post/comb as hc_pre.
+extern "C" __global__ void hc_pre_norm(const float* __restrict__ mix,
+                                       const float* __restrict__ scale,
+                                       const float* __restrict__ base, const float* __restrict__ X,
+                                       const float* __restrict__ norm_w, float* h,
+                                       float* post_comb, int D, int n, int iters, float eps,
+                                       float norm_eps) {
+    __shared__ float us[MAX_D];
+    size_t b = blockIdx.z;  // member of a batch: every operand [B, ...]
+    collapse_norm(mix + b * (2 + n) * n, scale, base, X + b * n * D, norm_w, h + b * D,
+                  post_comb + b * (n + n * n), D, n, iters, eps, norm_eps, false, us);
+}
+
+// Decode at an mHC unit boundary, one launch: the previous unit's hc_post (y not null), this
+// unit's hc_mix (into mix) and its hc_pre_norm (h, post_comb; head: the output head's collapse
+// and RMSNorm). Block s of member z takes channels [s * SLICE, +SLICE) (n <= 4 streams, D a
+// multiple of 4): it writes their new X and the slice's partial sums of every mix row and of
+// X^2 to part; the last of the member's blocks to finish (done counts them, and is reset) adds
+// the slices in slice order (the same sums whichever block is last) and runs collapse_norm
+// over the whole X.
+constexpr int UNIT_THREADS = 1024, SLICE = 256, MAX_MIX = 32;  // MAX_MIX: n_mix + 1 sums
+constexpr int UNIT_STREAMS = UNIT_THREADS / SLICE, QUADS = SLICE / 4;
+
+extern "C" __global__ void __launch_bounds__(UNIT_THREADS)
+hc_unit(float* X, const float* __restrict__ y, float* post_comb, const float* __restrict__ fn,
+        const float* __restrict__ scale, const float* __restrict__ base,
+        const float* __restrict__ norm_w, float* mix, float* h, float* part, unsigned* done, int D,
+        int n, int n_mix, int mix_stride, int iters, float eps, float mix_eps, float norm_eps,
+        int head) {
+    __shared__ __align__(16) float xsh[UNIT_STREAMS][SLICE];
+    __shared__ float red[MAX_MIX][2], ssr[32], mixs[MAX_MIX], us[MAX_D];
+    __shared__ bool last;
+    size_t b = blockIdx.z;
+    int s = blockIdx.x, slices = gridDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int width = n * D, c0 = s * SLICE;
+    X += b * n * D;
+    post_comb += b * (n + n * n);
+    // thread (stream j, channel c): its new X, kept in xsh; X is written once all have read it
+    int j = threadIdx.x / SLICE, c = threadIdx.x % SLICE, d = c0 + c;
+    bool mine = j < n && d < D;
+    float xn[MAX_STREAMS] = {};
+    if (mine && y) expand_channel(X, y + b * D, post_comb, post_comb + n, D, n, d, xn);
+    float v = !mine ? 0.f : y ? xn[j] : X[(size_t)j * D + d];
+    xsh[j][c] = v;
+    float ss = block_sum(v * v, ssr);  // (its barriers also order the reads before the writes)
+    if (mine && y) X[(size_t)j * D + d] = v;
+    // thread (row group g, quad q): rows g and g + 16 against channels 4q..4q+3 of every stream
+    int g = threadIdx.x / QUADS, q = threadIdx.x % QUADS, dq = c0 + 4 * q;
+    float acc[2] = {0.f, 0.f};
 #pragma unroll
-    for (int k = 0; k < 9; k++) {
-        int d = threadIdx.x + k * threads;
-        u[k] = 0.f;
-        if (d < D) {
+    for (int k = 0; k < 2; k++) {
+        int r = g + 16 * k;
+        if (r >= n_mix || dq >= D) continue;
 #pragma unroll
-            for (int i = 0; i < MAX_STREAMS; i++)
-                if (i < n) u[k] += p[i] * X[(size_t)i * D + d];
-            ss += u[k] * u[k];
+        for (int i = 0; i < UNIT_STREAMS; i++) {
+            if (i >= n) break;
+            float4 f = __ldg((const float4*)(fn + (size_t)r * width + (size_t)i * D + dq));
+            float4 x = *(const float4*)&xsh[i][4 * q];
+            acc[k] += f.x * x.x + f.y * x.y + f.z * x.z + f.w * x.w;
         }
     }
-    float r = rsqrtf(group_sum(ss, red, threads) / D + norm_eps);
 #pragma unroll
-    for (int k = 0; k < 9; k++) {
-        int d = threadIdx.x + k * threads;
-        if (d < D) h[d] = u[k] * r * norm_w[d];
+    for (int k = 0; k < 2; k++) {  // a group's 64 quads are two whole warps
+        float t = warp_sum(acc[k]);
+        if (lane == 0 && g + 16 * k < MAX_MIX) red[g + 16 * k][warp & 1] = t;
     }
+    __syncthreads();
+    float* slices_of_b = part + b * slices * MAX_MIX;
+    if (threadIdx.x < MAX_MIX)
+        slices_of_b[s * MAX_MIX + threadIdx.x] =
+            threadIdx.x == MAX_MIX - 1 ? ss : red[threadIdx.x][0] + red[threadIdx.x][1];
+    __threadfence();  // this block's X and partial sums before its count
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done + b, 1u) == (unsigned)slices - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x < MAX_MIX) {
+        float t = 0.f;
+        for (int k = 0; k < slices; k++) t += __ldcg(slices_of_b + k * MAX_MIX + threadIdx.x);
+        mixs[threadIdx.x] = t;
+    }
+    __syncthreads();
+    float norm = rsqrtf(mixs[MAX_MIX - 1] / width + mix_eps);
+    __syncthreads();
+    if (threadIdx.x < n_mix) {
+        mixs[threadIdx.x] *= norm;
+        mix[b * mix_stride + threadIdx.x] = mixs[threadIdx.x];
+    }
+    if (threadIdx.x == 0) done[b] = 0;
+    __syncthreads();
+    collapse_norm(mixs, scale, base, X, norm_w, h + b * D, post_comb, D, n, iters, eps, norm_eps,
+                  head != 0, us);
 }

@@ -152,10 +152,10 @@ def hc_post_rows_numpy(X, y, post, comb, out):
 
 def hc_pre_norm(mix, scale, base, X, norm_w, h, post_comb, iters: int = 20, eps: float = 1e-6,
                 norm_eps: float = 1e-6):
-    """h = RMSNorm_w(sum_i pre_i X[i]) in one launch; post_comb as hc_pre (D <= 8192).
+    """h = RMSNorm_w(sum_i pre_i X[i]) in one launch; post_comb as hc_pre (D <= MAX_D).
     X [B, streams, D]: every operand [B, ...] (mix [B, (2 + n) n])."""
     streams, D = X.shape[-2:]
-    assert D <= 8 * 1024
+    assert D <= MAX_D
     args = (ptr(mix), ptr(scale), ptr(base), ptr(X), ptr(norm_w), ptr(h), ptr(post_comb), i32(D),
             i32(streams), i32(iters), f32(eps), f32(norm_eps))
     launch("hyper_connection", "hc_pre_norm", (1, 1, _batch(X)), (1024,), args)
@@ -172,4 +172,54 @@ def hc_pre_norm_numpy(mix, scale, base, X, norm_w, h, post_comb, iters: int = 20
         return h
     u = hc_pre_numpy(mix, scale, base, X, np.empty(X.shape[1], np.float32), post_comb, iters, eps)
     h[...] = u / np.sqrt((u * u).mean() + np.float32(norm_eps)) * norm_w
+    return h
+
+
+MAX_D, UNIT_THREADS, SLICE, MAX_MIX = 8192, 1024, 256, 32  # hyper_connection.cu's constants
+
+
+def unit_fits(n_mix: int, streams: int, D: int) -> bool:
+    """True where hc_unit takes a unit: n_mix + 1 partial sums a slice, up to four streams (a
+    thread each per channel), D in shared memory and in float4 quads."""
+    return n_mix < MAX_MIX and streams <= UNIT_THREADS // SLICE and D <= MAX_D and D % 4 == 0
+
+
+def unit_scratch(xp, batch: int, D: int) -> tuple:
+    """hc_unit's partial sums [batch, slices, MAX_MIX] and per-member block counters (zero: the
+    last block of a launch resets its member's)."""
+    slices = -(-D // SLICE)
+    return xp.zeros((batch, slices, MAX_MIX), xp.float32), xp.zeros(batch, xp.uint32)
+
+
+def hc_unit(X, y, post_comb, fn, scale, base, norm_w, mix, h, scratch, iters: int = 20,
+            eps: float = 1e-6, mix_eps: float = 1e-6, norm_eps: float = 1e-6,
+            head: bool = False):
+    """Decode at an mHC unit boundary, one launch: X = hc_post(X, y, post_comb) in place when y
+    is given (the previous unit's output), then this unit's hc_mix(fn, X, mix, mix_eps) and
+    hc_pre_norm into h and post_comb; head: the output head's collapse (fn [n, n D], pre only)
+    and its RMSNorm. X [B, streams, D]: every operand [B, ...]."""
+    streams, D = X.shape[-2:]
+    n_mix = fn.shape[0]
+    assert unit_fits(n_mix, streams, D) and fn.shape[1] == streams * D
+    part, done = scratch
+    args = (ptr(X), ptr(y), ptr(post_comb), ptr(fn), ptr(scale), ptr(base), ptr(norm_w),
+            ptr(mix), ptr(h), ptr(part), ptr(done), i32(D), i32(streams), i32(n_mix),
+            i32(mix.shape[-1]), i32(iters), f32(eps), f32(mix_eps), f32(norm_eps),
+            i32(int(head)))
+    launch("hyper_connection", "hc_unit", (part.shape[1], 1, _batch(X)), (UNIT_THREADS,), args)
+    return h
+
+
+def hc_unit_numpy(X, y, post_comb, fn, scale, base, norm_w, mix, h, scratch, iters: int = 20,
+                  eps: float = 1e-6, mix_eps: float = 1e-6, norm_eps: float = 1e-6,
+                  head: bool = False):
+    """NumPy twin of hc_unit: hc_post, hc_mix and hc_pre_norm's twins in turn (head: hc_pre's
+    head collapse, then the RMSNorm)."""
+    if y is not None:
+        hc_post_numpy(X, y, post_comb, X)
+    hc_mix_numpy(fn, X, mix, mix_eps)
+    if not head:
+        return hc_pre_norm_numpy(mix, scale, base, X, norm_w, h, post_comb, iters, eps, norm_eps)
+    u = hc_pre_numpy(mix, scale, base, X, np.empty_like(h), post_comb, iters, eps, head=True)
+    h[...] = u / np.sqrt((u * u).mean(axis=-1, keepdims=True) + np.float32(norm_eps)) * norm_w
     return h

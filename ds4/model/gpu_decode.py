@@ -107,6 +107,7 @@ class KernelDecoder:
         buf["idx"] = cp.zeros((MAX_MEMBERS, k), dtype=cp.int32)
         buf["sel"] = cp.zeros((MAX_MEMBERS, max(cfg.index_topk, 1)), dtype=cp.int32)
         buf["sel_count"] = cp.zeros(MAX_MEMBERS, dtype=cp.int32)
+        buf["unit_part"], buf["unit_done"] = hc.unit_scratch(cp, MAX_MEMBERS, D)
         return buf
 
     def _row_views(self) -> list[dict]:
@@ -279,33 +280,31 @@ class KernelDecoder:
         self.run_head(B)
 
     def run_layer(self, i: int, B: int, serial: bool = False) -> None:
-        """Layer i on the residual streams X[:B]: mHC + attention, then mHC + MoE."""
-        t, b = self.layers[i], self.buf
-        X = b["X"][:B]
-        self._block(t, "attn_hc", "input_layernorm.weight", B)
+        """Layer i on the residual streams X[:B]: mHC + attention, then mHC + MoE. The MoE's
+        hc_post runs at the start of the next unit (the next layer's or the head's)."""
+        t = self.layers[i]
+        self._block(t, "attn_hc", "input_layernorm.weight", B, post=i > 0)
         self._attention(i, t, B, serial)
-        hc.hc_post(X, b["y"][:B], b["post_comb"][:B], X)
-        self._block(t, "ffn_hc", "post_attention_layernorm.weight", B)
+        self._block(t, "ffn_hc", "post_attention_layernorm.weight", B, post=True)
         self._moe(i, t, B)
-        hc.hc_post(X, b["y"][:B], b["post_comb"][:B], X)
 
     def run_head(self, B: int) -> None:
-        """logits[:B] = W_head RMSNorm(HyperHead(X[:B]))."""
+        """The last layer's hc_post, then logits[:B] = W_head RMSNorm(HyperHead(X[:B]))."""
         cfg, b, top = self.cfg, self.buf, self.top
-        X, u = b["X"][:B], b["u"][:B]
-        hc.hc_mix(top["hc_fn"], X, b["head_mix"][:B], cfg.rms_norm_eps)
-        hc.hc_pre(b["head_mix"][:B], top["hc_scale"], top["hc_base"], X, u, b["post_comb"][:B],
-                  cfg.hc_sinkhorn_iters, cfg.hc_eps, head=True)
-        rms_norm(u, top["norm"], b["h"][:B], cfg.rms_norm_eps)
+        hc.hc_unit(b["X"][:B], b["y"][:B], b["post_comb"][:B], top["hc_fn"], top["hc_scale"],
+                   top["hc_base"], top["norm"], b["head_mix"][:B], b["h"][:B],
+                   (b["unit_part"], b["unit_done"]), cfg.hc_sinkhorn_iters, cfg.hc_eps,
+                   cfg.rms_norm_eps, cfg.rms_norm_eps, head=True)
         matvec_rows(top["head"], b["h"], b["logits"], B)
 
-    def _block(self, t: dict, unit: str, norm: str, B: int) -> None:
-        """h = RMSNorm_w(sum_i pre_i X_i) of one mHC unit; post/comb kept for hc_post."""
+    def _block(self, t: dict, unit: str, norm: str, B: int, post: bool) -> None:
+        """post: X = hc_post(X, y) of the previous unit; then h = RMSNorm_w(sum_i pre_i X_i) of
+        this unit, its post/comb kept for the next hc_post; one hc_unit launch."""
         cfg, b = self.cfg, self.buf
-        hc.hc_mix(t[unit + ".fn"], b["X"][:B], b["mix"][:B], cfg.rms_norm_eps)
-        hc.hc_pre_norm(b["mix"][:B], t[unit + ".scale"], t[unit + ".base"], b["X"][:B], t[norm],
-                       b["h"][:B], b["post_comb"][:B], cfg.hc_sinkhorn_iters, cfg.hc_eps,
-                       cfg.rms_norm_eps)
+        hc.hc_unit(b["X"][:B], b["y"][:B] if post else None, b["post_comb"][:B], t[unit + ".fn"],
+                   t[unit + ".scale"], t[unit + ".base"], t[norm], b["mix"][:B], b["h"][:B],
+                   (b["unit_part"], b["unit_done"]), cfg.hc_sinkhorn_iters, cfg.hc_eps,
+                   cfg.rms_norm_eps, cfg.rms_norm_eps)
 
     def _attention(self, i: int, t: dict, B: int, serial: bool = False) -> None:
         """y = attention output of layer i for h, updating each member's layer state (serial:

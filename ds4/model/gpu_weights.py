@@ -99,8 +99,8 @@ def supported(model) -> str | None:
         return f"router scoring {cfg.scoring_func!r}"
     if any(r.factor != 1.0 for r in model.ropes.values()):
         return "rope attention factor != 1"
-    if cfg.hc_mult > 8 or cfg.n_routed_experts > 1024 or cfg.num_experts_per_tok > 32:
-        return "hc_mult, experts or top-k beyond the kernels' fixed limits"
+    if cfg.hc_mult > 4 or cfg.n_routed_experts > 1024 or cfg.num_experts_per_tok > 32:
+        return "hc_mult, experts or top-k beyond the kernels' fixed limits"  # (hc_unit: 4)
     if any(not b.resident for b in model.weights.experts):
         return "experts are not resident"
     widths = (cfg.hidden_size, cfg.q_lora_rank, cfg.moe_intermediate_size, cfg.o_lora_rank,
