@@ -111,6 +111,34 @@ def test_hyper_connection(cp, rng):
     assert np.array_equal(g, h)
 
 
+@pytest.mark.parametrize("n,D,head", [(4, 4096, False), (4, 4096, True), (3, 1000, False),
+                                      (2, 256, False)])
+def test_hc_unit_is_post_mix_and_pre_norm(cp, rng, n, D, head):
+    """One hc_unit launch (slices, then the member's last block) against its twin, for three
+    members, with and without the previous unit's hc_post, launched twice (the block counters
+    reset themselves)."""
+    from ds4.kernels import hyper_connection as hc
+
+    B, n_mix = 3, n if head else (2 + n) * n
+    X, y = randn(rng, B, n, D), randn(rng, B, D)
+    pc = np.concatenate([rng.uniform(0.5, 2, (B, n)),
+                         rng.dirichlet(np.ones(n), (B, n)).reshape(B, -1)], axis=1)
+    fn, scale, base = randn(rng, n_mix, n * D, scale=0.02), randn(rng, 3), randn(rng, n_mix)
+    norm_w = randn(rng, D)
+    for post in (y, None):
+        for _ in range(2):
+            mix, h = np.full((B, n_mix), np.nan, np.float32), np.full((B, D), np.nan, np.float32)
+            scratch = hc.unit_scratch(cp, B, D)
+            args = (X, post, pc.astype(np.float32), fn, scale, base, norm_w, mix, h, scratch)
+            g_X, n_X = both(cp, hc.hc_unit, hc.hc_unit_numpy, *args, out_index=0, head=head)
+            g_mix, n_mix_ = both(cp, hc.hc_unit, hc.hc_unit_numpy, *args, out_index=7, head=head)
+            g_h, n_h = both(cp, hc.hc_unit, hc.hc_unit_numpy, *args, out_index=8, head=head)
+            g_pc, n_pc = both(cp, hc.hc_unit, hc.hc_unit_numpy, *args, out_index=2, head=head)
+            assert rel_err(g_X, n_X) < 1e-6 and rel_err(g_mix, n_mix_) < RTOL
+            assert rel_err(g_h, n_h) < 1e-5 and rel_err(g_pc, n_pc) < 1e-5
+            assert not cp.asnumpy(scratch[1]).any()  # every member's counter back at zero
+
+
 @pytest.mark.parametrize("t,ratio,use_sel", [(5, 0, False), (700, 0, False), (3000, 128, False),
                                             (4000, 4, True)])
 def test_attention(cp, rng, t, ratio, use_sel):
