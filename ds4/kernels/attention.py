@@ -30,6 +30,15 @@ def attention_store_kv_numpy(kv_in, w, freqs, pos, raw, rope_dim: int, eps: floa
 
 
 KEYS_PER_BLOCK = 32  # keys one attention_partial block stages (SPLIT_KEYS in common.cuh)
+TARGET_BLOCKS = 128  # (head group, split) blocks of one member that keep the SMs busy
+
+
+def heads_per_block(heads: int, splits: int) -> int:
+    """Query heads sharing one staged key tile: the most (<= 8) that still give TARGET_BLOCKS
+    blocks (fewer heads a block: the scores' channels split over its idle warps), by shape
+    only, so a member's sums do not depend on the batch."""
+    fits = [g for g in (8, 4, 2, 1) if heads % g == 0]
+    return next((g for g in fits if heads // g * splits >= TARGET_BLOCKS), fits[-1])
 
 
 def partial_size(heads: int, width: int, max_keys: int) -> int:
@@ -45,7 +54,7 @@ def attention_decode(q, raw, pos, comp, sel, sel_count, ratio: int, sinks, out, 
     cap = raw.shape[0]
     splits = -(-max_keys // KEYS_PER_BLOCK)
     assert width <= 1024 and part.size >= partial_size(heads, width, max_keys)
-    hpb = next(g for g in (8, 4, 2, 1) if heads % g == 0)  # heads sharing one staged key tile
+    hpb = heads_per_block(heads, splits)
     args = (ptr(q), ptr(raw), ptr(pos), i32(cap), ptr(comp), ptr(sel), ptr(sel_count),
             i32(ratio), ptr(part), i32(width), f32(width ** -0.5), i32(max_keys), i32(hpb))
     shared = 4 * (KEYS_PER_BLOCK * (width + 1) + hpb * width + hpb * KEYS_PER_BLOCK
@@ -88,7 +97,7 @@ def attention_decode_m(q, table, layer: int, raw_slot: int, comp_slot, cap: int,
     assert freqs is None or (width % 32 == 0 and rope_dim % 2 == 0)
     splits = -(-max_keys // KEYS_PER_BLOCK)
     assert width <= 1024 and part.shape[1] >= partial_size(heads, width, max_keys)
-    hpb = next(g for g in (8, 4, 2, 1) if heads % g == 0)
+    hpb = heads_per_block(heads, splits)
     comp = NULL if comp_slot is None else table.group(layer, comp_slot)
     args = (ptr(q), table.group(layer, raw_slot), ptr(table.pos), i32(cap), comp, ptr(sel),
             ptr(sel_count), i32(0 if sel is None else sel.shape[1]), i32(ratio), ptr(part),

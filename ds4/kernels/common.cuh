@@ -138,27 +138,41 @@ __device__ __forceinline__ float rope_channel(const float* row, int c, int first
 constexpr int SPLIT_KEYS = 32;
 
 // The partial softmax of one split once its `count` keys are staged (ks, row stride `stride`)
-// beside the block's hpb query heads (qs): warp = head, lane = key for the scores, then one
-// channel for all heads per thread, so each staged key value is read once for hpb
-// accumulators. part[(head * splits + split)] = (max, sum of exp, weighted sum [width]).
+// beside the block's hpb query heads (qs): for the scores all 8 warps run, warp = (head, part
+// of the channels: 8 / hpb parts where the width splits into them), lane = key, and each
+// head's warp adds its parts in part order; then one channel for all heads per thread, so each
+// staged key value is read once for hpb accumulators. part[(head * splits + split)] = (max,
+// sum of exp, weighted sum [width]). 256 threads.
 __device__ __forceinline__ void staged_partial(const float* qs, const float* ks, float* ps,
                                                int stride, int width, int count, int hpb,
                                                float scale, float* part, int h0, int split,
                                                int splits) {
+    __shared__ float dots[8 * SPLIT_KEYS];  // [part][head][key] of the split scores
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (warp < hpb) {
-        float s = -INFINITY;
+    int parts = 8 / hpb;
+    while (parts > 1 && width % (4 * parts) != 0) parts >>= 1;
+    if (warp < hpb * parts) {
+        int hh = warp % hpb, span = width / parts, c0 = (warp / hpb) * span;
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;  // four chains: loads overlap
         if (lane < count) {
-            const float* qh = qs + warp * width;
+            const float* qh = qs + hh * width;
             const float* k = ks + lane * stride;
-            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;  // four chains: loads overlap
-            for (int c = 0; c < width; c += 4) {
+            for (int c = c0; c < c0 + span; c += 4) {
                 a0 += qh[c] * k[c];
                 a1 += qh[c + 1] * k[c + 1];
                 a2 += qh[c + 2] * k[c + 2];
                 a3 += qh[c + 3] * k[c + 3];
             }
-            s = ((a0 + a1) + (a2 + a3)) * scale;
+        }
+        dots[warp * SPLIT_KEYS + lane] = (a0 + a1) + (a2 + a3);
+    }
+    __syncthreads();
+    if (warp < hpb) {
+        float s = -INFINITY;
+        if (lane < count) {
+            s = dots[warp * SPLIT_KEYS + lane];
+            for (int p = 1; p < parts; p++) s += dots[(p * hpb + warp) * SPLIT_KEYS + lane];
+            s *= scale;
         }
         float m = warp_max(s);
         float p = lane < count ? expf(s - m) : 0.f;
