@@ -10,7 +10,8 @@ the request's generator picks the token.
 Logits on the GPU (a CuPy array) are sampled there and only the token id comes back; the draw
 still comes from the same host generator, so a seed gives the same tokens on both backends.
 The host path works on a few candidates; the device path (`sample_masked`) on masks over the
-whole vocabulary; both compute the same function (NumPy runs the device path as its twin).
+whole vocabulary, or, for temperature and min_p alone, in one kernel that lists the survivors;
+both compute the same function (NumPy runs the device path as its twin).
 """
 
 from __future__ import annotations
@@ -135,10 +136,15 @@ def sample_masked(xp, logits, opts: SamplingOptions, rng: np.random.Generator) -
     if is_greedy(opts):
         return _argmax(xp, logits)
     u = rng.random()
-    scaled = _scaled(logits, opts.temperature)
-    n, peak = scaled.size, scaled.max()
+    n = logits.size
     k = min(opts.top_k, TOP_K_CAP) if opts.top_k > 0 else n
     top_p = _top_p(opts)
+    if k >= n and top_p >= 1.0 and opts.min_p > 0:  # temperature + min_p: one kernel
+        token = _min_p_draw(xp, logits, opts, u)
+        if token >= 0:
+            return token
+    scaled = _scaled(logits, opts.temperature)
+    peak = scaled.max()
     weight = xp.exp(scaled.astype(xp.float64) - peak)
     keep = None
     if k < n or top_p < 1.0:
@@ -160,6 +166,18 @@ def sample_masked(xp, logits, opts: SamplingOptions, rng: np.random.Generator) -
     pick = xp.searchsorted(cdf, (cdf[-1] * u).reshape(1), side="right")[0]
     last = n - 1 if keep is None else xp.where(keep, xp.arange(n), -1).max()
     return int(xp.minimum(pick, last))
+
+
+def _min_p_draw(xp, logits, opts: SamplingOptions, u: float) -> int:
+    """The token of draw u under temperature and min_p alone, by ds4/kernels/sampling.py's
+    sample_min_p (its twin on NumPy): one launch instead of a dozen; -1 where it keeps none or
+    too many tokens (then the masks below decide)."""
+    from ds4.kernels import sampling as kernels
+
+    draw = kernels.sample_min_p if xp is not np else kernels.sample_min_p_numpy
+    out = xp.zeros(1, dtype=xp.int32)
+    draw(xp.ascontiguousarray(logits), opts.temperature, float(_log_min_p(opts)), u, out)
+    return int(out[0])
 
 
 def _rank_order(xp, scaled):

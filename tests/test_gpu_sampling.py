@@ -123,3 +123,25 @@ def test_a_batched_steps_greedy_picks_and_lazy_logits_are_each_sessions_own():
         assert [s.sample(greedy, make_rng(0)) for s in sessions] == \
             [int(np.argmax(s.logits)) for s in sessions]
         assert all(np.array_equal(r, s.logits) for r, s in zip(rows, sessions))
+
+
+def test_the_min_p_kernel_matches_its_twin():
+    """sample_min_p (temperature + min_p in one launch) against its twin: the drawn token, and
+    -1 where every token passes (more than the kernel lists) or none does (a row of -inf)."""
+    import cupy
+
+    from ds4.kernels import sampling as kernels
+
+    rng = np.random.default_rng(3)
+    rows = [(rng.normal(size=129280) * 3).astype(np.float32), np.zeros(5000, np.float32),
+            np.full(100, -np.inf, np.float32),
+            np.round(rng.normal(size=3000) * 2).astype(np.float32)]
+    for x in rows:
+        for temperature, min_p in ((1.0, 0.05), (2.0, 0.2), (0.5, 0.01), (1.0, 1.5)):
+            floor = float(np.float32(np.log(min(min_p, 1.0))))
+            for u in (0.0, 0.3, 0.999999):
+                got = kernels.sample_min_p(cupy.asarray(x), temperature, floor, u,
+                                           cupy.zeros(1, cupy.int32))
+                want = kernels.sample_min_p_numpy(x, temperature, floor, u, np.zeros(1, np.int32))
+                assert int(got[0]) == int(want[0]), (x.size, temperature, min_p, u)
+    assert int(want[0]) >= 0  # (the last row keeps a few tokens: a draw, not the fallback)

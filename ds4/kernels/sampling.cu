@@ -138,3 +138,60 @@ extern "C" __global__ void topk_select(const float* __restrict__ x, const int* _
     }
     if (threadIdx.x == 0) sel_count[0] = k;
 }
+
+// A draw under temperature and min_p alone (ds4/sampling.py's host path, the same arithmetic):
+// s = (x - max) / T in float32, the tokens with s >= floor (= log min_p) kept in id order, their
+// weights exp(s) in float64 summed one after another, and the first whose running sum exceeds
+// u * total drawn. One block of 1024 threads: thread t scans the t-th contiguous chunk of the
+// row twice (count, then list its kept ids at its offset), so the list comes out in id order.
+// None or more than MIN_P_KEPT kept tokens: out[0] = -1 (the caller takes the masked path).
+constexpr int MIN_P_KEPT = 2048;
+
+extern "C" __global__ void sample_min_p(const float* __restrict__ x, int n, float T, float floor,
+                                        double u, int* out) {
+    __shared__ float red[32];
+    __shared__ int counts[32], total;
+    __shared__ int ids[MIN_P_KEPT];
+    __shared__ double cdf[MIN_P_KEPT];
+    float m = -INFINITY;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, x[i]);
+    m = block_max(m, red);
+    int per = (n + blockDim.x - 1) / blockDim.x, lo = min(n, (int)threadIdx.x * per);
+    int hi = min(n, lo + per), mine = 0;
+    for (int i = lo; i < hi; i++) mine += (x[i] - m) / T >= floor;
+    // exclusive prefix sum of the counts over the block (warp scans, then the warp totals)
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, run = mine;
+    for (int o = 1; o < 32; o <<= 1) {
+        int v = __shfl_up_sync(0xffffffffu, run, o);
+        if (lane >= o) run += v;
+    }
+    if (lane == 31) counts[warp] = run;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) { int c = counts[w]; counts[w] = acc; acc += c; }
+        total = acc;
+    }
+    __syncthreads();
+    int kept = total;
+    if (kept == 0 || kept > MIN_P_KEPT) {  // (none: a row of NaN or -inf)
+        if (threadIdx.x == 0) out[0] = -1;
+        return;
+    }
+    int at = counts[warp] + run - mine;
+    for (int i = lo; i < hi; i++)
+        if ((x[i] - m) / T >= floor) ids[at++] = i;
+    __syncthreads();
+    for (int j = threadIdx.x; j < kept; j += blockDim.x) cdf[j] = exp((double)((x[ids[j]] - m) / T));
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    double sum = 0.0;
+    for (int j = 0; j < kept; j++) cdf[j] = sum += cdf[j];
+    double target = u * sum;
+    int a = 0, b = kept;  // the first j with cdf[j] > target (searchsorted, side right)
+    while (a < b) {
+        int c = (a + b) >> 1;
+        if (cdf[c] > target) b = c; else a = c + 1;
+    }
+    out[0] = ids[min(a, kept - 1)];
+}

@@ -24,6 +24,34 @@ def argmax_numpy(x, out):
     return out
 
 
+MIN_P_KEPT = 2048  # sampling.cu's cap on the tokens sample_min_p keeps
+
+
+def sample_min_p(x, temperature: float, floor: float, u: float, out):
+    """out[0] = the token draw u in [0, 1) picks from logits x [n] under temperature and min_p
+    alone (floor = log min_p), as ds4/sampling.py's host path computes it; -1 where no token or
+    more than MIN_P_KEPT tokens pass the floor. One launch."""
+    assert x.ndim == 1 and x.strides[0] == x.itemsize
+    launch("sampling", "sample_min_p", (1,), (1024,),
+           (ptr(x), i32(x.shape[0]), np.float32(temperature), np.float32(floor), np.float64(u),
+            ptr(out)))
+    return out
+
+
+def sample_min_p_numpy(x, temperature: float, floor: float, u: float, out):
+    """NumPy twin of sample_min_p."""
+    x = np.asarray(x, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = (x - x.max()) / np.float32(temperature)
+        ids = np.flatnonzero(s >= np.float32(floor))
+    if not 0 < ids.size <= MIN_P_KEPT:
+        out[0] = -1
+        return out
+    cdf = np.cumsum(np.exp(s[ids].astype(np.float64)))
+    out[0] = ids[min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), ids.size - 1)]
+    return out
+
+
 def topk_select(x, k: int, sel, sel_count, pos=None, ratio: int = 1, n: int | None = None):
     """sel[0:count] = indices (ascending) of the k largest of x[0:n], n = (pos[0]+1)//ratio
     when pos is given; ties at the threshold keep the lower indices. x [B, S] (sel [B, k],
