@@ -1,0 +1,114 @@
+"""The decode step's small launches on the H200, each against what it replaced, same run:
+one mHC unit boundary (`hc_unit` against hc_post + hc_mix + hc_pre_norm, in a CUDA graph of
+200 launches, each unit's fn read in turn from 64 copies: 96 MB, past the L2) and one device
+draw under the default sampling options (the `sample_min_p` kernel against the masked CuPy
+path, a 129280-token row, the id's host sync included).
+
+    PYTHONPATH=. python3 tools/bench_decode_small.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+import ds4.sampling as S
+from ds4.kernels import hyper_connection as hc
+from ds4.sampling import SamplingOptions, make_rng, sample
+
+D, STREAMS, MIX, COPIES = 4096, 4, 24, 64
+
+
+def graph_us(cp, f, n: int = 200) -> float:
+    """Microseconds per call of f, n calls captured in one CUDA graph and replayed."""
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        f()
+        s.begin_capture()
+        for _ in range(n):
+            f()
+        g = s.end_capture()
+        g.launch(s)
+        s.synchronize()
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(s)
+        g.launch(s)
+        b.record(s)
+        b.synchronize()
+    return cp.cuda.get_elapsed_time(a, b) / n * 1e3
+
+
+def unit_case(cp, B: int) -> dict:
+    """Device operands of one mHC unit boundary for B members."""
+    f32, rnd = cp.float32, cp.random.standard_normal
+    pc = cp.zeros((B, STREAMS + STREAMS * STREAMS), f32)
+    pc[:, :STREAMS], pc[:, STREAMS:] = 1, 1 / STREAMS
+    return {"X": rnd((B, STREAMS, D), dtype=f32), "y": rnd((B, D), dtype=f32) * 0.1, "pc": pc,
+            "fns": [rnd((MIX, STREAMS * D), dtype=f32) * 0.01 for _ in range(COPIES)],
+            "mix": cp.zeros((B, MIX), f32), "scale": cp.ones(3, f32), "base": cp.zeros(MIX, f32),
+            "w": cp.ones(D, f32), "h": cp.zeros((B, D), f32),
+            "scratch": hc.unit_scratch(cp, B, D)}
+
+
+def unit_table(cp) -> None:
+    """hc_unit against the three launches it replaces, with and without the Sinkhorn."""
+    for B in (1, 8):
+        c, turn = unit_case(cp, B), [0]
+
+        def fn():
+            turn[0] = (turn[0] + 1) % COPIES
+            return c["fns"][turn[0]]
+
+        for iters in (20, 0):
+            fused = graph_us(cp, lambda: hc.hc_unit(
+                c["X"], c["y"], c["pc"], fn(), c["scale"], c["base"], c["w"], c["mix"], c["h"],
+                c["scratch"], iters))
+
+            def three():
+                hc.hc_post(c["X"], c["y"], c["pc"], c["X"])
+                hc.hc_mix(fn(), c["X"], c["mix"])
+                hc.hc_pre_norm(c["mix"], c["scale"], c["base"], c["X"], c["w"], c["h"], c["pc"],
+                               iters)
+
+            apart = graph_us(cp, three)
+            print(f"mHC unit B={B} sinkhorn iters {iters:2d}: hc_unit {fused:6.2f} us, "
+                  f"post + mix + pre_norm {apart:6.2f} us ({apart / fused:4.2f}x)", flush=True)
+
+
+def draw_us(x, n: int = 200) -> float:
+    """Microseconds per device draw of the default options, the host sync included."""
+    import cupy as cp
+
+    opts, rng = SamplingOptions(), make_rng(0)
+    for _ in range(5):
+        sample(x, opts, rng)
+    cp.cuda.Device().synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        sample(x, opts, rng)
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def sampling_line(cp) -> None:
+    """The min_p kernel against the masked path (the kernel turned off for the second run)."""
+    x = cp.asarray((np.random.default_rng(0).normal(size=129280) * 3).astype(np.float32))
+    kernel = draw_us(x)
+    keep, S._min_p_draw = S._min_p_draw, lambda *a: -1
+    try:
+        masked = draw_us(x)
+    finally:
+        S._min_p_draw = keep
+    print(f"device draw, default options: sample_min_p {kernel:.1f} us, masked path "
+          f"{masked:.1f} us ({masked / kernel:.1f}x)")
+
+
+def main() -> None:
+    import cupy as cp
+
+    unit_table(cp)
+    sampling_line(cp)
+
+
+if __name__ == "__main__":
+    main()
