@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from bench_packed import per_launch
 
 import ds4.sampling as S
 from ds4.kernels import hyper_connection as hc
@@ -22,21 +23,7 @@ D, STREAMS, MIX, COPIES = 4096, 4, 24, 64
 
 def graph_us(cp, f, n: int = 200) -> float:
     """Microseconds per call of f, n calls captured in one CUDA graph and replayed."""
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        f()
-        s.begin_capture()
-        for _ in range(n):
-            f()
-        g = s.end_capture()
-        g.launch(s)
-        s.synchronize()
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(s)
-        g.launch(s)
-        b.record(s)
-        b.synchronize()
-    return cp.cuda.get_elapsed_time(a, b) / n * 1e3
+    return per_launch(cp, [f] * n) * 1e6
 
 
 def unit_case(cp, B: int) -> dict:

@@ -6,6 +6,7 @@ import numpy as np
 
 from ds4.kernels import f32, i32, launch, ptr, widen
 from ds4.kernels.gemv import weight_kind
+from ds4.kernels.norm import rms_norm_numpy
 
 
 def embed_streams(embed, token, X):
@@ -221,5 +222,4 @@ def hc_unit_numpy(X, y, post_comb, fn, scale, base, norm_w, mix, h, scratch, ite
     if not head:
         return hc_pre_norm_numpy(mix, scale, base, X, norm_w, h, post_comb, iters, eps, norm_eps)
     u = hc_pre_numpy(mix, scale, base, X, np.empty_like(h), post_comb, iters, eps, head=True)
-    h[...] = u / np.sqrt((u * u).mean(axis=-1, keepdims=True) + np.float32(norm_eps)) * norm_w
-    return h
+    return rms_norm_numpy(u, norm_w, h, norm_eps)
