@@ -85,6 +85,19 @@ def test_scaled_code_is_an_exact_bf16_weight_times_2_pow_minus_32(fmt, bias, tab
         assert s + bias <= 254
 
 
+def test_f16_split_keeps_each_k_tile_to_2_pow_minus_23_of_its_largest():
+    """FP8H's x (rows.split_f16): a power of two per 64-column k-tile, so tiles 1e-30 and 1e30
+    apart keep the same precision; an all-zero tile stays zero."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((3, 64 * 8), dtype=np.float32)
+    x *= (10.0 ** rng.integers(-30, 30, (3, 8))).repeat(64, axis=1).astype(np.float32)
+    x[1, 64:128] = 0
+    got = R.split_f16(x)
+    big = np.abs(x).reshape(3, 8, 64).max(-1).repeat(64, axis=1).astype(np.float64)
+    assert np.all(np.abs(got - x) <= big * 2.0 ** -23)
+    assert np.all(got[1, 64:128] == 0)
+
+
 # --- twins against the dequantized references ---
 
 @pytest.mark.parametrize("fmt,shape", [(FP8, (100, 192)), (FP8, (48, 512)), (FP4, (37, 96)),
@@ -261,14 +274,15 @@ def test_every_kernel_variant_matches_twin_and_sums_alike(fmt, tiles):
 
 
 @gpu_test
-@pytest.mark.parametrize("fmt", [FP8, FP4])
-def test_decoded_words_are_exact_weights(fmt):
+@pytest.mark.parametrize("fmt,block", [(FP8, 32), (FP8, 128), (FP4, None)])
+def test_decoded_words_are_exact_weights(fmt, block):
     """The integer bit moves and the bf16x2 multiply on the device (subnormal codes too): the
-    fed words are the weights times 2^-32, bit for bit, over the whole scale range."""
+    fed words are the weights times 2^-32, bit for bit, over the whole scale range; FP8 in
+    tiles of 128 feeds each code's own value in f16 (cvt.rn.f16x2.e4m3x2), also bit for bit."""
     import cupy as cp
 
     rng = np.random.default_rng(6)
-    w = (fp8_matrix(rng, (256, 512), lo=60, hi=150) if fmt == FP8
+    w = (fp8_matrix(rng, (256, 512), block=block, lo=60, hi=150) if fmt == FP8
          else fp4_matrix(rng, (256, 512), lo=60, hi=150))
     out = cp.zeros((256, 512), cp.uint16)
     R.decode_words(on_device(cp, w), out)

@@ -54,6 +54,7 @@ __device__ __forceinline__ void matvec_group(const u8* W, const u8* S, int rows,
     MATVEC_NT(F, 2, 4) MATVEC_NT(F, 4, 2)
 
 MATVEC_VARIANTS(Fp8)
+MATVEC_VARIANTS(Fp8h)
 MATVEC_VARIANTS(Fp4)
 MATVEC_NT(Bf16, 1, 4)
 MATVEC_NT(Bf16, 2, 2)
@@ -99,7 +100,8 @@ extern "C" __global__ void rows_split(const float* __restrict__ x0, int n0, int 
 }
 
 // Several matrices of one width multiplying the same x, one launch. table[ENTRY * m ..] =
-// (codes, scales, y, rows, format 0 fp8 / 1 fp4 / 2 bf16, scale ld, shift, y_ld, first block):
+// (codes, scales, y, rows, format 0 fp8 / 1 fp4 / 2 bf16 / 3 fp8 through f16 mmas, scale ld,
+// shift, y_ld, first block):
 // blocks [first, next first) compute matrix m, one row group each.
 constexpr int ENTRY = 9;
 
@@ -116,6 +118,9 @@ __device__ void matvec_table(const long long* __restrict__ table, int count, con
     if (fmt == 0)
         matvec_group<Fp8, 1, 4, NT>(W, S, rows, cols, sc_ld, shift, x, x_ld, rows, y, e[7],
                                     batch, KW, group, red);
+    else if (fmt == 3)
+        matvec_group<Fp8h, 1, 4, NT>(W, S, rows, cols, sc_ld, shift, x, x_ld, rows, y, e[7],
+                                     batch, KW, group, red);
     else if (fmt == 1)
         matvec_group<Fp4, 1, 4, NT>(W, S, rows, cols, sc_ld, shift, x, x_ld, rows, y, e[7],
                                     batch, KW, group, red);
@@ -163,6 +168,9 @@ __device__ void decode_words(const u8* W, const u8* S, int rows, int cols, int s
     int sc_ld, int shift, unsigned short* out
 extern "C" __global__ void rows_decode_fp8(DECODE_ARGS) {
     decode_words<Fp8>(W, S, rows, cols, sc_ld, shift, out);
+}
+extern "C" __global__ void rows_decode_fp8h(DECODE_ARGS) {
+    decode_words<Fp8h>(W, S, rows, cols, sc_ld, shift, out);
 }
 extern "C" __global__ void rows_decode_fp4(DECODE_ARGS) {
     decode_words<Fp4>(W, S, rows, cols, sc_ld, shift, out);

@@ -48,6 +48,13 @@ __device__ __forceinline__ void mma_bf16(float* d, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void mma_f16(float* d, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // bf16x2 word (lo in the low half), rounded to nearest even.
 __device__ __forceinline__ u32 bf16x2(float lo, float hi) {
     u32 r;
@@ -83,7 +90,7 @@ __device__ __forceinline__ u32 multiplier(u32 s, int bias) {
 // xcol(m, r, h): the chunk column in half h of B register r of mma m.
 struct Fp8 {
     static constexpr int CH = 16, LOADS = 1, MMAS = 4;
-    static constexpr bool SCALED = true, NONE = false;
+    static constexpr bool SCALED = true, NONE = false, POST = false;
     __device__ static size_t bytes(long long cols) { return cols; }
     __device__ static const u8* scale_row(const u8* s, int row, int ld, int shift) {
         return s + (size_t)(row >> shift) * ld;
@@ -102,7 +109,7 @@ struct Fp8 {
 
 struct Fp4 {
     static constexpr int CH = 32, LOADS = 1, MMAS = 8;
-    static constexpr bool SCALED = true, NONE = false;
+    static constexpr bool SCALED = true, NONE = false, POST = false;
     __device__ static size_t bytes(long long cols) { return cols >> 1; }
     __device__ static const u8* scale_row(const u8* s, int row, int ld, int) {
         return s + (size_t)row * ld;
@@ -130,13 +137,37 @@ struct Fp4 {
 
 struct Bf16 {
     static constexpr int CH = 16, LOADS = 2, MMAS = 4;
-    static constexpr bool SCALED = false, NONE = false;
+    static constexpr bool SCALED = false, NONE = false, POST = false;
     __device__ static size_t bytes(long long cols) { return cols * 2; }
     __device__ static const u8* scale_row(const u8*, int, int, int) { return nullptr; }
     __device__ static u32 mul(const u8*, int, int) { return 0; }
     __device__ static void decode(const uint4* q, int m, u32, u32& lo, u32& hi) {
         lo = word(q[m >> 1], (2 * m) & 3);
         hi = word(q[m >> 1], (2 * m + 1) & 3);
+    }
+    __device__ static constexpr int xcol(int m, int r, int h) { return 4 * m + 2 * r + h; }
+};
+
+// FP8 in square scale tiles of >= 64 (shift >= 6) through f16 mmas: a 16-row tile and a k-tile
+// of 64 columns lie in one scale tile, so cvt.rn.f16x2.e4m3x2 feeds the codes as they are (one
+// instruction per two codes, exact) and the tile's scale multiplies the k-tile's fp32 sums
+// (POST: post_stage). mul is the scale as the float bits of 2^(s - 127). x comes in f16 hi + lo
+// under a power of two per k-tile and batch column (split_f16).
+struct Fp8h {
+    static constexpr int CH = 16, LOADS = 1, MMAS = 4;
+    static constexpr bool SCALED = true, NONE = false, POST = true;
+    __device__ static size_t bytes(long long cols) { return cols; }
+    __device__ static const u8* scale_row(const u8* s, int row, int ld, int shift) {
+        return s + (size_t)(row >> shift) * ld;
+    }
+    __device__ static u32 mul(const u8* srow, int col, int shift) {
+        return (u32)__ldg(srow + (col >> shift)) << 23;
+    }
+    // Word m holds columns 4m..4m+3: lo = (4m, 4m+1), hi = (4m+2, 4m+3).
+    __device__ static void decode(const uint4* q, int m, u32, u32& lo, u32& hi) {
+        u32 w = word(q[0], m);
+        asm("{.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t"
+            "cvt.rn.f16x2.e4m3x2 %1, h;\n\t}" : "=r"(lo), "=r"(hi) : "r"(w));
     }
     __device__ static constexpr int xcol(int m, int r, int h) { return 4 * m + 2 * r + h; }
 };
@@ -185,7 +216,8 @@ __device__ __forceinline__ void load_stage(Stage<F, MT, DEPTH>& st, const Tiles<
 #pragma unroll
                 for (int l = 0; l < F::LOADS; l++)
                     st.q[d][mt][h][l] = ok ? __ldcs(p + l) : make_uint4(0, 0, 0, 0);
-                st.mul[d][mt][h] = ok && F::SCALED ? F::mul(tl.s[mt][h], col, shift) : 0u;
+                st.mul[d][mt][h] = ok && F::SCALED && (h == 0 || !F::POST)
+                                       ? F::mul(tl.s[mt][h], col, shift) : 0u;
             }
     }
 }
@@ -196,7 +228,7 @@ template <class F>
 __device__ __forceinline__ void load_x(const float* xc, int col, int cols, float* xr) {
     bool ok = xc != nullptr && col < cols;
     const float4* v = (const float4*)(xc + (ok ? col : 0));
-    const float k = F::SCALED ? X_SCALE : 1.f;
+    const float k = F::SCALED && !F::POST ? X_SCALE : 1.f;
 #pragma unroll
     for (int i = 0; i < F::CH / 4; i++) {
         float4 f = ok ? __ldg(v + i) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -250,12 +282,96 @@ __device__ __forceinline__ void mma_tiles(const Stage<F, MT, DEPTH>& st, int d, 
     }
 }
 
+// f16x2 word (lo in the low half), rounded to nearest even.
+__device__ __forceinline__ u32 f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+constexpr float F16_ROUND = 201326592.f;  // 1.5 * 2^27: (v + it) - it is v to a multiple of 16
+
+// The lane's CH floats of x for a POST format as f16 B words: a power of two per batch column
+// (its four lanes t agree on it) puts the k-tile's largest |x| in [2^14, 2^15); hi = x times it
+// to a multiple of 16 (exact in f16), lo = the rest in f16 (within 2^-9: 2^-23 of the largest).
+// hi[m] / lo[m] = B registers 0 and 1 of mma m; un = the power's inverse, 2^(e - 141) for the
+// largest's exponent field e (at least 15, so both powers are normal floats).
+template <class F>
+__device__ __forceinline__ void split_f16(const float* xr, u32 (&hi)[F::MMAS][2],
+                                          u32 (&lo)[F::MMAS][2], float& un) {
+    float big = 0.f;
+#pragma unroll
+    for (int i = 0; i < F::CH; i++) big = fmaxf(big, fabsf(xr[i]));
+    big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, 1));
+    big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, 2));
+    u32 e = max(__float_as_uint(big) >> 23, 15u);
+    float sc = __uint_as_float((268u - e) << 23);
+    un = __uint_as_float((e - 14u) << 23);
+#pragma unroll
+    for (int m = 0; m < F::MMAS; m++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float v0 = xr[F::xcol(m, r, 0)] * sc, v1 = xr[F::xcol(m, r, 1)] * sc;
+            float h0 = (v0 + F16_ROUND) - F16_ROUND, h1 = (v1 + F16_ROUND) - F16_ROUND;
+            hi[m][r] = f16x2(h0, h1);
+            lo[m][r] = f16x2(v0 - h0, v1 - h1);
+        }
+}
+
+// mma_stage of a POST format: each k-tile's mmas sum into fresh fp32 tiles, which are added to
+// acc times the tile's scale and the column's x power (output columns 2t and 2t + 1 are fed by
+// lanes 8t and 8t + 4: g = the column). The same NT layouts as mma_stage.
+template <class F, int MT, int DEPTH, int NT>
+__device__ __forceinline__ void post_stage(const Stage<F, MT, DEPTH>& st, const XSrc& src,
+                                           int kt, int kt1, int cols, float (&acc)[MT][NT][4]) {
+    int t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+    for (int d = 0; d < DEPTH; d++) {
+        if (kt + d >= kt1) break;
+        float xr[F::CH], un;
+        load_x<F>(src.x, (kt + d) * 4 * F::CH + t * F::CH, cols, xr);
+        u32 hi[F::MMAS][2], lo[F::MMAS][2];
+        split_f16<F>(xr, hi, lo, un);
+        float part[MT][NT][4] = {};
+#pragma unroll
+        for (int m = 0; m < F::MMAS; m++)
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                u32 a[4];
+                F::decode(st.q[d][mt][0], m, 0u, a[0], a[2]);
+                F::decode(st.q[d][mt][1], m, 0u, a[1], a[3]);
+                if constexpr (NT == 1) {
+                    mma_f16(part[mt][0], a, g < 4 ? hi[m][0] : lo[m][0],
+                            g < 4 ? hi[m][1] : lo[m][1]);
+                } else {
+                    mma_f16(part[mt][0], a, hi[m][0], hi[m][1]);
+                    mma_f16(part[mt][1], a, lo[m][0], lo[m][1]);
+                }
+            }
+        float u0 = __shfl_sync(0xffffffffu, un, 8 * t), u1 = __shfl_sync(0xffffffffu, un, 8 * t + 4);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            float s = __uint_as_float(st.mul[d][mt][0]), f0 = s * u0, f1 = s * u1;
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    acc[mt][n][i] = fmaf(i & 1 ? f1 : f0, part[mt][n][i], acc[mt][n][i]);
+        }
+    }
+}
+
 // acc[mt][n] += the stage's k-tiles: NT = 1 puts hi in columns 0..3 and lo in 4..7 of one
 // tile (lanes g >= 4 feed lo), NT = 2 runs a hi and a lo mma. XS: B words from split x;
 // else the lane's x chunk loaded and split here, one mma's words at a time.
 template <class F, int MT, int DEPTH, int NT, bool XS>
 __device__ __forceinline__ void mma_stage(const Stage<F, MT, DEPTH>& st, const XSrc& src,
                                           int kt, int kt1, int cols, float (&acc)[MT][NT][4]) {
+    static_assert(!(XS && F::POST), "POST formats split x in the kernel");
+    if constexpr (F::POST) {
+        post_stage<F, MT, DEPTH, NT>(st, src, kt, kt1, cols, acc);
+        return;
+    }
     int t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
 #pragma unroll
     for (int d = 0; d < DEPTH; d++) {

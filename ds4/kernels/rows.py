@@ -7,6 +7,10 @@ GEMV of ds4/kernels/gemv.py once per row: exact fp32 weights do not fit a bf16 m
 Accuracy: x is split into bf16 hi + lo (after a scale of 2^32 for packed weights, which carry
 2^-32), so each output is W (hi + lo) summed in fp32, within ~1e-5 of |W| |x| of the fp32
 product; the twins compute W (hi + lo) exactly, so kernel and twin agree to fp32 summation.
+FP8 in scale tiles of 64 or more (FP8H, the official checkpoint's 128) feeds its codes to f16
+mmas as they are and x as f16 hi + lo under a power of two per 64-column k-tile (split_f16:
+within 2^-23 of the tile's largest |x|), the tile scale applied to each k-tile's fp32 sums:
+fewer instructions a code than the bf16 bit moves (docs/PERF.md).
 Row independence: how k is split and summed depends on the matrix shape only, so row b of a
 batch is bitwise the result of the same row alone (batch=1).
 
@@ -29,16 +33,18 @@ import numpy as np
 
 from ds4.kernels import i32, launch, ptr, to_bf16, widen
 from ds4.kernels.gemv import gemv
-from ds4.kernels.packed import dequant_fp4, dequant_fp8
+from ds4.kernels.packed import E4M3, dequant_fp4, dequant_fp8
 
 FP8, FP4 = "fp8", "fp4"  # PackedMatrix.fmt (ds4/model/packed.py; kernels do not import model)
+FP8H = "fp8h"  # FP8 in square scale tiles of >= 64 read through f16 mmas (rows.cuh's Fp8h)
+F16_SHIFT = 6  # the least tile shift of FP8H: a k-tile of 64 columns in one scale tile
 WARPS = 8  # per block: rows.cuh's RW
 MAX_BATCH = 8  # columns of one mma tile
 TARGET_WARPS = 2048  # row groups x k-split warps that keep every SM streaming
 TALL_ROWS = 4096  # from this many rows a warp takes two 16-row tiles (more bytes in flight)
-CHUNK = {FP8: 16, FP4: 32, "bf16": 16}  # columns of one lane's 16-byte (bf16: 32-byte) chunk
-FORMAT_CODE = {FP8: 0, FP4: 1, "bf16": 2}  # rows_many's table
-KERNEL_NAME = {FP8: "Fp8", FP4: "Fp4", "bf16": "Bf16"}
+CHUNK = {FP8: 16, FP8H: 16, FP4: 32, "bf16": 16}  # columns of one lane's 16-byte (bf16: 32) chunk
+FORMAT_CODE = {FP8: 0, FP4: 1, "bf16": 2, FP8H: 3}  # rows_many's table
+KERNEL_NAME = {FP8: "Fp8", FP8H: "Fp8h", FP4: "Fp4", "bf16": "Bf16"}
 X_SHIFT = {FP8: 32, FP4: 32, "bf16": 0}  # x is scaled by 2^X_SHIFT, the weights by its inverse
 
 
@@ -73,6 +79,13 @@ def operand(w) -> Operand | None:
     if str(w.dtype) == "uint16" and w.shape[-1] % CHUNK["bf16"] == 0 and w.flags.c_contiguous:
         return Operand("bf16", w, None, 0, 0, w.shape[-2], w.shape[-1])
     return None
+
+
+def dense_fmt(op: Operand) -> str:
+    """The format matvec reads op in: FP8 tiles of >= 64 go through f16 mmas (FP8H: the codes
+    as they are, the tile scale on the k-tile's sums), smaller ones through the bf16 bit moves.
+    The MoE kernels (rows_moe.py) read FP8 in the bf16 way only."""
+    return FP8H if op.fmt == FP8 and op.shift >= F16_SHIFT else op.fmt
 
 
 def pick_split(groups: int, k_tiles: int) -> int:
@@ -132,7 +145,7 @@ def matvec(w, x, y, batch: int, rows_per_group: int | None = None,
     args = (ptr(op.codes), ptr(op.scale), i32(op.rows), i32(op.cols), i32(op.sc_ld),
             i32(op.shift), ptr(x), np.int64(_ld(x)), i32(group), ptr(y), np.int64(_ld(y)),
             i32(batch), i32(kw))
-    name = f"rows_matvec_{KERNEL_NAME[op.fmt]}_m{mt}_d{depth}_n{nt}"
+    name = f"rows_matvec_{KERNEL_NAME[dense_fmt(op)]}_m{mt}_d{depth}_n{nt}"
     launch("rows", name, (blocks,), (32 * WARPS,), args)
 
 
@@ -214,12 +227,35 @@ def split_x(x: np.ndarray, shift: int) -> np.ndarray:
     return hi.astype(np.float64) + lo.astype(np.float64)
 
 
+F16_ROUND = np.float32(1.5 * 2.0 ** 27)  # (v + it) - it: |v| < 2^15 to a multiple of 16
+
+
+def split_f16(x: np.ndarray) -> np.ndarray:
+    """x [B, K] as the FP8H kernels feed it (rows.cuh's split_f16; float64, exact): per row and
+    k-tile of 64 columns a power of two puts the largest |x| in [2^14, 2^15), hi = the scaled x
+    to a multiple of 16, lo = the rest rounded to f16; (hi + lo) over the power."""
+    x = np.asarray(x, np.float32)
+    rows, cols = x.shape
+    tiles = np.zeros((rows, -(-cols // 64) * 64), np.float32)
+    tiles[:, :cols] = x
+    tiles = tiles.reshape(rows, -1, 64)
+    e = np.maximum(np.abs(tiles).max(-1).view(np.uint32) >> 23, 15).astype(np.uint32)
+    sc, un = (((b << 23).astype(np.uint32)).view(np.float32) for b in (268 - e, e - 14))
+    v = tiles * sc[..., None]
+    hi = (v + F16_ROUND) - F16_ROUND
+    lo = (v - hi).astype(np.float16).astype(np.float64)
+    both = (hi.astype(np.float64) + lo) * un[..., None].astype(np.float64)
+    return both.reshape(rows, -1)[:, :cols]
+
+
 def rows_numpy(wd: np.ndarray, fmt: str | None, x: np.ndarray) -> np.ndarray:
     """W x[b] for dense W [N, K] and x [B, K] as a kernel of format fmt computes it (fmt None:
     the plain fp32 GEMV)."""
     x = np.asarray(x, np.float32)
     if fmt is None:
         return (x @ wd.T).astype(np.float32)
+    if fmt == FP8H:
+        return (split_f16(x) @ wd.T.astype(np.float64)).astype(np.float32)
     shift = X_SHIFT[fmt]
     return (split_x(x, shift) @ wd.T.astype(np.float64) * 2.0 ** -shift).astype(np.float32)
 
@@ -229,9 +265,14 @@ def _kernel_fmt(w) -> str | None:
     return None if op is None else op.fmt
 
 
+def _dense_kernel_fmt(w) -> str | None:
+    op = operand(w)
+    return None if op is None else dense_fmt(op)
+
+
 def matvec_numpy(w, x, y, batch: int, rows_per_group: int | None = None) -> None:
     """NumPy twin of matvec (host arrays; a device w is copied to the host)."""
-    wd, fmt = dense(w), _kernel_fmt(w)
+    wd, fmt = dense(w), _dense_kernel_fmt(w)
     rows, cols = wd.shape
     group = rows if rows_per_group is None else rows_per_group
     xs, ys = (x[None], y[None]) if np.ndim(x) == 1 else (x, y)
@@ -277,7 +318,7 @@ def matvec_plan(xp, weights: list, outs: list) -> ManyPlan:
     entries, first = [], 0
     for (op, y), g in zip(picked, groups):
         entries.append([int(ptr(op.codes)), int(ptr(op.scale)), int(ptr(y)), op.rows,
-                        FORMAT_CODE[op.fmt], op.sc_ld, op.shift, _ld(y), first])
+                        FORMAT_CODE[dense_fmt(op)], op.sc_ld, op.shift, _ld(y), first])
         first += -(-g // per)
     table = xp.asarray(np.array(entries, dtype=np.int64).reshape(-1))
     return ManyPlan(weights, outs, table, len(entries), cols, kw, first, loose)
@@ -304,15 +345,20 @@ def matvec_many_numpy(plan: ManyPlan, x, batch: int) -> None:
 
 
 def decode_words(w, out) -> None:
-    """Test hook: out [rows, cols] = the bf16 words rows.cu feeds the mma for each code of a 2-D
-    packed matrix (the weight times 2^-32), in column order."""
+    """Test hook: out [rows, cols] = the words rows.cu's matvec feeds the mma for each code of a
+    2-D packed matrix, in column order: bf16 of the weight times 2^-32, or for FP8H the code's
+    own value in f16."""
     op = operand(w)
     chunks = op.rows * op.cols // CHUNK[op.fmt]
-    launch("rows", f"rows_decode_{op.fmt}", (-(-chunks // 256),), (256,),
+    launch("rows", f"rows_decode_{dense_fmt(op)}", (-(-chunks // 256),), (256,),
            (ptr(op.codes), ptr(op.scale), i32(op.rows), i32(op.cols), i32(op.sc_ld),
             i32(op.shift), ptr(out)))
 
 
 def decode_words_numpy(w, out) -> None:
-    """NumPy twin of decode_words: bf16 words of the weights times 2^-32 (exact)."""
+    """NumPy twin of decode_words: bf16 words of the weights times 2^-32, or the f16 codes (both
+    exact)."""
+    if dense_fmt(operand(w)) == FP8H:
+        out[...] = E4M3[_host(w.codes)].astype(np.float16).view(np.uint16)
+        return
     out[...] = to_bf16(dense(w) * np.float32(2.0 ** -32)).reshape(out.shape)

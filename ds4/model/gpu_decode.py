@@ -95,7 +95,7 @@ class KernelDecoder:
         D, H, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
         n, k, inter = cfg.hc_mult, cfg.num_experts_per_tok, cfg.moe_intermediate_size
         sizes = {"X": (n, D), "mix": (2 * n + n * n,), "head_mix": (n,), "post_comb": (n + n * n,),
-                 "u": (D,), "h": (D,), "y": (D,), "qlat": (cfg.q_lora_rank,), "q": (H, d),
+                 "h": (D,), "y": (D,), "qlat": (cfg.q_lora_rank,), "q": (H, d),
                  "kv": (d,), "o": (H, d), "z": (cfg.o_groups * cfg.o_lora_rank,),
                  "ckv": (2 * d,), "cg": (2 * d,), "ickv": (2 * cfg.index_head_dim,),
                  "icg": (2 * cfg.index_head_dim,), "iq": (cfg.index_n_heads, cfg.index_head_dim),
