@@ -100,8 +100,8 @@ def test_f16_split_keeps_each_k_tile_to_2_pow_minus_23_of_its_largest():
 
 # --- twins against the dequantized references ---
 
-@pytest.mark.parametrize("fmt,shape", [(FP8, (100, 192)), (FP8, (48, 512)), (FP4, (37, 96)),
-                                       (FP4, (64, 256)), ("bf16", (50, 80))])
+@pytest.mark.parametrize("fmt,shape", [(FP8, (100, 192)), (FP8, (48, 512)), (FP8, (40, 80)),
+                                       (FP4, (37, 96)), (FP4, (64, 256)), ("bf16", (50, 80))])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_matvec_twin_matches_dequantized_product(fmt, shape, batch):
     rng = np.random.default_rng(shape[0] + batch)
@@ -193,7 +193,8 @@ V4_MATVEC = {  # name: (format, rows, cols, rows_per_group)
     "o_b": (FP8, 4096, 8192, None), "router": ("bf16", 256, 4096, None),
     "shared_gate": (FP8, 2048, 4096, None), "shared_down": (FP8, 4096, 2048, None),
     "expert_w1": (FP4, 2048, 4096, None), "expert_w2": (FP4, 4096, 2048, None),
-    "odd_fp8": (FP8, 100, 192, None), "odd_fp4": (FP4, 37, 96, None),
+    "odd_fp8": (FP8, 100, 192, None), "ragged_fp8": (FP8, 40, 80, None),
+    "odd_fp4": (FP4, 37, 96, None),
     "odd_bf16": ("bf16", 50, 80, None),
 }
 
@@ -236,7 +237,8 @@ def test_matvec_kernel_matches_twin_and_reference(name):
 
 
 @gpu_test
-@pytest.mark.parametrize("name", ["q_a", "o_a", "router", "expert_w1", "odd_fp4", "odd_bf16"])
+@pytest.mark.parametrize("name", ["q_a", "o_a", "router", "expert_w1", "ragged_fp8", "odd_fp4",
+                                  "odd_bf16"])
 def test_matvec_row_is_bitwise_the_same_in_any_batch(name):
     import cupy as cp
 

@@ -208,6 +208,10 @@ __device__ __forceinline__ void load_stage(Stage<F, MT, DEPTH>& st, const Tiles<
     for (int d = 0; d < DEPTH; d++) {
         int col = (kt + d) * 4 * F::CH + t * F::CH;
         bool ok = kt + d < kt1 && col < cols;
+        // POST: every lane scales its outputs by the k-tile's scale, also a lane whose own
+        // chunk lies past the last column
+        int s_col = F::POST ? (kt + d) * 4 * F::CH : col;
+        bool s_ok = F::SCALED && (F::POST ? kt + d < kt1 : ok);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -216,8 +220,8 @@ __device__ __forceinline__ void load_stage(Stage<F, MT, DEPTH>& st, const Tiles<
 #pragma unroll
                 for (int l = 0; l < F::LOADS; l++)
                     st.q[d][mt][h][l] = ok ? __ldcs(p + l) : make_uint4(0, 0, 0, 0);
-                st.mul[d][mt][h] = ok && F::SCALED && (h == 0 || !F::POST)
-                                       ? F::mul(tl.s[mt][h], col, shift) : 0u;
+                st.mul[d][mt][h] = s_ok && (h == 0 || !F::POST)
+                                       ? F::mul(tl.s[mt][h], s_col, shift) : 0u;
             }
     }
 }
