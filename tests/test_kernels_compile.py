@@ -3,6 +3,7 @@ does not build never lands. Runs on CPU machines; skipped where nvcc is absent."
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ds4.backend import KERNEL_DIR
+from ds4.kernels import PDL_FAMILIES
 
 SOURCES = sorted(KERNEL_DIR.glob("*.cu"))
 FAMILIES = {"norm", "rope", "attention", "compressor", "indexer", "moe", "sampling", "gemv",
@@ -43,3 +45,30 @@ def test_shared_helpers_are_defined_once():
         for helper in ("float warp_sum(", "float widen(", "struct Pack<float>", "#define INFINITY"):
             assert helper not in text, f"{source.name} defines {helper} again"
             assert helper in header
+
+
+def kernel_texts(source: Path) -> list[tuple[str, str]]:
+    """(name, text up to the next kernel) of every extern "C" __global__ in a source."""
+    text = source.read_text()
+    starts = [m.start() for m in re.finditer(r'extern "C" __global__', text)] + [len(text)]
+    out = []
+    for a, b in zip(starts, starts[1:]):
+        head = re.sub(r"__launch_bounds__\([^)]*\)|\\\n", "", text[a:b])
+        out.append((re.search(r"void\s+([\w#]+)", head).group(1), text[a:b]))
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(PDL_FAMILIES))
+def test_every_programmatically_launched_kernel_waits_for_its_inputs(family):
+    """launch() captures these families with programmatic dependent launch (ds4/kernels/pdl.py):
+    a kernel among them that never runs wait_inputs() could read its inputs before the kernel
+    that writes them is done. Each kernel waits itself or through matvec_group (rows_many's
+    matvec_table calls it), which waits once its first weights are loading."""
+    source = KERNEL_DIR / f"{family}.cu"
+    kernels = kernel_texts(source)
+    assert kernels
+    for name, text in kernels:
+        waits = any(w in text for w in ("wait_inputs();", "matvec_group<", "matvec_table<"))
+        assert waits, f"{source.name}: {name}"
+    if family == "rows":
+        assert "wait_inputs();" in (KERNEL_DIR / "rows.cuh").read_text()

@@ -9,11 +9,13 @@ nothing: outputs are passed in, so a decode step made of them can be captured in
 from __future__ import annotations
 
 import functools
+import os
 import zlib
 
 import numpy as np
 
 from ds4.backend import KERNEL_DIR, load_module
+from ds4.kernels import pdl
 
 NULL = np.uint64(0)  # a null device pointer as a kernel argument
 HEADERS = sorted(KERNEL_DIR.glob("*.cuh"))  # common.cuh (every family) and shared cores
@@ -52,11 +54,27 @@ def f32(v: float) -> np.float32:
     return np.float32(v)
 
 
+# Families whose every kernel waits for its inputs as ds4/kernels/pdl.py requires (a CPU test
+# checks the sources), so a graph capture launches them programmatically after the kernel before
+# them; the prefill families (packed, grouped, chunk_attention) launch plainly.
+PDL_FAMILIES = frozenset({"attention", "compressor", "hyper_connection", "indexer", "moe", "norm",
+                          "quant", "rope", "rows", "rows_moe", "sampling", "split", "gemv", "mtp",
+                          "placed"})
+PDL = os.environ.get("DS4_PDL", "1") != "0"  # DS4_PDL=0: plain launches in graphs too
+
+
 def launch(family: str, name: str, grid, block, args, shared: int = 0) -> None:
     """Launch one kernel on the current stream; shared is dynamic shared memory in bytes."""
     k = kernel(family, name)
     if shared > 48 * 1024 and k.max_dynamic_shared_size_bytes < shared:
         k.max_dynamic_shared_size_bytes = shared
+    if PDL and family in PDL_FAMILIES:
+        import cupy
+
+        stream = cupy.cuda.get_current_stream()
+        if stream.is_capturing():
+            pdl.launch_after(k.kernel, grid, block, args, shared, stream.ptr)
+            return
     k(tuple(grid), tuple(block), tuple(args), shared_mem=shared)
 
 

@@ -27,6 +27,7 @@ extern "C" __global__ void attention_store_kv(const float* __restrict__ kv_in,
                                               const double* __restrict__ freqs,
                                               const int* __restrict__ pos, float* raw, int width,
                                               int rope_dim, int cap, float eps) {
+    wait_inputs();  // (pdl.py)
     store_kv(kv_in, w, freqs, pos, raw, width, rope_dim, cap, eps);
 }
 
@@ -40,6 +41,7 @@ extern "C" __global__ void attention_store_kv_m(const float* __restrict__ kv_in,
                                                 const int* __restrict__ positions,
                                                 const long long* __restrict__ raw_ptrs,
                                                 int width, int rope_dim, int cap, float eps) {
+    wait_inputs();  // (pdl.py)
     int b = blockIdx.z;
     store_kv(kv_in + (size_t)b * width, w, freqs, positions + b, (float*)raw_ptrs[b], width,
              rope_dim, cap, eps);
@@ -124,6 +126,7 @@ extern "C" __global__ void attention_partial(const float* __restrict__ q,
                                              const int* __restrict__ sel_count, int ratio,
                                              float* part, int width, float scale, int max_keys,
                                              int hpb) {
+    wait_inputs();  // (pdl.py)
     partial(q, raw, pos, cap, comp, sel, sel_count, ratio, part, width, scale, max_keys, hpb);
 }
 
@@ -137,6 +140,7 @@ extern "C" __global__ void attention_partial_m(const float* __restrict__ q,
                                                const int* __restrict__ sel_count, int sel_stride,
                                                int ratio, float* part, int part_stride,
                                                int width, float scale, int max_keys, int hpb) {
+    wait_inputs();  // (pdl.py)
     int b = blockIdx.z, heads = gridDim.x * hpb;
     const float* comp = comp_ptrs ? (const float*)comp_ptrs[b] : nullptr;
     partial(q + (size_t)b * heads * width, (const float*)raw_ptrs[b], positions + b, cap, comp,
@@ -156,6 +160,7 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part,
                                              int width, int splits, int part_stride,
                                              const int* __restrict__ positions,
                                              const double* __restrict__ freqs, int rope_dim) {
+    wait_inputs();  // (pdl.py)
     __shared__ float red[32];
     extern __shared__ float wsm[];
     int h = blockIdx.x;

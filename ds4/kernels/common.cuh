@@ -7,6 +7,16 @@
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// Programmatic dependent launch (ds4/kernels/pdl.py): in a kernel launched that way, nothing an
+// earlier kernel writes or reads may be touched before wait_inputs() (the earlier grid is done
+// and its writes visible), and every block reaches it. Only then may the next kernel's blocks be
+// scheduled (so at most one kernel runs ahead, and the one before it is complete). Both
+// instructions are no-ops in a plain launch.
+__device__ __forceinline__ void wait_inputs() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 // A bf16 word widens by a 16-bit shift into a float's high half (exact), so bf16 weights stay
 // bf16 in device memory and every byte is read once.
 __device__ __forceinline__ float widen(unsigned short w) { return __uint_as_float((unsigned int)w << 16); }

@@ -22,6 +22,7 @@ extern "C" __global__ void compressor_push(const float* __restrict__ kvp,
                                            const float* __restrict__ bias,
                                            const int* __restrict__ pos, float* pending_kv,
                                            float* pending_score, int m, int cw) {
+    wait_inputs();  // (pdl.py)
     push(kvp, g, bias, pos, pending_kv, pending_score, m, cw);
 }
 
@@ -87,6 +88,7 @@ extern "C" __global__ void compressor_pool(const float* __restrict__ pending_kv,
                                            const double* __restrict__ freqs,
                                            const int* __restrict__ pos, float* comp, int m,
                                            int hd, int rope_dim, float eps) {
+    wait_inputs();  // (pdl.py)
     pool(pending_kv, pending_score, overlap_kv, overlap_score, norm_w, freqs, pos, comp, m, hd,
          rope_dim, eps);
 }
@@ -105,6 +107,7 @@ extern "C" __global__ void compressor_step_m(const float* __restrict__ kvp,
                                              const float* __restrict__ norm_w,
                                              const double* __restrict__ freqs, int m, int cw,
                                              int hd, int rope_dim, float eps) {
+    wait_inputs();  // (pdl.py)
     int b = blockIdx.z, B = gridDim.z, c = threadIdx.x;
     const int* pos = positions + b;
     float* pending_kv = (float*)ptrs[b];

@@ -61,24 +61,28 @@ __device__ void gemv2(const W* __restrict__ Wm, const float* __restrict__ x, flo
 extern "C" __global__ void gemv2_bf16(const unsigned short* __restrict__ W,
                                       const float* __restrict__ x, float* __restrict__ y,
                                       int rows, int cols, int rows_per_group) {
+    wait_inputs();  // (pdl.py)
     gemv2(W, x, y, rows, cols, rows_per_group);
 }
 
 extern "C" __global__ void gemv2_f32(const float* __restrict__ W, const float* __restrict__ x,
                                      float* __restrict__ y, int rows, int cols,
                                      int rows_per_group) {
+    wait_inputs();  // (pdl.py)
     gemv2(W, x, y, rows, cols, rows_per_group);
 }
 
 extern "C" __global__ void gemv_bf16(const unsigned short* __restrict__ W,
                                      const float* __restrict__ x, float* __restrict__ y,
                                      int rows, int cols, int rows_per_group, int splits) {
+    wait_inputs();  // (pdl.py)
     gemv(W, x, y, rows, cols, rows_per_group, splits);
 }
 
 extern "C" __global__ void gemv_f32(const float* __restrict__ W, const float* __restrict__ x,
                                     float* __restrict__ y, int rows, int cols, int rows_per_group,
                                     int splits) {
+    wait_inputs();  // (pdl.py)
     gemv(W, x, y, rows, cols, rows_per_group, splits);
 }
 
@@ -100,10 +104,12 @@ __device__ void gemv_many(const long long* __restrict__ table, int count, const 
 
 extern "C" __global__ void gemv_many_bf16(const long long* __restrict__ table, int count,
                                           const float* __restrict__ x, int cols) {
+    wait_inputs();  // (pdl.py)
     gemv_many<unsigned short>(table, count, x, cols);
 }
 
 extern "C" __global__ void gemv_many_f32(const long long* __restrict__ table, int count,
                                          const float* __restrict__ x, int cols) {
+    wait_inputs();  // (pdl.py)
     gemv_many<float>(table, count, x, cols);
 }

@@ -21,18 +21,21 @@ __device__ void embed(const W* table, const int* token, float* X, int D, int str
 extern "C" __global__ void embed_streams_bf16(const unsigned short* __restrict__ table,
                                               const int* __restrict__ token, float* X, int D,
                                               int streams) {
+    wait_inputs();  // (pdl.py)
     embed(table, token, X, D, streams);
 }
 
 extern "C" __global__ void embed_streams_f32(const float* __restrict__ table,
                                              const int* __restrict__ token, float* X, int D,
                                              int streams) {
+    wait_inputs();  // (pdl.py)
     embed(table, token, X, D, streams);
 }
 
 // mix[row] = fn[row, :] . x * rsqrt(mean(x^2) + eps); one block per mix row, x = flatten(X).
 extern "C" __global__ void hc_mix(const float* __restrict__ fn, const float* __restrict__ X,
                                   float* mix, int width, float eps, int mix_stride) {
+    wait_inputs();  // (pdl.py)
     __shared__ float shared[32];
     const float4* f = (const float4*)(fn + (size_t)blockIdx.x * width);
     // member blockIdx.z of a batch: X [B, width], mix [B, mix_stride]
@@ -118,6 +121,7 @@ extern "C" __global__ void hc_pre(const float* __restrict__ mix, const float* __
                                   const float* __restrict__ base, const float* __restrict__ X,
                                   float* u, float* post_comb, int D, int n, int iters, float eps,
                                   int head) {
+    wait_inputs();  // (pdl.py)
     __shared__ float pre[MAX_STREAMS], post[MAX_STREAMS], comb[MAX_STREAMS * MAX_STREAMS];
     size_t b = blockIdx.z;  // member of a batch: every operand [B, ...] (head: mix [B, n])
     mix += b * (head ? n : (2 + n) * n);
@@ -151,6 +155,7 @@ extern "C" __global__ void hc_weights_rows(const float* __restrict__ mix,
                                            const float* __restrict__ scale,
                                            const float* __restrict__ base, float* out, int rows,
                                            int n, int iters, float eps) {
+    wait_inputs();  // (pdl.py)
     int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows) return;
     float pre[MAX_STREAMS], post[MAX_STREAMS], comb[MAX_STREAMS * MAX_STREAMS];
@@ -196,6 +201,7 @@ __device__ __forceinline__ void expand_streams(const float* X, const float* y, c
 // Decode: one token; post_comb = [post (n), comb (n*n)] as hc_pre stored it.
 extern "C" __global__ void hc_post(const float* X, const float* __restrict__ y,
                                    const float* __restrict__ post_comb, float* Xout, int D, int n) {
+    wait_inputs();  // (pdl.py)
     size_t b = blockIdx.z;  // member of a batch: X, Xout [B, n, D], y [B, D], post_comb [B, .]
     X += b * n * D;
     Xout += b * n * D;
@@ -210,6 +216,7 @@ extern "C" __global__ void hc_post(const float* X, const float* __restrict__ y,
 extern "C" __global__ void hc_post_rows(const float* X, const float* __restrict__ y,
                                         const float* __restrict__ post,
                                         const float* __restrict__ comb, float* Xout, int D, int n) {
+    wait_inputs();  // (pdl.py)
     int d = blockIdx.x * blockDim.x + threadIdx.x;
     size_t r = blockIdx.y;
     if (d < D) expand_streams(X + r * n * D, y + r * D, post + r * n, comb + r * n * n,
@@ -303,6 +310,7 @@ extern "C" __global__ void hc_pre_norm(const float* __restrict__ mix,
                                        const float* __restrict__ norm_w, float* h,
                                        float* post_comb, int D, int n, int iters, float eps,
                                        float norm_eps) {
+    wait_inputs();  // (pdl.py)
     __shared__ float us[MAX_D];
     size_t b = blockIdx.z;  // member of a batch: every operand [B, ...]
     collapse_norm(mix + b * (2 + n) * n, scale, base, X + b * n * D, norm_w, h + b * D,
@@ -325,6 +333,7 @@ hc_unit(float* X, const float* __restrict__ y, float* post_comb, const float* __
         const float* __restrict__ norm_w, float* mix, float* h, float* part, unsigned* done, int D,
         int n, int n_mix, int mix_stride, int iters, float eps, float mix_eps, float norm_eps,
         int head) {
+    wait_inputs();  // (pdl.py)
     __shared__ __align__(16) float xsh[UNIT_STREAMS][SLICE];
     __shared__ float red[MAX_MIX][2], ssr[32], mixs[MAX_MIX], us[MAX_D];
     __shared__ bool last;

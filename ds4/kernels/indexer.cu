@@ -60,6 +60,7 @@ extern "C" __global__ void indexer_scores(const float* __restrict__ q,
                                           const float* __restrict__ keys,
                                           const int* __restrict__ pos, int ratio, float* scores,
                                           int heads, int hd, float wscale) {
+    wait_inputs();  // (pdl.py)
     scores_of(q, wts, keys, pos, ratio, scores, heads, hd, wscale);
 }
 
@@ -71,6 +72,7 @@ extern "C" __global__ void indexer_scores_m(const float* __restrict__ q,
                                             const int* __restrict__ positions, int ratio,
                                             float* scores, int scores_stride, int heads, int hd,
                                             float wscale) {
+    wait_inputs();  // (pdl.py)
     int b = blockIdx.z;
     scores_of(q + (size_t)b * heads * hd, wts + (size_t)b * heads, (const float*)key_ptrs[b],
               positions + b, ratio, scores + (size_t)b * scores_stride, heads, hd, wscale);

@@ -14,6 +14,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits,
                                      const int* __restrict__ token, int n_experts, int top_k,
                                      float route_scale, int* idx, float* wts, int logits_ld,
                                      int out_ld) {
+    wait_inputs();  // (pdl.py)
     // member blockIdx.z of a batch: logits [B, logits_ld], token [B], idx/wts [B, out_ld]
     logits += (size_t)blockIdx.z * logits_ld;
     token += blockIdx.z;
@@ -134,17 +135,21 @@ __device__ void down(const W* down_base, long long expert_stride, const int* idx
     int n_sel, int accumulate, const W* __restrict__ shared_down
 
 extern "C" __global__ void moe_gate_up_bf16(GATE_UP_ARGS(unsigned short)) {
+    wait_inputs();  // (pdl.py)
     gate_up(gate_base, up_base, expert_stride, idx, wts, x, act, inter, cols, limit, shared_gate,
             shared_up);
 }
 extern "C" __global__ void moe_gate_up_f32(GATE_UP_ARGS(float)) {
+    wait_inputs();  // (pdl.py)
     gate_up(gate_base, up_base, expert_stride, idx, wts, x, act, inter, cols, limit, shared_gate,
             shared_up);
 }
 extern "C" __global__ void moe_down_bf16(DOWN_ARGS(unsigned short)) {
+    wait_inputs();  // (pdl.py)
     down(down_base, expert_stride, idx, act, y, rows, inter, n_sel, accumulate, shared_down);
 }
 extern "C" __global__ void moe_down_f32(DOWN_ARGS(float)) {
+    wait_inputs();  // (pdl.py)
     down(down_base, expert_stride, idx, act, y, rows, inter, n_sel, accumulate, shared_down);
 }
 
@@ -152,6 +157,7 @@ extern "C" __global__ void moe_down_f32(DOWN_ARGS(float)) {
 // GEMM's output y [rows, 2 * inter] (gate products, then up); scale null means 1.
 extern "C" __global__ void swiglu_rows(const float* __restrict__ y, const float* __restrict__ scale,
                                        float* __restrict__ act, int rows, int inter, float limit) {
+    wait_inputs();  // (pdl.py)
     long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (t >= (long long)rows * inter) return;
     long long r = t / inter;
@@ -168,6 +174,7 @@ extern "C" __global__ void swiglu_rows(const float* __restrict__ y, const float*
 // each global pick, or -1 where another rank holds that expert (the batch MoE skips those).
 extern "C" __global__ void moe_localize(const int* __restrict__ map, const int* __restrict__ idx,
                                         int n, int* __restrict__ out) {
+    wait_inputs();  // (pdl.py)
     int p = blockIdx.x * blockDim.x + threadIdx.x;
     if (p < n) out[p] = map[idx[p]];
 }

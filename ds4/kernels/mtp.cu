@@ -28,6 +28,7 @@ extern "C" __global__ void mtp_window_partial(const float* __restrict__ q,
                                               const float* __restrict__ kv,
                                               const int* __restrict__ pos, int cap, float* part,
                                               int width, float scale, int hpb) {
+    wait_inputs();  // (pdl.py)
     extern __shared__ float smem[];
     __shared__ int visible_count;
     int stride = width + 1;
@@ -69,6 +70,7 @@ extern "C" __global__ void mtp_window_partial(const float* __restrict__ q,
 extern "C" __global__ void mtp_window_store(const float* __restrict__ kv,
                                             const long long* __restrict__ raw_ptr,
                                             const int* __restrict__ pos, int cap, int width) {
+    wait_inputs();  // (pdl.py)
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < width) ((float*)raw_ptr[0])[(size_t)(pos[0] % cap) * width + c] = kv[c];
 }
@@ -89,6 +91,7 @@ __device__ __forceinline__ void merge_top(float& best, int& idx, float& second, 
 // out = [argmax of x[0..n) (lowest index on ties), bits of its value, bits of the largest
 // value at any other index]. One block of 1024 threads.
 extern "C" __global__ void mtp_top_gap(const float* __restrict__ x, int n, int* out) {
+    wait_inputs();  // (pdl.py)
     __shared__ float bests[32], seconds[32];
     __shared__ int idxs[32];
     float best = -INFINITY, second = -INFINITY;

@@ -5,6 +5,7 @@
 // x and out are [rows, n]; w is [n] or null (the unweighted per-head norm). out may alias x.
 extern "C" __global__ void rms_norm(const float* x, const float* __restrict__ w, float* out,
                                     int n, float eps) {
+    wait_inputs();  // (pdl.py)
     __shared__ float shared[32];
     const float* xr = x + (size_t)blockIdx.x * n;
     float* yr = out + (size_t)blockIdx.x * n;
@@ -22,6 +23,7 @@ extern "C" __global__ void rms_norm_rope(float* x, const float* __restrict__ w, 
                                          const int* __restrict__ pos,
                                          const double* __restrict__ freqs, int rope_dim,
                                          int rows_per_pos) {
+    wait_inputs();  // (pdl.py)
     __shared__ float shared[32];
     extern __shared__ float row[];
     float* xr = x + (size_t)blockIdx.x * n;

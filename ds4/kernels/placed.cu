@@ -122,6 +122,7 @@ __device__ void placed_down(const long long* codes, const long long* scales, con
 // the token is an idle row of a batch graph (member >= *live, live non-null).
 extern "C" __global__ void count_picks(const int* __restrict__ idx, int k, int* counts,
                                        const int* __restrict__ live, int member) {
+    wait_inputs();  // (pdl.py)
     if (threadIdx.x < k && (!live || member < *live)) atomicAdd(counts + idx[threadIdx.x], 1);
 }
 
@@ -137,9 +138,11 @@ extern "C" __global__ void count_picks(const int* __restrict__ idx, int k, int* 
     int n_sel, int accumulate
 #define PLACED(fmt, F, R) \
     extern "C" __global__ void placed_gate_up_##fmt##_r##R(PLACED_GATE_UP_ARGS) { \
+        wait_inputs(); \
         placed_gate_up<F, R>(codes, scales, on_host, up_w, up_s, idx, wts, x, act, inter, cols, \
                              sc_ld, shift, limit, n_rows); } \
     extern "C" __global__ void placed_down_##fmt##_r##R(PLACED_DOWN_ARGS) { \
+        wait_inputs(); \
         placed_down<F, R>(codes, scales, on_host, idx, act, y, rows, inter, sc_ld, shift, n_sel, \
                           accumulate); }
 

@@ -44,11 +44,13 @@ __device__ __forceinline__ int closed_row(const int* pos, int ratio) {
 // that token pos closes (none unless (pos + 1) % ratio == 0).
 extern "C" __global__ void kv_fp8_slot(float* rows, int width, int nope, int block,
                                        const int* pos, int cap) {
+    wait_inputs();  // (pdl.py)
     round_blocks(rows, pos[0] % cap, width, nope, block, 3, -6, 448.f, 1e-4f);
 }
 
 extern "C" __global__ void kv_fp8_closed(float* rows, int width, int nope, int block,
                                          const int* pos, int ratio) {
+    wait_inputs();  // (pdl.py)
     round_blocks(rows, closed_row(pos, ratio), width, nope, block, 3, -6, 448.f, 1e-4f);
 }
 
@@ -78,6 +80,7 @@ __device__ __forceinline__ void hadamard_row(float* rows, int row, int width, in
 
 extern "C" __global__ void hadamard_fp4(float* rows, int width, int block, float norm,
                                         const int* pos, int ratio) {
+    wait_inputs();  // (pdl.py)
     hadamard_row(rows, ratio ? closed_row(pos, ratio) : (int)blockIdx.x, width, block, norm);
 }
 
@@ -85,6 +88,7 @@ extern "C" __global__ void hadamard_fp4(float* rows, int width, int block, float
 // position positions[b]. kv_fp8_slot_m / kv_fp8_closed_m / hadamard_fp4_m (closed row only).
 extern "C" __global__ void kv_fp8_slot_m(const long long* __restrict__ ptrs, int width, int nope,
                                          int block, const int* positions, int cap) {
+    wait_inputs();  // (pdl.py)
     int b = blockIdx.z;
     round_blocks((float*)ptrs[b], positions[b] % cap, width, nope, block, 3, -6, 448.f, 1e-4f);
 }
@@ -92,6 +96,7 @@ extern "C" __global__ void kv_fp8_slot_m(const long long* __restrict__ ptrs, int
 extern "C" __global__ void kv_fp8_closed_m(const long long* __restrict__ ptrs, int width,
                                            int nope, int block, const int* positions,
                                            int ratio) {
+    wait_inputs();  // (pdl.py)
     int b = blockIdx.z;
     round_blocks((float*)ptrs[b], closed_row(positions + b, ratio), width, nope, block, 3, -6,
                  448.f, 1e-4f);
@@ -100,6 +105,7 @@ extern "C" __global__ void kv_fp8_closed_m(const long long* __restrict__ ptrs, i
 extern "C" __global__ void hadamard_fp4_m(const long long* __restrict__ ptrs, int width,
                                           int block, float norm, const int* positions,
                                           int ratio) {
+    wait_inputs();  // (pdl.py)
     int b = blockIdx.z;
     hadamard_row((float*)ptrs[b], closed_row(positions + b, ratio), width, block, norm);
 }

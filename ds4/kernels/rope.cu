@@ -9,6 +9,7 @@
 extern "C" __global__ void rope_tail(float* x, const int* __restrict__ pos,
                                      const double* __restrict__ freqs, int rows, int width,
                                      int rope_dim, int rows_per_pos, int pos_offset, float sign) {
+    wait_inputs();  // (pdl.py)
     int half = rope_dim >> 1;
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= rows * half) return;

@@ -16,6 +16,7 @@ __device__ __forceinline__ void matvec_group(const u8* W, const u8* S, int rows,
     int warp = threadIdx.x >> 5, kw = warp % KW;
     int row0 = (group * (RW / KW) + warp / KW) * 16 * MT;
     float v[MT][4] = {};
+    if (row0 >= rows) wait_inputs();  // (warp_rows waits once its first weights are loading)
     if (row0 < rows) {
         Tiles<MT> tl;
 #pragma unroll
@@ -87,6 +88,7 @@ extern "C" __global__ void rows_split(const float* __restrict__ x0, int n0, int 
                                       u32* out0, long long out_ld0, int fmt0,
                                       const float* __restrict__ x1, int n1, int K1, long long ld1,
                                       u32* out1, long long out_ld1, int fmt1) {
+    wait_inputs();  // (pdl.py)
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     bool second = blockIdx.y == 1;
     const float* x = second ? x1 : x0;
@@ -167,11 +169,14 @@ __device__ void decode_words(const u8* W, const u8* S, int rows, int cols, int s
 #define DECODE_ARGS const u8* __restrict__ W, const u8* __restrict__ S, int rows, int cols, \
     int sc_ld, int shift, unsigned short* out
 extern "C" __global__ void rows_decode_fp8(DECODE_ARGS) {
+    wait_inputs();  // (pdl.py)
     decode_words<Fp8>(W, S, rows, cols, sc_ld, shift, out);
 }
 extern "C" __global__ void rows_decode_fp8h(DECODE_ARGS) {
+    wait_inputs();  // (pdl.py)
     decode_words<Fp8h>(W, S, rows, cols, sc_ld, shift, out);
 }
 extern "C" __global__ void rows_decode_fp4(DECODE_ARGS) {
+    wait_inputs();  // (pdl.py)
     decode_words<Fp4>(W, S, rows, cols, sc_ld, shift, out);
 }

@@ -423,6 +423,7 @@ __device__ __forceinline__ void warp_rows(const Tiles<MT>& tl, const XSrc& src, 
             for (int i = 0; i < 4; i++) acc[mt][n][i] = 0.f;
     Stage<F, MT, DEPTH> cur, nxt;
     load_stage(cur, tl, kt0, kt1, cols, shift);
+    wait_inputs();  // the first weights are on their way before x is read (pdl.py)
     for (int kt = kt0; kt < kt1; kt += DEPTH) {
         if (kt + DEPTH < kt1) load_stage(nxt, tl, kt + DEPTH, kt1, cols, shift);
         mma_stage<F, MT, DEPTH, NT, XS>(cur, src, kt, kt1, cols, acc);

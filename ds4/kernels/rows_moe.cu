@@ -21,6 +21,7 @@ extern "C" __global__ void rows_moe_group(const int* __restrict__ idx, int pairs
                                           int n_experts, const int* __restrict__ on_host,
                                           const int* __restrict__ live, int* counts,
                                           int* units) {
+    wait_inputs();  // (pdl.py)
     __shared__ int sidx[MAX_PAIRS], wcount[RW], base;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (live) pairs = min(pairs, max(*live, 0) * k);
@@ -244,11 +245,13 @@ __device__ void moe_down(const Bank& rb, const Bank& sd, const int* units, int r
 #define MOE_KERNELS(name, F, FS, NT, XS, ...) \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__) \
     rows_gate_up_##name##_n##NT(MOE_GATE_UP_ARGS) { \
+        wait_inputs(); \
         moe_gate_up<F, FS, NT, XS>(BANK(rb), BANK(sg), BANK(su), units, routed, k, wts, x, x_ld, \
                                    act, sact, inter, s_inter, cols, batch, limit, KW, tiles, \
                                    tiles_s, xs, xs_ld, ss, ss_ld); } \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__) \
     rows_down_##name##_n##NT(MOE_DOWN_ARGS) { \
+        wait_inputs(); \
         moe_down<F, FS, NT, XS>(BANK(rb), BANK(sd), units, routed, act, sact, part, spart, rows, \
                                 inter, s_inter, batch, KW, tiles, tiles_s, as, as_ld, sas, \
                                 sas_ld); }
@@ -279,6 +282,7 @@ extern "C" __global__ void rows_moe_sum(const float* __restrict__ part,
                                         const float* __restrict__ spart, int k, int rows,
                                         int batch, const int* __restrict__ live,
                                         const int* __restrict__ idx, float* y, long long y_ld) {
+    wait_inputs();  // (pdl.py)
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= batch * rows) return;
     int b = t / rows, r = t - b * rows;

@@ -15,6 +15,7 @@ __device__ __forceinline__ unsigned int order_key(float f) {
 // thread visits its entries in increasing index and keeps the first maximum; the reduction then
 // takes the lowest index among equal values, so ties go to the lowest index either way.
 extern "C" __global__ void argmax(const float* __restrict__ x, int n, int* out, long long ld) {
+    wait_inputs();  // (pdl.py)
     __shared__ float bv[32];
     __shared__ int bi[32];
     x += blockIdx.x * ld;
@@ -74,6 +75,7 @@ __device__ int block_scan(int flag, int* warp_counts, int* total) {
 extern "C" __global__ void topk_select(const float* __restrict__ x, const int* __restrict__ pos,
                                        int ratio, int n_fixed, int k, int* sel, int* sel_count,
                                        int x_stride) {
+    wait_inputs();  // (pdl.py)
     // member blockIdx.z of a batch: x [B, x_stride], sel [B, k], sel_count [B], pos [B]
     x += (size_t)blockIdx.z * x_stride;
     sel += (size_t)blockIdx.z * k;
@@ -149,6 +151,7 @@ constexpr int MIN_P_KEPT = 2048;
 
 extern "C" __global__ void sample_min_p(const float* __restrict__ x, int n, float T, float floor,
                                         double u, int* out) {
+    wait_inputs();  // (pdl.py)
     __shared__ float red[32];
     __shared__ int counts[32], total;
     __shared__ int ids[MIN_P_KEPT];

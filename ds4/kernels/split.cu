@@ -15,6 +15,7 @@ __device__ __forceinline__ unsigned short round_bf16(float v) {
 // rounded (hi), then, when parts == 2, their remainders rounded (lo). group_size = rows * k.
 extern "C" __global__ void split_bf16(const float* __restrict__ x, unsigned short* __restrict__ out,
                                       long long group_size, long long n, int parts) {
+    wait_inputs();  // (pdl.py)
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         long long g = i / group_size, r = i - g * group_size;
