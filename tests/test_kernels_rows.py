@@ -57,7 +57,7 @@ def grouped_dense(wd, x, group):
                            for g in range(rows // group)], axis=1)
 
 
-# --- the bit moves (CPU emulation of what rows.cuh does with integers) ---
+# --- the bit moves (CPU emulation of what rows_formats.cuh does with integers) ---
 
 def test_e2m1_nibble_bits_are_its_value_times_2_pow_minus_126():
     n = np.arange(16, dtype=np.uint32)
@@ -77,7 +77,7 @@ def test_e4m3_byte_bits_are_its_value_times_2_pow_minus_120():
 @pytest.mark.parametrize("fmt,bias,table", [(FP4, 94, P.E2M1), (FP8, 88, P.E4M3)])
 def test_scaled_code_is_an_exact_bf16_weight_times_2_pow_minus_32(fmt, bias, table):
     """decoded * 2^(s + bias - 127) = code * 2^(s - 127) * 2^-32 and is a bf16 value, for the
-    scales a checkpoint can hold (rows.cuh's multiplier)."""
+    scales a checkpoint can hold (rows_formats.cuh's multiplier)."""
     vals = table[np.isfinite(table)].astype(np.float64)
     for s in range(60, 150):
         w = vals * 2.0 ** (s - 127) * 2.0 ** -32

@@ -36,9 +36,9 @@ from ds4.kernels.gemv import gemv
 from ds4.kernels.packed import E4M3, dequant_fp4, dequant_fp8
 
 FP8, FP4 = "fp8", "fp4"  # PackedMatrix.fmt (ds4/model/packed.py; kernels do not import model)
-FP8H = "fp8h"  # FP8 in square scale tiles of >= 64 read through f16 mmas (rows.cuh's Fp8h)
+FP8H = "fp8h"  # FP8 in square scale tiles of >= 64 read through f16 mmas (rows_formats.cuh's Fp8h)
 F16_SHIFT = 6  # the least tile shift of FP8H: a k-tile of 64 columns in one scale tile
-WARPS = 8  # per block: rows.cuh's RW
+WARPS = 8  # per block: rows_formats.cuh's RW
 MAX_BATCH = 8  # columns of one mma tile
 TARGET_WARPS = 2048  # row groups x k-split warps that keep every SM streaming
 TALL_ROWS = 4096  # from this many rows a warp takes two 16-row tiles (more bytes in flight)
@@ -171,7 +171,7 @@ def split_rows(jobs: list) -> None:
 
 
 def _xcol(fmt: str, m, r, h):
-    """rows.cuh's F::xcol: the chunk column of half h of B register r of mma m."""
+    """rows_formats.cuh's F::xcol: the chunk column of half h of B register r of mma m."""
     if fmt == FP4:
         return 8 * (m >> 1) + 2 * (m & 1) + r + 4 * h
     return 4 * m + r + 2 * h
@@ -231,7 +231,7 @@ F16_ROUND = np.float32(1.5 * 2.0 ** 27)  # (v + it) - it: |v| < 2^15 to a multip
 
 
 def split_f16(x: np.ndarray) -> np.ndarray:
-    """x [B, K] as the FP8H kernels feed it (rows.cuh's split_f16; float64, exact): per row and
+    """x [B, K] as the FP8H kernels feed it (rows_formats.cuh's split_f16; float64, exact): per row and
     k-tile of 64 columns a power of two puts the largest |x| in [2^14, 2^15), hi = the scaled x
     to a multiple of 16, lo = the rest rounded to f16; (hi + lo) over the power."""
     x = np.asarray(x, np.float32)
