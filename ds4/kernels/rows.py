@@ -231,9 +231,9 @@ F16_ROUND = np.float32(1.5 * 2.0 ** 27)  # (v + it) - it: |v| < 2^15 to a multip
 
 
 def split_f16(x: np.ndarray) -> np.ndarray:
-    """x [B, K] as the FP8H kernels feed it (rows_formats.cuh's split_f16; float64, exact): per row and
-    k-tile of 64 columns a power of two puts the largest |x| in [2^14, 2^15), hi = the scaled x
-    to a multiple of 16, lo = the rest rounded to f16; (hi + lo) over the power."""
+    """x [B, K] as the FP8H kernels feed it (rows_formats.cuh's split_f16; float64, exact): per
+    row and k-tile of 64 columns a power of two puts the largest |x| in [2^14, 2^15), hi = the
+    scaled x to a multiple of 16, lo = the rest rounded to f16; (hi + lo) over the power."""
     x = np.asarray(x, np.float32)
     rows, cols = x.shape
     tiles = np.zeros((rows, -(-cols // 64) * 64), np.float32)
