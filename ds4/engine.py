@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,6 +29,18 @@ from ds4.session import Session, host_logits
 from ds4.session import Speculated as Speculated
 
 MAX_BATCH = 8  # sessions per batched decode step; larger batches run as several steps
+log = logging.getLogger(__name__)
+
+
+def compile_kernels(be):
+    """On the GPU, start compiling every kernel family in the background (ds4.kernels.
+    compile_ahead; DS4_COMPILE_AHEAD=0: each family compiles at its first launch instead);
+    returns the join that lists the families that failed."""
+    if not be.is_gpu or os.environ.get("DS4_COMPILE_AHEAD", "1") == "0":
+        return list
+    from ds4.kernels import compile_ahead
+
+    return compile_ahead()
 
 
 
@@ -103,6 +117,7 @@ class Engine:
         model_dir = model_path(model_dir)
         cfg = ModelConfig.from_dir(model_dir)
         be = get_backend(backend)
+        compiled = compile_kernels(be)  # (while the weights load)
         budget = weight_budget(be, cfg, gpu_memory_gib, parallel, ctx, prefill_chunk)
         if mtp and budget is not None:  # the block stays in device memory beside the rest
             budget -= mtp_bytes(cfg)
@@ -134,6 +149,10 @@ class Engine:
             engine.mtp = MtpBlock(engine.model, block)
         if be.is_gpu:  # loading's cached temporaries back to the device: cuBLAS allocates
             be.xp.get_default_memory_pool().free_all_blocks()  # outside CuPy's pool
+        failed = compiled()
+        if failed:
+            log.warning("kernel families %s did not compile ahead; their first launch will "
+                        "say why", ", ".join(failed))
         return engine
 
     @property

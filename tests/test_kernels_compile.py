@@ -72,3 +72,40 @@ def test_every_programmatically_launched_kernel_waits_for_its_inputs(family):
         assert waits, f"{source.name}: {name}"
     if family == "rows":
         assert "wait_inputs();" in (KERNEL_DIR / "rows.cuh").read_text()
+
+
+def test_compile_ahead_builds_every_family_side_by_side_and_names_failures(monkeypatch):
+    """ds4.kernels.compile_ahead (Engine.open on the GPU): one compile per family, in parallel
+    threads, each on the caller's device first; a family that fails is named, not raised."""
+    import threading
+
+    import ds4.kernels as K
+
+    lock, state = threading.Lock(), {"now": 0, "most": 0, "built": [], "device": 0}
+    started = threading.Barrier(2, timeout=10)
+
+    class Module:
+        def __init__(self, family):
+            self.family = family
+
+        def compile(self):
+            with lock:
+                state["now"] += 1
+                state["most"] = max(state["most"], state["now"])
+                state["built"].append(self.family)
+            if self.family in ("attention", "norm"):
+                started.wait()  # returns only when both run at the same time
+            with lock:
+                state["now"] -= 1
+            if self.family == "rope":
+                raise RuntimeError("NVRTC rejected the source")
+
+    def use_device():
+        with lock:
+            state["device"] += 1
+
+    monkeypatch.setattr(K, "_module", Module)
+    failed = K.compile_ahead(workers=4, use_device=use_device)()
+    assert failed == ["rope"]
+    assert sorted(state["built"]) == sorted(p.stem for p in SOURCES)
+    assert state["device"] == len(SOURCES) and state["most"] >= 2

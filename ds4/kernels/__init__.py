@@ -39,6 +39,37 @@ def kernel(family: str, name: str):
     return _module(family).get_function(name)
 
 
+def compile_ahead(workers: int = 8, use_device=None):
+    """Start compiling every kernel family in background threads and return join(), which
+    waits for them and names the families that failed (their first launch raises, as it would
+    have without this). NVRTC releases the GIL, so the families build side by side, and the
+    engine can load weights meanwhile: no request pays for a compile later, and CuPy's disk
+    cache turns the next start's compile into a load. use_device() runs first in each thread
+    (default: the caller's CUDA device)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if use_device is None:
+        import cupy
+
+        device = cupy.cuda.runtime.getDevice()
+        use_device = cupy.cuda.Device(device).use
+
+    def build(family: str) -> None:
+        use_device()
+        _module(family).compile()
+
+    families = sorted(p.stem for p in KERNEL_DIR.glob("*.cu"))
+    pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(families))),
+                              thread_name_prefix="ds4-nvrtc")
+    futures = {family: pool.submit(build, family) for family in families}
+    pool.shutdown(wait=False)
+
+    def join() -> list[str]:
+        return [family for family, done in futures.items() if done.exception() is not None]
+
+    return join
+
+
 def ptr(a) -> np.uint64:
     """Device pointer of a CuPy array (or NULL for None), as a kernel argument."""
     return NULL if a is None else np.uint64(a.data.ptr)
