@@ -36,6 +36,23 @@ def test_kernel_compiles_for_sm90(source: Path, tmp_path: Path):
     assert "spill" not in proc.stderr.lower(), proc.stderr
 
 
+# Families whose instructions predate Hopper: they must keep building for sm_80 (A100); the
+# programmatic-launch wait compiles to nothing there. rows*, packed and placed need sm_89/90
+# (mul.bf16x2, cvt from e4m3x2).
+PORTABLE = ["attention", "compressor", "gemv", "hyper_connection", "indexer", "moe", "mtp",
+            "norm", "quant", "rope", "sampling", "split"]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("family", PORTABLE)
+def test_portable_family_compiles_for_sm80(family: str, tmp_path: Path):
+    proc = subprocess.run(
+        ["nvcc", "-arch=sm_80", "--cubin", "-std=c++17", "-I", str(KERNEL_DIR), "-o",
+         str(tmp_path / f"{family}.cubin"), str(KERNEL_DIR / f"{family}.cu")],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_shared_helpers_are_defined_once():
     """The helpers live in common.cuh, which every family includes, not in copies per file."""
     header = (KERNEL_DIR / "common.cuh").read_text()

@@ -94,6 +94,14 @@ PDL_FAMILIES = frozenset({"attention", "compressor", "hyper_connection", "indexe
 PDL = os.environ.get("DS4_PDL", "1") != "0"  # DS4_PDL=0: plain launches in graphs too
 
 
+@functools.cache
+def _pdl_device(device: int) -> bool:
+    """Programmatic dependent launch needs compute capability 9.0 (Hopper) or later."""
+    import cupy
+
+    return int(cupy.cuda.Device(device).compute_capability) >= 90
+
+
 def launch(family: str, name: str, grid, block, args, shared: int = 0) -> None:
     """Launch one kernel on the current stream; shared is dynamic shared memory in bytes."""
     k = kernel(family, name)
@@ -103,7 +111,7 @@ def launch(family: str, name: str, grid, block, args, shared: int = 0) -> None:
         import cupy
 
         stream = cupy.cuda.get_current_stream()
-        if stream.is_capturing():
+        if stream.is_capturing() and _pdl_device(cupy.cuda.runtime.getDevice()):
             pdl.launch_after(k.kernel, grid, block, args, shared, stream.ptr)
             return
     k(tuple(grid), tuple(block), tuple(args), shared_mem=shared)

@@ -11,10 +11,12 @@
 // earlier kernel writes or reads may be touched before wait_inputs() (the earlier grid is done
 // and its writes visible), and every block reaches it. Only then may the next kernel's blocks be
 // scheduled (so at most one kernel runs ahead, and the one before it is complete). Both
-// instructions are no-ops in a plain launch.
+// instructions are no-ops in a plain launch; before sm_90 (no PDL) there is nothing to wait for.
 __device__ __forceinline__ void wait_inputs() {
+#if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 // A bf16 word widens by a 16-bit shift into a float's high half (exact), so bf16 weights stay
