@@ -133,13 +133,9 @@ struct Bf16 {
 // instruction per two codes, exact) and the tile's scale multiplies the k-tile's fp32 sums
 // (POST: post_stage). mul is the scale as the float bits of 2^(s - 127). x comes in f16 hi + lo
 // under a power of two per k-tile and batch column (split_f16).
-struct Fp8h {
-    static constexpr int CH = 16, LOADS = 1, MMAS = 4;
-    static constexpr bool SCALED = true, NONE = false, POST = true;
-    __device__ static size_t bytes(long long cols) { return cols; }
-    __device__ static const u8* scale_row(const u8* s, int row, int ld, int shift) {
-        return s + (size_t)(row >> shift) * ld;
-    }
+// (Fp8's chunk, bytes and scale rows.)
+struct Fp8h : Fp8 {
+    static constexpr bool POST = true;
     __device__ static u32 mul(const u8* srow, int col, int shift) {
         return (u32)__ldg(srow + (col >> shift)) << 23;
     }
