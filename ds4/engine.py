@@ -43,7 +43,6 @@ def compile_kernels(be):
     return compile_ahead()
 
 
-
 class StepLogits(Sequence):
     """What Engine.decode_batch returns: each session's logits after that step, copied to the
     host only when read."""

@@ -5,9 +5,10 @@ weights) in the other's tail instead of after it.
 The kernel must execute common.cuh's `wait_inputs()` before it touches memory that an earlier
 kernel writes or reads (PTX griddepcontrol.wait: the earlier grid has completed and its writes
 are visible), and every block must reach it, so that this grid's completion still implies the
-earlier one's for the kernel after it. Kernels that do are listed in PDL_READY; `launch` in
-ds4/kernels/__init__.py sends only those through here, and only while a stream is capturing a
-CUDA graph (replay is where launch gaps count). CuPy has no cuLaunchKernelEx binding, so this
+earlier one's for the kernel after it. The families whose kernels all do are PDL_FAMILIES in
+ds4/kernels/__init__.py; its `launch` sends only those through here, only while a stream is
+capturing a CUDA graph (replay is where launch gaps count) and only on compute capability 9.0
+or later. CuPy has no cuLaunchKernelEx binding, so this
 calls the driver through ctypes with CuPy's CUfunction and stream handles.
 """
 
