@@ -101,10 +101,6 @@ def _k_tiles(fmt: str, cols: int) -> int:
     return -(-cols // (4 * CHUNK[fmt]))
 
 
-def _tiles_per_warp(rows: int) -> int:
-    return 2 if rows >= TALL_ROWS else 1
-
-
 def _ld(a) -> int:
     """Elements from one row of a 2-D fp32 array to the next."""
     return a.strides[0] // a.itemsize if a.ndim == 2 else a.shape[-1]
@@ -266,6 +262,7 @@ def _kernel_fmt(w) -> str | None:
 
 
 def _dense_kernel_fmt(w) -> str | None:
+    """The format matvec reads w in (dense_fmt), None where it cannot."""
     op = operand(w)
     return None if op is None else dense_fmt(op)
 
