@@ -150,8 +150,8 @@ class Engine:
             be.xp.get_default_memory_pool().free_all_blocks()  # outside CuPy's pool
         failed = compiled()
         if failed:
-            log.warning("kernel families %s did not compile ahead; their first launch will "
-                        "say why", ", ".join(failed))
+            log.warning("kernel families %s did not compile ahead; each builds (or says why "
+                        "it cannot) at its first launch", ", ".join(failed))
         return engine
 
     @property

@@ -126,3 +126,28 @@ def test_compile_ahead_builds_every_family_side_by_side_and_names_failures(monke
     assert failed == ["rope"]
     assert sorted(state["built"]) == sorted(p.stem for p in SOURCES)
     assert state["device"] == len(SOURCES) and state["most"] >= 2
+
+
+def test_compile_ahead_join_gives_up_on_a_family_that_does_not_finish(monkeypatch):
+    """join(timeout) names a family still building instead of holding Engine.open forever."""
+    import threading
+
+    import ds4.kernels as K
+
+    release = threading.Event()
+
+    class Module:
+        def __init__(self, family):
+            self.family = family
+
+        def compile(self):
+            if self.family == "norm":
+                release.wait(10)
+
+    monkeypatch.setattr(K, "_module", Module)
+    join = K.compile_ahead(workers=4, use_device=lambda: None)
+    try:
+        assert join(timeout=0.5) == ["norm"]
+    finally:
+        release.set()
+    assert join() == []

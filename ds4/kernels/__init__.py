@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import zlib
 
 import numpy as np
@@ -40,12 +41,13 @@ def kernel(family: str, name: str):
 
 
 def compile_ahead(workers: int = 8, use_device=None):
-    """Start compiling every kernel family in background threads and return join(), which
-    waits for them and names the families that failed (their first launch raises, as it would
-    have without this). NVRTC releases the GIL, so the families build side by side, and the
-    engine can load weights meanwhile: no request pays for a compile later, and CuPy's disk
-    cache turns the next start's compile into a load. use_device() runs first in each thread
-    (default: the caller's CUDA device)."""
+    """Start compiling every kernel family in background threads and return join(timeout),
+    which waits for them (at most timeout seconds in all) and names the families that failed
+    or are still building (their first launch raises or builds, as it would without this).
+    NVRTC releases the GIL, so the families build side by side, and the engine can load
+    weights meanwhile: no request pays for a compile later, and CuPy's disk cache turns the
+    next start's compile into a load. use_device() runs first in each thread (default: the
+    caller's CUDA device)."""
     from concurrent.futures import ThreadPoolExecutor
 
     if use_device is None:
@@ -64,8 +66,15 @@ def compile_ahead(workers: int = 8, use_device=None):
     futures = {family: pool.submit(build, family) for family in families}
     pool.shutdown(wait=False)
 
-    def join() -> list[str]:
-        return [family for family, done in futures.items() if done.exception() is not None]
+    def join(timeout: float = 900.0) -> list[str]:
+        deadline, failed = time.monotonic() + timeout, []
+        for family, done in futures.items():
+            try:
+                if done.exception(timeout=max(0.0, deadline - time.monotonic())) is not None:
+                    failed.append(family)
+            except TimeoutError:  # still building: its first launch waits for it instead
+                failed.append(family)
+        return failed
 
     return join
 
