@@ -261,15 +261,10 @@ def _kernel_fmt(w) -> str | None:
     return None if op is None else op.fmt
 
 
-def _dense_kernel_fmt(w) -> str | None:
-    """The format matvec reads w in (dense_fmt), None where it cannot."""
-    op = operand(w)
-    return None if op is None else dense_fmt(op)
-
-
 def matvec_numpy(w, x, y, batch: int, rows_per_group: int | None = None) -> None:
     """NumPy twin of matvec (host arrays; a device w is copied to the host)."""
-    wd, fmt = dense(w), _dense_kernel_fmt(w)
+    op = operand(w)
+    wd, fmt = dense(w), None if op is None else dense_fmt(op)
     rows, cols = wd.shape
     group = rows if rows_per_group is None else rows_per_group
     xs, ys = (x[None], y[None]) if np.ndim(x) == 1 else (x, y)
