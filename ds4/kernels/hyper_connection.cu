@@ -318,84 +318,153 @@ extern "C" __global__ void hc_pre_norm(const float* __restrict__ mix,
 }
 
 // Decode at an mHC unit boundary, one launch: the previous unit's hc_post (y not null), this
-// unit's hc_mix (into mix) and its hc_pre_norm (h, post_comb; head: the output head's collapse
-// and RMSNorm). Block s of member z takes channels [s * SLICE, +SLICE) (n <= 4 streams, D a
-// multiple of 4): it writes their new X and the slice's partial sums of every mix row and of
-// X^2 to part; the last of the member's blocks to finish (done counts them, and is reset) adds
-// the slices in slice order (the same sums whichever block is last) and runs collapse_norm
-// over the whole X.
-constexpr int UNIT_THREADS = 1024, SLICE = 256, MAX_MIX = 32;  // MAX_MIX: n_mix + 1 sums
-constexpr int UNIT_STREAMS = UNIT_THREADS / SLICE, QUADS = SLICE / 4;
+// unit's hc_mix (into mix) and its pre + RMSNorm (h; post_comb; head: the output head's collapse
+// and RMSNorm, pre only). Block s < slices of member z takes channels [s * SLICE, +SLICE) (n <= 4
+// streams, D a multiple of 4) and keeps their new X in shared memory; the member's blocks meet
+// twice: once every slice's partial mix sums and X^2 are in part (then every block adds the
+// slices in slice order, so all hold the same mix and pre), and once every slice's share of
+// sum(u^2) is (u = sum_i pre_i X_i, each block its own channels); each then writes h for its
+// slice. Block `slices` (not for the head) takes post and comb, with the Sinkhorn, off that path.
+// The meetings spin on a per-member count, so every block of the launch must be resident at
+// once: 256 threads of at most 64 registers are 4 blocks an SM, and (D / SLICE + 1) * 8 members
+// <= 4 * 132 for D <= MAX_D. The last block to leave resets the member's counts.
+constexpr int UNIT_THREADS = 256, SLICE = 128, MAX_MIX = 32;  // MAX_MIX: part slots a slice
+constexpr int UNIT_STREAMS = 4, UNIT_WARPS = UNIT_THREADS / 32, MIX_ROWS = MAX_MIX / UNIT_WARPS;
+constexpr int U_SLOT = MAX_MIX - 2, SS_SLOT = MAX_MIX - 1;  // sum(u^2), sum(X^2); mix rows below
 
-extern "C" __global__ void __launch_bounds__(UNIT_THREADS)
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The block waits until the member's count reaches target (arrive: after adding its own 1, its
+// writes made visible first).
+__device__ __forceinline__ void member_wait(unsigned* count, unsigned target, bool arrive) {
+    if (arrive) __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (arrive) atomicAdd(count, 1u);
+        while (ld_acquire(count) < target) {
+        }
+    }
+    __syncthreads();
+}
+
+// The block reads the counts no more; the last of `blocks` to say so resets both.
+__device__ __forceinline__ void member_leave(unsigned* count, unsigned blocks) {
+    if (threadIdx.x == 0 && atomicAdd(count + 1, 1u) == blocks - 1) {
+        count[0] = 0u;
+        count[1] = 0u;
+    }
+}
+
+// mixs[r] = the member's mix row r, the slices' partial sums added in slice order and scaled by
+// rsqrt(mean(X^2) + eps) (r < n_mix; every block gets the same values).
+__device__ __forceinline__ void whole_mix(const float* pb, int slices, int n_mix, int width,
+                                          float mix_eps, float* mixs) {
+    if (threadIdx.x < MAX_MIX && (threadIdx.x < n_mix || threadIdx.x == SS_SLOT)) {
+        float t = 0.f;
+        for (int k = 0; k < slices; k++) t += __ldcg(pb + k * MAX_MIX + threadIdx.x);
+        mixs[threadIdx.x] = t;
+    }
+    __syncthreads();
+    float norm = rsqrtf(mixs[SS_SLOT] / width + mix_eps);
+    __syncthreads();
+    if (threadIdx.x < n_mix) mixs[threadIdx.x] *= norm;
+    __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(UNIT_THREADS, 4)
 hc_unit(float* X, const float* __restrict__ y, float* post_comb, const float* __restrict__ fn,
         const float* __restrict__ scale, const float* __restrict__ base,
         const float* __restrict__ norm_w, float* mix, float* h, float* part, unsigned* done, int D,
         int n, int n_mix, int mix_stride, int iters, float eps, float mix_eps, float norm_eps,
         int head) {
-    wait_inputs();  // (pdl.py)
     __shared__ __align__(16) float xsh[UNIT_STREAMS][SLICE];
-    __shared__ float red[MAX_MIX][2], ssr[32], mixs[MAX_MIX], us[MAX_D];
-    __shared__ bool last;
+    __shared__ float red[MAX_MIX], mixs[MAX_MIX], ssr[32], pre[UNIT_STREAMS], rs;
     size_t b = blockIdx.z;
-    int s = blockIdx.x, slices = gridDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int width = n * D, c0 = s * SLICE;
-    X += b * n * D;
+    int slices = (D + SLICE - 1) / SLICE, s = blockIdx.x, width = n * D, c0 = s * SLICE;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = threadIdx.x, d = c0 + c;
+    if (s < slices && c < n_mix * n)  // this slice's fn rows are weights: into the L2 early
+        prefetch_l2(fn + (size_t)(c / n) * width + (size_t)(c % n) * D + c0,
+                    4u * (unsigned)min(SLICE, D - c0));
+    wait_inputs();  // (pdl.py)
+    unsigned* count = done + 2 * b;
+    float* pb = part + b * slices * MAX_MIX;
     post_comb += b * (n + n * n);
-    // thread (stream j, channel c): its new X, kept in xsh; X is written once all have read it
-    int j = threadIdx.x / SLICE, c = threadIdx.x % SLICE, d = c0 + c;
-    bool mine = j < n && d < D;
-    float xn[MAX_STREAMS] = {};
+    if (s == slices) {  // post and comb once the mix is whole
+        member_wait(count, slices, false);
+        whole_mix(pb, slices, n_mix, width, mix_eps, mixs);
+        __shared__ float wpre[MAX_STREAMS], post[MAX_STREAMS], comb[MAX_STREAMS * MAX_STREAMS];
+        if ((n & (n - 1)) == 0 && n * n <= 32) {
+            if (warp == 0) hc_weights_warp(mixs, scale, base, n, iters, eps, wpre, post, comb);
+        } else if (threadIdx.x == 0) {
+            hc_weights(mixs, scale, base, n, iters, eps, wpre, post, comb);
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < n + n * n; i += UNIT_THREADS)
+            post_comb[i] = i < n ? post[i] : comb[i - n];
+        member_leave(count, slices + 1);
+        return;
+    }
+    X += b * n * D;
+    // the slice's new X (thread c: channel d, all streams) into xsh; X written once all read it
+    float xn[MAX_STREAMS] = {}, ss = 0.f;
+    bool mine = c < SLICE && d < D;
     if (mine && y) expand_channel(X, y + b * D, post_comb, post_comb + n, D, n, d, xn);
-    float v = !mine ? 0.f : y ? xn[j] : X[(size_t)j * D + d];
-    xsh[j][c] = v;
-    float ss = block_sum(v * v, ssr);  // (its barriers also order the reads before the writes)
-    if (mine && y) X[(size_t)j * D + d] = v;
-    // thread (row group g, quad q): rows g and g + 16 against channels 4q..4q+3 of every stream
-    int g = threadIdx.x / QUADS, q = threadIdx.x % QUADS, dq = c0 + 4 * q;
-    float acc[2] = {0.f, 0.f};
 #pragma unroll
-    for (int k = 0; k < 2; k++) {
-        int r = g + 16 * k;
+    for (int i = 0; i < UNIT_STREAMS; i++) {
+        if (mine && !y && i < n) xn[i] = X[(size_t)i * D + d];
+        if (c < SLICE) xsh[i][c] = i < n ? xn[i] : 0.f;
+        ss += xn[i] * xn[i];
+    }
+    ss = block_sum(ss, ssr);  // (its barriers also order the reads before the writes)
+#pragma unroll
+    for (int i = 0; i < UNIT_STREAMS; i++)
+        if (mine && y && i < n) X[(size_t)i * D + d] = xn[i];
+    // partial mix rows: warp w takes rows w, w + 8, .., lane q the channels 4q..4q+3
+    float acc[MIX_ROWS] = {};
+    int dq = c0 + 4 * lane;
+#pragma unroll
+    for (int k = 0; k < MIX_ROWS; k++) {
+        int r = warp + UNIT_WARPS * k;
         if (r >= n_mix || dq >= D) continue;
 #pragma unroll
         for (int i = 0; i < UNIT_STREAMS; i++) {
             if (i >= n) break;
             float4 f = __ldg((const float4*)(fn + (size_t)r * width + (size_t)i * D + dq));
-            float4 x = *(const float4*)&xsh[i][4 * q];
+            float4 x = *(const float4*)&xsh[i][4 * lane];
             acc[k] += f.x * x.x + f.y * x.y + f.z * x.z + f.w * x.w;
         }
     }
 #pragma unroll
-    for (int k = 0; k < 2; k++) {  // a group's 64 quads are two whole warps
+    for (int k = 0; k < MIX_ROWS; k++) {
         float t = warp_sum(acc[k]);
-        if (lane == 0 && g + 16 * k < MAX_MIX) red[g + 16 * k][warp & 1] = t;
+        if (lane == 0) red[warp + UNIT_WARPS * k] = t;
     }
     __syncthreads();
-    float* slices_of_b = part + b * slices * MAX_MIX;
-    if (threadIdx.x < MAX_MIX)
-        slices_of_b[s * MAX_MIX + threadIdx.x] =
-            threadIdx.x == MAX_MIX - 1 ? ss : red[threadIdx.x][0] + red[threadIdx.x][1];
-    __threadfence();  // this block's X and partial sums before its count
+    if (threadIdx.x < n_mix) pb[s * MAX_MIX + threadIdx.x] = red[threadIdx.x];
+    if (threadIdx.x == 0) pb[s * MAX_MIX + SS_SLOT] = ss;
+    member_wait(count, slices, true);
+    whole_mix(pb, slices, n_mix, width, mix_eps, mixs);
+    if (s == 0 && threadIdx.x < n_mix) mix[b * mix_stride + threadIdx.x] = mixs[threadIdx.x];
+    if (threadIdx.x < n)  // hc_weights_warp's expression for pre, bit for bit
+        pre[threadIdx.x] = sigmoidf(mixs[threadIdx.x] * scale[0] + base[threadIdx.x]) + eps;
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done + b, 1u) == (unsigned)slices - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    if (threadIdx.x < MAX_MIX) {
+    float u = 0.f;
+#pragma unroll
+    for (int i = 0; i < UNIT_STREAMS; i++)
+        if (mine && i < n) u += pre[i] * xsh[i][c];
+    float uss = block_sum(u * u, ssr);
+    if (threadIdx.x == 0) pb[s * MAX_MIX + U_SLOT] = uss;
+    member_wait(count, 2 * slices, true);
+    if (threadIdx.x == 0) {
         float t = 0.f;
-        for (int k = 0; k < slices; k++) t += __ldcg(slices_of_b + k * MAX_MIX + threadIdx.x);
-        mixs[threadIdx.x] = t;
+        for (int k = 0; k < slices; k++) t += __ldcg(pb + k * MAX_MIX + U_SLOT);
+        rs = rsqrtf(t / D + norm_eps);
     }
     __syncthreads();
-    float norm = rsqrtf(mixs[MAX_MIX - 1] / width + mix_eps);
-    __syncthreads();
-    if (threadIdx.x < n_mix) {
-        mixs[threadIdx.x] *= norm;
-        mix[b * mix_stride + threadIdx.x] = mixs[threadIdx.x];
-    }
-    if (threadIdx.x == 0) done[b] = 0;
-    __syncthreads();
-    collapse_norm(mixs, scale, base, X, norm_w, h + b * D, post_comb, D, n, iters, eps, norm_eps,
-                  head != 0, us);
+    if (mine) h[b * D + d] = u * rs * norm_w[d];
+    member_leave(count, slices + (head ? 0 : 1));
 }

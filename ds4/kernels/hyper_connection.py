@@ -176,20 +176,22 @@ def hc_pre_norm_numpy(mix, scale, base, X, norm_w, h, post_comb, iters: int = 20
     return h
 
 
-MAX_D, UNIT_THREADS, SLICE, MAX_MIX = 8192, 1024, 256, 32  # hyper_connection.cu's constants
+MAX_D, SLICE, MAX_MIX, UNIT_STREAMS = 8192, 128, 32, 4  # hyper_connection.cu's constants
+UNIT_THREADS = 256
 
 
 def unit_fits(n_mix: int, streams: int, D: int) -> bool:
-    """True where hc_unit takes a unit: n_mix + 1 partial sums a slice, up to four streams (a
-    thread each per channel), D in shared memory and in float4 quads."""
-    return n_mix < MAX_MIX and streams <= UNIT_THREADS // SLICE and D <= MAX_D and D % 4 == 0
+    """True where hc_unit takes a unit: n_mix partial sums a slice beside sum(u^2) and sum(X^2),
+    up to four streams, D in float4 quads and small enough that the blocks of 8 members are all
+    resident at once (their meetings spin)."""
+    return (n_mix <= MAX_MIX - 2 and streams <= UNIT_STREAMS and D <= MAX_D and D % 4 == 0)
 
 
 def unit_scratch(xp, batch: int, D: int) -> tuple:
-    """hc_unit's partial sums [batch, slices, MAX_MIX] and per-member block counters (zero: the
-    last block of a launch resets its member's)."""
+    """hc_unit's partial sums [batch, slices, MAX_MIX] and per-member counts [batch, 2] (zero:
+    the last block of a launch resets its member's)."""
     slices = -(-D // SLICE)
-    return xp.zeros((batch, slices, MAX_MIX), xp.float32), xp.zeros(batch, xp.uint32)
+    return xp.zeros((batch, slices, MAX_MIX), xp.float32), xp.zeros((batch, 2), xp.uint32)
 
 
 def hc_unit(X, y, post_comb, fn, scale, base, norm_w, mix, h, scratch, iters: int = 20,
@@ -207,7 +209,8 @@ def hc_unit(X, y, post_comb, fn, scale, base, norm_w, mix, h, scratch, iters: in
             ptr(mix), ptr(h), ptr(part), ptr(done), i32(D), i32(streams), i32(n_mix),
             i32(mix.shape[-1]), i32(iters), f32(eps), f32(mix_eps), f32(norm_eps),
             i32(int(head)))
-    launch("hyper_connection", "hc_unit", (part.shape[1], 1, _batch(X)), (UNIT_THREADS,), args)
+    blocks = part.shape[1] + (0 if head else 1)  # the slices, and one for post and comb
+    launch("hyper_connection", "hc_unit", (blocks, 1, _batch(X)), (UNIT_THREADS,), args)
     return h
 
 
