@@ -1,11 +1,16 @@
 // Lightning indexer scores for one query (docs/MODEL.md, Indexer):
 //   score[s] = wscale * sum_h wts[h] * relu(q[h] . keys[s])   for s < (pos + 1) / ratio.
 // wscale folds 1/sqrt(heads) and 1/sqrt(hd). Each block scores 32 entries with 256 threads:
-// 8 threads per entry, each summing heads h = sub, sub + 8, ...
+// 8 threads per entry, each summing heads h = sub, sub + 8, ... Each thread runs its heads' dot
+// products side by side, a float4 of the key and of each head's query from shared memory per 4
+// channels (one key load serves all its heads): reading both operands from shared memory for
+// every product bounded the kernel by shared-memory loads. Every dot product still adds its
+// channels in order, so the scores are the same bits as one product at a time.
 
 #include "common.cuh"
 
 #define ENTRIES 32
+#define HEADS_AT_ONCE 8  // a thread's dot products in flight (64 heads: all of its 8)
 
 __device__ __forceinline__ void scores_of(const float* __restrict__ q,
                                           const float* __restrict__ wts,
@@ -16,8 +21,9 @@ __device__ __forceinline__ void scores_of(const float* __restrict__ q,
     int n = (pos[0] + 1) / ratio;
     int first = blockIdx.x * ENTRIES;
     if (first >= n) return;
-    // Rows padded by one float so the 8 head-threads of an entry hit different banks.
-    int stride = hd + 1;
+    // Rows padded by four floats: float4 rows, and the 8 head-threads of an entry (and the 4
+    // entries of a warp) on different banks.
+    int stride = hd + 4;
     float* qs = smem;
     float* ks = smem + heads * stride;
     // 16-byte loads, several in flight per thread before the stores (hd % 4 == 0).
@@ -38,18 +44,30 @@ __device__ __forceinline__ void scores_of(const float* __restrict__ q,
             if (i >= nq + nk) continue;
             float* d = i < nq ? qs + (i / h4) * stride + (i % h4) * 4
                               : ks + ((i - nq) / h4) * stride + ((i - nq) % h4) * 4;
-            d[0] = v[u].x; d[1] = v[u].y; d[2] = v[u].z; d[3] = v[u].w;
+            *(float4*)d = v[u];
         }
     }
     __syncthreads();
     int e = threadIdx.x >> 3, sub = threadIdx.x & 7;
     float total = 0.f;
-    for (int h = sub; h < heads; h += 8) {
-        const float* qh = qs + h * stride;
-        const float* k = ks + e * stride;
-        float dot = 0.f;
-        for (int c = 0; c < hd; c++) dot += qh[c] * k[c];
-        total += wts[h] * fmaxf(dot, 0.f);
+    const float4* k = (const float4*)(ks + e * stride);
+    for (int h0 = sub; h0 < heads; h0 += 8 * HEADS_AT_ONCE) {
+        float dot[HEADS_AT_ONCE] = {};
+        for (int c = 0; c < h4; c++) {
+            float4 kv = k[c];
+#pragma unroll
+            for (int j = 0; j < HEADS_AT_ONCE; j++) {
+                if (h0 + 8 * j >= heads) break;
+                float4 qv = ((const float4*)(qs + (h0 + 8 * j) * stride))[c];
+                dot[j] += qv.x * kv.x;
+                dot[j] += qv.y * kv.y;
+                dot[j] += qv.z * kv.z;
+                dot[j] += qv.w * kv.w;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < HEADS_AT_ONCE; j++)
+            if (h0 + 8 * j < heads) total += wts[h0 + 8 * j] * fmaxf(dot[j], 0.f);
     }
     for (int o = 4; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
     if (sub == 0 && first + e < n) scores[first + e] = total * wscale;

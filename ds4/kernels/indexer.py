@@ -13,7 +13,7 @@ def indexer_scores(q, wts, keys, pos, ratio: int, scores):
     """scores[s] = sum_h wts[h] relu(q[h] . keys[s]) / sqrt(heads * hd), s < (pos+1)//ratio."""
     heads, hd = q.shape
     cap = keys.shape[0]
-    shared = 4 * (heads + ENTRIES) * (hd + 1)
+    shared = 4 * (heads + ENTRIES) * (hd + 4)
     args = (ptr(q), ptr(wts), ptr(keys), ptr(pos), i32(ratio), ptr(scores), i32(heads),
             i32(hd), f32((heads * hd) ** -0.5))
     launch("indexer", "indexer_scores", ((cap + ENTRIES - 1) // ENTRIES,), (256,), args, shared)
@@ -33,7 +33,7 @@ def indexer_scores_m(q, wts, table, layer: int, slot: int, rows: int, ratio: int
     """indexer_scores for each member b of a batch graph: q [B, heads, hd], wts [B, heads],
     scores [B, >= rows]; member b's keys (at most `rows` of them) from the member table."""
     batch, heads, hd = q.shape
-    shared = 4 * (heads + ENTRIES) * (hd + 1)
+    shared = 4 * (heads + ENTRIES) * (hd + 4)
     args = (ptr(q), ptr(wts), table.group(layer, slot), ptr(table.pos), i32(ratio), ptr(scores),
             i32(scores.shape[1]), i32(heads), i32(hd), f32((heads * hd) ** -0.5))
     launch("indexer", "indexer_scores_m", ((rows + ENTRIES - 1) // ENTRIES, 1, batch), (256,),
