@@ -65,7 +65,7 @@ __device__ __forceinline__ const float* key_ptr(int code, const float* raw, cons
 // o = sum exp(l_j - m) k_j into part[(h * splits + s) * (width + 2)] as [m, l, o...].
 // Raw keys: min(pos + 1, cap) ring rows; compressed keys: none when ratio == 0, else
 // sel[0..sel_count) when sel is given, else rows 0..(pos + 1) / ratio. 256 threads; dynamic
-// shared memory: 32 * (width + 1) key floats (padded: conflict-free column reads), then
+// shared memory: 32 * key_stride(width) key floats (common.cuh), then
 // hpb * width query floats, hpb * 32 weights and 32 row codes.
 __device__ __forceinline__ void partial(const float* __restrict__ q,
                                         const float* __restrict__ raw,
@@ -76,7 +76,7 @@ __device__ __forceinline__ void partial(const float* __restrict__ q,
                                         float* part, int width, float scale, int max_keys,
                                         int hpb) {
     extern __shared__ float smem[];
-    int stride = width + 1;
+    int stride = key_stride(width);
     float* ks = smem;
     float* qs = ks + SPLIT_KEYS * stride;
     float* ps = qs + hpb * width;

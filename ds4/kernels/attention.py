@@ -57,7 +57,7 @@ def attention_decode(q, raw, pos, comp, sel, sel_count, ratio: int, sinks, out, 
     hpb = heads_per_block(heads, splits)
     args = (ptr(q), ptr(raw), ptr(pos), i32(cap), ptr(comp), ptr(sel), ptr(sel_count),
             i32(ratio), ptr(part), i32(width), f32(width ** -0.5), i32(max_keys), i32(hpb))
-    shared = 4 * (KEYS_PER_BLOCK * (width + 1) + hpb * width + hpb * KEYS_PER_BLOCK
+    shared = 4 * (KEYS_PER_BLOCK * (width + 4) + hpb * width + hpb * KEYS_PER_BLOCK
                   + KEYS_PER_BLOCK)
     launch("attention", "attention_partial", (heads // hpb, splits), (256,), args, shared=shared)
     launch("attention", "attention_combine", (heads,), (256,),
@@ -102,7 +102,7 @@ def attention_decode_m(q, table, layer: int, raw_slot: int, comp_slot, cap: int,
     args = (ptr(q), table.group(layer, raw_slot), ptr(table.pos), i32(cap), comp, ptr(sel),
             ptr(sel_count), i32(0 if sel is None else sel.shape[1]), i32(ratio), ptr(part),
             i32(part.shape[1]), i32(width), f32(width ** -0.5), i32(max_keys), i32(hpb))
-    shared = 4 * (KEYS_PER_BLOCK * (width + 1) + hpb * width + hpb * KEYS_PER_BLOCK
+    shared = 4 * (KEYS_PER_BLOCK * (width + 4) + hpb * width + hpb * KEYS_PER_BLOCK
                   + KEYS_PER_BLOCK)
     launch("attention", "attention_partial_m", (heads // hpb, splits, batch), (256,), args,
            shared=shared)

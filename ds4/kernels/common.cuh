@@ -158,41 +158,57 @@ __device__ __forceinline__ float rope_channel(const float* row, int c, int first
 // Keys per split of the split decode attention (attention.cu, mtp.cu): one per lane of a warp.
 constexpr int SPLIT_KEYS = 32;
 
-// The partial softmax of one split once its `count` keys are staged (ks, row stride `stride`)
-// beside the block's hpb query heads (qs): for the scores all 8 warps run, warp = (head, part
-// of the channels: 8 / hpb parts where the width splits into them), lane = key, and each
-// head's warp adds its parts in part order; then one channel for all heads per thread, so each
-// staged key value is read once for hpb accumulators. part[(head * splits + split)] = (max,
-// sum of exp, weighted sum [width]). 256 threads.
+// Row stride (floats) of the staged keys: float4 rows (width a multiple of 4); for the scores
+// 16-byte reads, a lane's row starts 4 banks after its neighbour's, so a warp's reads take the
+// four passes its 512 bytes need anyway, and the value pass reads columns conflict-free.
+__device__ __forceinline__ int key_stride(int width) { return width + 4; }
+
+// The partial softmax of one split once its `count` keys are staged (ks, row stride
+// key_stride(width)) beside the block's hpb query heads (qs): for the scores warp w takes part
+// w of 8 parts of the channels (fewer where the width does not split into them), lane = key,
+// and runs all hpb heads side by side (a float4 of its key serves every head; reading the key
+// again per head bounded the kernel by shared-memory traffic), and each head adds its parts in
+// part order; then one channel for all heads per thread, four keys' weights a float4, so each
+// staged key value is read once for hpb accumulators (adding keys in order). part[(head *
+// splits + split)] = (max, sum of exp, weighted sum [width]). 256 threads.
 __device__ __forceinline__ void staged_partial(const float* qs, const float* ks, float* ps,
                                                int stride, int width, int count, int hpb,
                                                float scale, float* part, int h0, int split,
                                                int splits) {
-    __shared__ float dots[8 * SPLIT_KEYS];  // [part][head][key] of the split scores
+    __shared__ float dots[8 * 8 * SPLIT_KEYS];  // [part][head][key] of the split scores
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int parts = 8 / hpb;
+    int parts = 8;
     while (parts > 1 && width % (4 * parts) != 0) parts >>= 1;
-    if (warp < hpb * parts) {
-        int hh = warp % hpb, span = width / parts, c0 = (warp / hpb) * span;
-        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;  // four chains: loads overlap
+    if (warp < parts) {
+        int span4 = width / parts / 4, c0 = warp * span4 * 4;
+        float a[8][4] = {};  // four chains per head: loads overlap
         if (lane < count) {
-            const float* qh = qs + hh * width;
-            const float* k = ks + lane * stride;
-            for (int c = c0; c < c0 + span; c += 4) {
-                a0 += qh[c] * k[c];
-                a1 += qh[c + 1] * k[c + 1];
-                a2 += qh[c + 2] * k[c + 2];
-                a3 += qh[c + 3] * k[c + 3];
+            const float4* k = (const float4*)(ks + lane * stride + c0);
+            for (int c = 0; c < span4; c++) {
+                float4 kv = k[c];
+#pragma unroll
+                for (int hh = 0; hh < 8; hh++) {
+                    if (hh >= hpb) break;
+                    float4 qv = ((const float4*)(qs + hh * width + c0))[c];
+                    a[hh][0] += qv.x * kv.x;
+                    a[hh][1] += qv.y * kv.y;
+                    a[hh][2] += qv.z * kv.z;
+                    a[hh][3] += qv.w * kv.w;
+                }
             }
         }
-        dots[warp * SPLIT_KEYS + lane] = (a0 + a1) + (a2 + a3);
+#pragma unroll
+        for (int hh = 0; hh < 8; hh++)
+            if (hh < hpb)
+                dots[(warp * 8 + hh) * SPLIT_KEYS + lane] = (a[hh][0] + a[hh][1])
+                                                            + (a[hh][2] + a[hh][3]);
     }
     __syncthreads();
     if (warp < hpb) {
         float s = -INFINITY;
         if (lane < count) {
             s = dots[warp * SPLIT_KEYS + lane];
-            for (int p = 1; p < parts; p++) s += dots[(p * hpb + warp) * SPLIT_KEYS + lane];
+            for (int p = 1; p < parts; p++) s += dots[(p * 8 + warp) * SPLIT_KEYS + lane];
             s *= scale;
         }
         float m = warp_max(s);
@@ -208,7 +224,21 @@ __device__ __forceinline__ void staged_partial(const float* qs, const float* ks,
     __syncthreads();
     for (int c = threadIdx.x; c < width; c += blockDim.x) {
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int e = 0; e < count; e++) {
+        int e = 0;
+        for (; e + 4 <= count; e += 4) {
+            float k0 = ks[e * stride + c], k1 = ks[(e + 1) * stride + c];
+            float k2 = ks[(e + 2) * stride + c], k3 = ks[(e + 3) * stride + c];
+#pragma unroll
+            for (int hh = 0; hh < 8; hh++) {
+                if (hh >= hpb) break;
+                float4 w = *(const float4*)(ps + hh * SPLIT_KEYS + e);
+                acc[hh] += w.x * k0;
+                acc[hh] += w.y * k1;
+                acc[hh] += w.z * k2;
+                acc[hh] += w.w * k3;
+            }
+        }
+        for (; e < count; e++) {
             float k = ks[e * stride + c];
 #pragma unroll
             for (int hh = 0; hh < 8; hh++)

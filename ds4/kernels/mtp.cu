@@ -21,7 +21,7 @@ __device__ __forceinline__ bool held_visible(int p, int t, int cap) {
 // memory and writes per head [m, l, o...] into part[(h * splits + s) * (width + 2)], the layout
 // attention_combine (ds4/kernels/attention.cu) reads; a split with no visible key writes
 // m = -inf, l = 0, o = 0, which the combine weighs 0. 256 threads; dynamic shared memory:
-// 32 * (width + 1) key floats, hpb * width query floats, hpb * 32 weights and 32 key codes.
+// 32 * key_stride(width) key floats, hpb * width query floats, hpb * 32 weights and 32 key codes.
 extern "C" __global__ void mtp_window_partial(const float* __restrict__ q,
                                               const long long* __restrict__ raw_ptr,
                                               const int* __restrict__ held,
@@ -31,7 +31,7 @@ extern "C" __global__ void mtp_window_partial(const float* __restrict__ q,
     wait_inputs();  // (pdl.py)
     extern __shared__ float smem[];
     __shared__ int visible_count;
-    int stride = width + 1;
+    int stride = key_stride(width);
     float* ks = smem;
     float* qs = ks + SPLIT_KEYS * stride;
     float* ps = qs + hpb * width;

@@ -36,7 +36,7 @@ def window_attention(q, kv, table, sinks, out, part, freqs=None, rope_dim: int =
     assert width <= 1024 and width % 4 == 0 and part.size >= partial_size(heads, width, table.cap)
     assert freqs is None or (width % 32 == 0 and rope_dim % 2 == 0)
     hpb = next(g for g in (8, 4, 2, 1) if heads % g == 0)
-    shared = 4 * (KEYS_PER_BLOCK * (width + 1) + hpb * width + hpb * KEYS_PER_BLOCK
+    shared = 4 * (KEYS_PER_BLOCK * (width + 4) + hpb * width + hpb * KEYS_PER_BLOCK
                   + KEYS_PER_BLOCK)
     args = (ptr(q), table.raw_word, ptr(table.held), ptr(kv), ptr(table.pos), i32(table.cap),
             ptr(part), i32(width), f32(width ** -0.5), i32(hpb))
