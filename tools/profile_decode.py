@@ -1,0 +1,107 @@
+"""Where one packed decode layer's time goes: the device time of every kernel of its CUDA graph,
+one line a launch, measured by Nsight Compute (`ncu --graph-profiling node`, kernels serialized,
+caches flushed between them, so the lines add up to more than a replay), beside the replayed
+graph's own time from the same layer.
+
+Each layer kind is a one-layer official-format model at V4-Flash dimensions (random packed
+weights, as `bench_engine.py --format official`), one session at position ctx - 2 with random
+rows in every cache, the kernel decoder's `run_layer` captured once; the child process replays
+it 200 times for the graph time, then once between cudaProfilerStart/Stop for ncu.
+
+    python3 tools/profile_decode.py [--layers csa,sliding,hca] [--ctx 4096] [--batch 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent
+
+
+def child(kind: str, ctx: int, batch: int) -> None:
+    """Capture layer 0's decode for `batch` members, time its replays, profile one."""
+    import cupy as cp
+    from bench_engine import KINDS
+    from bench_official import filled_state, layer_model
+
+    from ds4.model.gpu_decode import KernelDecoder
+
+    model = layer_model(cp, KINDS[kind], False, False)
+    states = [filled_state(cp, model.cfg, ctx) for _ in range(batch)]
+    dec = KernelDecoder.from_model(model)
+    B = dec.prepare(states, [7] * batch)
+    dec.run(B)  # every kernel compiled and loaded outside the capture
+    stream = dec.stream
+    with stream:
+        stream.begin_capture()
+        dec.run_layer(0, B)
+        graph = stream.end_capture()
+    for _ in range(5):
+        graph.launch(stream)
+    stream.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        graph.launch(stream)
+    stream.synchronize()
+    print(f"graph {(time.perf_counter() - t0) / 200 * 1e6:.1f}", flush=True)
+    cp.cuda.profiler.start()
+    graph.launch(stream)
+    stream.synchronize()
+    cp.cuda.profiler.stop()
+
+
+def kernel_times(text: str) -> list[tuple[str, float]]:
+    """(kernel name, microseconds) per profiled launch from ncu's --csv output."""
+    rows = [r for r in csv.reader(io.StringIO(text)) if len(r) > 10]
+    if not rows:
+        return []
+    head = rows[0]
+    name, value, unit = (head.index(c) for c in ("Kernel Name", "Metric Value", "Metric Unit"))
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+    return [(r[name], float(r[value].replace(",", "")) * scale[r[unit]]) for r in rows[1:]]
+
+
+def profile(kind: str, ctx: int, batch: int, ncu: str) -> None:
+    """Run the child under ncu and print its kernels' table."""
+    me = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--ctx", str(ctx),
+          "--batch", str(batch)]
+    plain = subprocess.run(me, capture_output=True, text=True, check=True)
+    graph_us = float(plain.stdout.split("graph ")[-1].split()[0])
+    out = subprocess.run([ncu, "--graph-profiling", "node", "--profile-from-start", "off",
+                          "--clock-control", "none", "--metrics", "gpu__time_duration.sum",
+                          "--csv", *me], capture_output=True, text=True, check=True).stdout
+    times = kernel_times(out)
+    print(f"\n{kind} layer, position {ctx - 2}, batch {batch}: graph replay {graph_us:.1f} us, "
+          f"{len(times)} kernels summing to {sum(t for _, t in times):.1f} us serialized")
+    for name, us in times:
+        print(f"  {us:7.2f} us  {name}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", default="csa,sliding,hca")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    sys.path.insert(0, str(TOOLS))
+    if args.child:
+        child(args.child, args.ctx, args.batch)
+        return
+    ncu = shutil.which("ncu") or next(iter(sorted(Path("/opt/nvidia").glob(
+        "nsight-compute/*/ncu"))), None)
+    if ncu is None:
+        sys.exit("profile_decode needs Nsight Compute's ncu on PATH")
+    for kind in args.layers.split(","):
+        profile(kind, args.ctx, args.batch, str(ncu))
+
+
+if __name__ == "__main__":
+    main()
