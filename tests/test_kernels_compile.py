@@ -151,3 +151,19 @@ def test_compile_ahead_join_gives_up_on_a_family_that_does_not_finish(monkeypatc
     finally:
         release.set()
     assert join() == []
+
+
+@pytest.mark.parametrize("batch,blocks,capacity", [(8, 33, 528), (8, 33, 232), (3, 9, 9),
+                                                   (1, 65, 65), (8, 65, 100)])
+def test_hc_unit_launches_only_members_whose_blocks_are_all_resident(batch, blocks, capacity):
+    """hc_unit's blocks of a member spin until all of them have met, so a launch may hold only
+    as many members as the device keeps resident at once: every member once, in order, each
+    launch within the capacity, and no more launches than that needs."""
+    from ds4.kernels.hyper_connection import member_groups
+
+    groups = member_groups(batch, blocks, capacity)
+    assert [m for m0, m1 in groups for m in range(m0, m1)] == list(range(batch))
+    assert all((m1 - m0) * blocks <= capacity for m0, m1 in groups)
+    assert len(groups) == -(-batch // (capacity // blocks))
+    with pytest.raises(AssertionError):
+        member_groups(batch, capacity + 1, capacity)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ds4.kernels import f32, i32, launch, ptr, widen
@@ -205,13 +207,46 @@ def hc_unit(X, y, post_comb, fn, scale, base, norm_w, mix, h, scratch, iters: in
     n_mix = fn.shape[0]
     assert unit_fits(n_mix, streams, D) and fn.shape[1] == streams * D
     part, done = scratch
-    args = (ptr(X), ptr(y), ptr(post_comb), ptr(fn), ptr(scale), ptr(base), ptr(norm_w),
-            ptr(mix), ptr(h), ptr(part), ptr(done), i32(D), i32(streams), i32(n_mix),
-            i32(mix.shape[-1]), i32(iters), f32(eps), f32(mix_eps), f32(norm_eps),
-            i32(int(head)))
     blocks = part.shape[1] + (0 if head else 1)  # the slices, and one for post and comb
-    launch("hyper_connection", "hc_unit", (blocks, 1, _batch(X)), (UNIT_THREADS,), args)
+    batch = _batch(X)
+    for m0, m1 in member_groups(batch, blocks, unit_capacity()):
+        at = (lambda a: a) if X.ndim == 2 else (lambda a, m0=m0, m1=m1: a[m0:m1])
+        args = (ptr(at(X)), ptr(None if y is None else at(y)), ptr(at(post_comb)), ptr(fn),
+                ptr(scale), ptr(base), ptr(norm_w), ptr(at(mix)), ptr(at(h)), ptr(at(part)),
+                ptr(at(done)), i32(D), i32(streams), i32(n_mix), i32(mix.shape[-1]),
+                i32(iters), f32(eps), f32(mix_eps), f32(norm_eps), i32(int(head)))
+        launch("hyper_connection", "hc_unit", (blocks, 1, m1 - m0), (UNIT_THREADS,), args)
     return h
+
+
+def member_groups(batch: int, blocks: int, capacity: int) -> list[tuple[int, int]]:
+    """Members [m0, m1) of each hc_unit launch: as many as have all their `blocks` resident
+    at once on a device that holds `capacity` of them (a member's blocks spin until all of
+    them have met, so a launch whose blocks cannot all be resident could wait forever)."""
+    assert blocks <= capacity, "one member's hc_unit blocks must fit on the device at once"
+    per = capacity // blocks
+    return [(m, min(m + per, batch)) for m in range(0, batch, per)]
+
+
+@functools.cache
+def unit_capacity() -> int:
+    """hc_unit blocks the current device holds at once (by its registers and threads per SM;
+    the few KB of shared memory never bind)."""
+    import cupy
+
+    from ds4.kernels import kernel
+
+    def attribute(code: int) -> int:
+        return cupy.cuda.runtime.deviceGetAttribute(code, cupy.cuda.runtime.getDevice())
+
+    regs = max(8, -(-kernel("hyper_connection", "hc_unit").num_regs // 8) * 8)
+    per_sm = min(attribute(REGISTERS_PER_SM) // (regs * UNIT_THREADS),
+                 attribute(THREADS_PER_SM) // UNIT_THREADS)
+    return per_sm * attribute(SM_COUNT)
+
+
+# cudaDeviceAttr codes
+SM_COUNT, THREADS_PER_SM, REGISTERS_PER_SM = 16, 39, 82
 
 
 def hc_unit_numpy(X, y, post_comb, fn, scale, base, norm_w, mix, h, scratch, iters: int = 20,
