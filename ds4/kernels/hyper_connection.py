@@ -202,7 +202,8 @@ def hc_unit(X, y, post_comb, fn, scale, base, norm_w, mix, h, scratch, iters: in
     """Decode at an mHC unit boundary, one launch: X = hc_post(X, y, post_comb) in place when y
     is given (the previous unit's output), then this unit's hc_mix(fn, X, mix, mix_eps) and
     hc_pre_norm into h and post_comb; head: the output head's collapse (fn [n, n D], pre only)
-    and its RMSNorm. X [B, streams, D]: every operand [B, ...]."""
+    and its RMSNorm. X [B, streams, D]: every operand [B, ...]. (A device too small to hold
+    every member's blocks at once gets one launch per group of members that fits.)"""
     streams, D = X.shape[-2:]
     n_mix = fn.shape[0]
     assert unit_fits(n_mix, streams, D) and fn.shape[1] == streams * D
