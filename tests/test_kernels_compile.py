@@ -167,3 +167,34 @@ def test_hc_unit_launches_only_members_whose_blocks_are_all_resident(batch, bloc
     assert len(groups) == -(-batch // (capacity // blocks))
     with pytest.raises(AssertionError):
         member_groups(batch, capacity + 1, capacity)
+
+
+def test_persistent_grids_and_hc_unit_size_themselves_by_the_devices_limits(monkeypatch):
+    """Every launcher that needs its blocks resident at once asks one helper, which divides
+    an SM's registers, threads and shared memory among the kernel's blocks (the H200's limits
+    here, kernels faked: no GPU needed)."""
+    from types import SimpleNamespace
+
+    from ds4 import kernels
+    from ds4.kernels import hyper_connection, packed, placed, rows_moe
+
+    monkeypatch.setattr(kernels, "device_limits", lambda: (132, 65536, 2048))
+    fake = SimpleNamespace(num_regs=64, shared_size_bytes=2740)
+    heavy = SimpleNamespace(num_regs=125, shared_size_bytes=8192)
+    monkeypatch.setattr(hyper_connection, "kernel", lambda family, name: fake)
+    monkeypatch.setattr(rows_moe, "kernel", lambda family, name: heavy)
+    monkeypatch.setattr(packed, "kernel", lambda family, name: fake)
+    monkeypatch.setattr(placed, "_kernel", lambda name: heavy)
+    cached = (hyper_connection.unit_capacity, rows_moe.resident_blocks, packed.resident_blocks,
+              placed._resident_blocks)
+    for f in cached:
+        f.cache_clear()
+    try:
+        assert hyper_connection.unit_capacity() == 4 * 132  # registers: 65536 / (64 * 256)
+        assert rows_moe.resident_blocks("k") == 2 * 132  # 128 registers a thread
+        assert packed.resident_blocks("k", 0) == 4 * 132
+        assert packed.resident_blocks("k", 100 * 1024) == 2 * 132  # shared memory binds
+        assert placed._resident_blocks("k", 0) == 2 * 132
+    finally:
+        for f in cached:
+            f.cache_clear()

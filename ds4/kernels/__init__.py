@@ -79,6 +79,29 @@ def compile_ahead(workers: int = 8, use_device=None):
     return join
 
 
+SHARED_PER_SM = 227 * 1024  # shared memory a Hopper SM gives its blocks
+
+
+@functools.cache
+def device_limits() -> tuple[int, int, int]:
+    """(SMs, registers per SM, threads per SM) of the current device (cudaDeviceAttr codes 16,
+    82 and 39)."""
+    import cupy
+
+    runtime, device = cupy.cuda.runtime, cupy.cuda.runtime.getDevice()
+    return tuple(runtime.deviceGetAttribute(code, device) for code in (16, 82, 39))
+
+
+def resident_blocks(k, threads: int, shared: int = 0) -> int:
+    """Blocks of compiled kernel k (threads each, `shared` bytes of dynamic shared memory) that
+    the GPU holds at once, by registers, threads and shared memory per SM: the size of a
+    persistent grid, or the most blocks of a launch whose blocks wait on one another."""
+    sms, regs_per_sm, threads_per_sm = device_limits()
+    regs = -(-max(k.num_regs, 1) // 8) * 8  # allocated per warp in units of 256
+    by_shared = SHARED_PER_SM // (shared + k.shared_size_bytes + 1024)
+    return sms * max(1, min(regs_per_sm // (regs * threads), by_shared, threads_per_sm // threads))
+
+
 def ptr(a) -> np.uint64:
     """Device pointer of a CuPy array (or NULL for None), as a kernel argument."""
     return NULL if a is None else np.uint64(a.data.ptr)

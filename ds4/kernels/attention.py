@@ -41,6 +41,14 @@ def heads_per_block(heads: int, splits: int) -> int:
     return next((g for g in fits if heads // g * splits >= TARGET_BLOCKS), fits[-1])
 
 
+def staged_shared(width: int, hpb: int) -> int:
+    """Dynamic shared memory (bytes) of a block that stages KEYS_PER_BLOCK keys for hpb query
+    heads (attention_partial, mtp_window_partial): the keys in rows of common.cuh's
+    key_stride(width) = width + 4 floats, the queries, the weights and the key codes."""
+    return 4 * (KEYS_PER_BLOCK * (width + 4) + hpb * width + hpb * KEYS_PER_BLOCK
+                + KEYS_PER_BLOCK)
+
+
 def partial_size(heads: int, width: int, max_keys: int) -> int:
     """Floats of the partials buffer attention_decode needs for up to max_keys keys."""
     return heads * -(-max_keys // KEYS_PER_BLOCK) * (width + 2)
@@ -57,8 +65,7 @@ def attention_decode(q, raw, pos, comp, sel, sel_count, ratio: int, sinks, out, 
     hpb = heads_per_block(heads, splits)
     args = (ptr(q), ptr(raw), ptr(pos), i32(cap), ptr(comp), ptr(sel), ptr(sel_count),
             i32(ratio), ptr(part), i32(width), f32(width ** -0.5), i32(max_keys), i32(hpb))
-    shared = 4 * (KEYS_PER_BLOCK * (width + 4) + hpb * width + hpb * KEYS_PER_BLOCK
-                  + KEYS_PER_BLOCK)
+    shared = staged_shared(width, hpb)
     launch("attention", "attention_partial", (heads // hpb, splits), (256,), args, shared=shared)
     launch("attention", "attention_combine", (heads,), (256,),
            (ptr(part), ptr(sinks), ptr(out), i32(width), i32(splits), i32(0), NULL, NULL, i32(0)),
@@ -102,8 +109,7 @@ def attention_decode_m(q, table, layer: int, raw_slot: int, comp_slot, cap: int,
     args = (ptr(q), table.group(layer, raw_slot), ptr(table.pos), i32(cap), comp, ptr(sel),
             ptr(sel_count), i32(0 if sel is None else sel.shape[1]), i32(ratio), ptr(part),
             i32(part.shape[1]), i32(width), f32(width ** -0.5), i32(max_keys), i32(hpb))
-    shared = 4 * (KEYS_PER_BLOCK * (width + 4) + hpb * width + hpb * KEYS_PER_BLOCK
-                  + KEYS_PER_BLOCK)
+    shared = staged_shared(width, hpb)
     launch("attention", "attention_partial_m", (heads // hpb, splits, batch), (256,), args,
            shared=shared)
     launch("attention", "attention_combine", (heads, 1, batch), (256,),

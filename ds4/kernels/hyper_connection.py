@@ -6,7 +6,7 @@ import functools
 
 import numpy as np
 
-from ds4.kernels import f32, i32, launch, ptr, widen
+from ds4.kernels import f32, i32, kernel, launch, ptr, resident_blocks, widen
 from ds4.kernels.gemv import weight_kind
 from ds4.kernels.norm import rms_norm_numpy
 
@@ -231,23 +231,8 @@ def member_groups(batch: int, blocks: int, capacity: int) -> list[tuple[int, int
 
 @functools.cache
 def unit_capacity() -> int:
-    """hc_unit blocks the current device holds at once (by its registers and threads per SM;
-    the few KB of shared memory never bind)."""
-    import cupy
-
-    from ds4.kernels import kernel
-
-    def attribute(code: int) -> int:
-        return cupy.cuda.runtime.deviceGetAttribute(code, cupy.cuda.runtime.getDevice())
-
-    regs = max(8, -(-kernel("hyper_connection", "hc_unit").num_regs // 8) * 8)
-    per_sm = min(attribute(REGISTERS_PER_SM) // (regs * UNIT_THREADS),
-                 attribute(THREADS_PER_SM) // UNIT_THREADS)
-    return per_sm * attribute(SM_COUNT)
-
-
-# cudaDeviceAttr codes
-SM_COUNT, THREADS_PER_SM, REGISTERS_PER_SM = 16, 39, 82
+    """hc_unit blocks the current device holds at once."""
+    return resident_blocks(kernel("hyper_connection", "hc_unit"), UNIT_THREADS)
 
 
 def hc_unit_numpy(X, y, post_comb, fn, scale, base, norm_w, mix, h, scratch, iters: int = 20,

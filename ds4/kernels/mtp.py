@@ -12,9 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from ds4.kernels import NULL, f32, i32, launch, ptr
+from ds4.kernels.attention import KEYS_PER_BLOCK, staged_shared
 from ds4.kernels.rope import rope_tail_numpy
-
-KEYS_PER_BLOCK = 32  # keys one mtp_window_partial block stages (SPLIT_KEYS in common.cuh)
 
 
 def splits(cap: int) -> int:
@@ -36,8 +35,7 @@ def window_attention(q, kv, table, sinks, out, part, freqs=None, rope_dim: int =
     assert width <= 1024 and width % 4 == 0 and part.size >= partial_size(heads, width, table.cap)
     assert freqs is None or (width % 32 == 0 and rope_dim % 2 == 0)
     hpb = next(g for g in (8, 4, 2, 1) if heads % g == 0)
-    shared = 4 * (KEYS_PER_BLOCK * (width + 4) + hpb * width + hpb * KEYS_PER_BLOCK
-                  + KEYS_PER_BLOCK)
+    shared = staged_shared(width, hpb)
     args = (ptr(q), table.raw_word, ptr(table.held), ptr(kv), ptr(table.pos), i32(table.cap),
             ptr(part), i32(width), f32(width ** -0.5), i32(hpb))
     launch("mtp", "mtp_window_partial", (heads // hpb, n), (256,), args, shared=shared)

@@ -19,6 +19,7 @@ import functools
 
 import numpy as np
 
+from ds4 import kernels
 from ds4.kernels import f32, i32, kernel, launch, ptr, to_bf16
 from ds4.kernels.moe import _swiglu
 
@@ -29,7 +30,6 @@ MAX_BATCH = 8  # vectors per batched GEMV launch
 ROWS_PER_WARP = {"fp8": 4, "fp4": 1}  # GEMV rows per warp: best on the H200 (bench_packed)
 ROWS_PER_WARP_MOE = 1  # expert kernels: best on the H200 (tools/bench_packed.py)
 CHUNK_CODES = {"fp8": 16, "fp4": 32}  # codes in one 16-byte load
-SHARED_PER_SM = 227 * 1024
 
 
 def x_bytes(fmt: str, chunks: int) -> int:
@@ -38,21 +38,10 @@ def x_bytes(fmt: str, chunks: int) -> int:
 
 
 @functools.cache
-def _sm_count() -> int:
-    import cupy
-
-    return cupy.cuda.Device().attributes["MultiProcessorCount"]
-
-
-@functools.cache
 def resident_blocks(name: str, shared: int) -> int:
     """Blocks of kernel `name` that fit on the GPU at once (registers and shared memory): the
     size of a persistent grid."""
-    k = kernel("packed", name)
-    regs = -(-max(k.num_regs, 1) // 8) * 8  # allocated per warp in units of 256
-    by_regs = 65536 // (regs * 32 * WARPS_PER_BLOCK)
-    by_shared = SHARED_PER_SM // (shared + k.shared_size_bytes + 1024)
-    return _sm_count() * max(1, min(by_regs, by_shared, 2048 // (32 * WARPS_PER_BLOCK)))
+    return kernels.resident_blocks(kernel("packed", name), 32 * WARPS_PER_BLOCK, shared)
 
 
 def _e4m3_table() -> np.ndarray:

@@ -15,13 +15,11 @@ import zlib
 import numpy as np
 
 from ds4.backend import KERNEL_DIR, load_module
-from ds4.kernels import compile_options, f32, i32, ptr
+from ds4.kernels import compile_options, f32, i32, ptr, resident_blocks
 from ds4.kernels.packed import (
     CHUNK_CODES,
-    SHARED_PER_SM,
     WARPS_PER_BLOCK,
     _shift,
-    _sm_count,
     x_bytes,
 )
 
@@ -42,11 +40,7 @@ def _kernel(name: str):
 @functools.cache
 def _resident_blocks(name: str, shared: int) -> int:
     """Blocks of kernel `name` that fit on the GPU at once: the persistent grid's size."""
-    k = _kernel(name)
-    regs = -(-max(k.num_regs, 1) // 8) * 8
-    by_regs = 65536 // (regs * 32 * WARPS_PER_BLOCK)
-    by_shared = SHARED_PER_SM // (shared + k.shared_size_bytes + 1024)
-    return _sm_count() * max(1, min(by_regs, by_shared, 2048 // (32 * WARPS_PER_BLOCK)))
+    return resident_blocks(_kernel(name), 32 * WARPS_PER_BLOCK, shared)
 
 
 def _launch(name: str, grid: int, args: tuple, shared: int) -> None:

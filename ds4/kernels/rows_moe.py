@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ds4 import kernels
 from ds4.kernels import f32, i32, kernel, launch, ptr
 from ds4.kernels import moe as plain_moe
 from ds4.kernels.moe import _swiglu
@@ -142,13 +143,8 @@ class Bank:
 
 @functools.cache
 def resident_blocks(name: str) -> int:
-    """Blocks of kernel `name` resident on the GPU at once (by registers): a persistent grid."""
-    import cupy
-
-    k = kernel("rows_moe", name)
-    regs = -(-max(k.num_regs, 1) // 8) * 8
-    per_sm = max(1, min(65536 // (regs * 32 * WARPS), 2048 // (32 * WARPS)))
-    return per_sm * cupy.cuda.Device().attributes["MultiProcessorCount"]
+    """Blocks of kernel `name` resident on the GPU at once: a persistent grid."""
+    return kernels.resident_blocks(kernel("rows_moe", name), 32 * WARPS)
 
 
 def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, limit: float,
