@@ -42,6 +42,7 @@ WARPS = 8  # per block: rows_formats.cuh's RW
 MAX_BATCH = 8  # columns of one mma tile
 TARGET_WARPS = 2048  # row groups x k-split warps that keep every SM streaming
 TALL_ROWS = 4096  # from this many rows a warp takes two 16-row tiles (more bytes in flight)
+WIDE_COLS = 8192  # a tall packed matrix this wide takes 4 k-tiles a stage (o_b, docs/PERF.md)
 CHUNK = {FP8: 16, FP8H: 16, FP4: 32, "bf16": 16}  # columns of one lane's 16-byte (bf16: 32) chunk
 FORMAT_CODE = {FP8: 0, FP4: 1, "bf16": 2, FP8H: 3}  # rows_many's table
 KERNEL_NAME = {FP8: "Fp8", FP8H: "Fp8h", FP4: "Fp4", "bf16": "Bf16"}
@@ -114,7 +115,9 @@ def _check_rows(a, batch: int, width: int, name: str, aligned: bool = True) -> N
 
 def variant(op: Operand) -> tuple[int, int]:
     """(16-row tiles per warp, k-tiles per stage) of matvec for a matrix: by shape only."""
-    return (2, 2) if op.rows >= TALL_ROWS else (1, 4)
+    if op.rows < TALL_ROWS:
+        return (1, 4)
+    return (2, 4) if op.cols >= WIDE_COLS and op.fmt != "bf16" else (2, 2)  # (bf16: no m2_d4)
 
 
 def matvec(w, x, y, batch: int, rows_per_group: int | None = None,
