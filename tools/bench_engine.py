@@ -66,11 +66,21 @@ def ceilings(cp) -> dict:
 
 def graph_time(cp, stream, fn, repeat: int = 50) -> float:
     """Median seconds of one replay of fn captured as a CUDA graph."""
+    return replay_time(cp, stream, capture(cp, stream, fn), repeat)
+
+
+def capture(cp, stream, fn):
+    """fn's launches on stream as a CUDA graph (captured once, ready to replay)."""
     with stream:
         stream.begin_capture()
         fn()
         graph = stream.end_capture()
     cp.cuda.Device().synchronize()
+    return graph
+
+
+def replay_time(cp, stream, graph, repeat: int = 50) -> float:
+    """Median seconds of one replay of a captured graph."""
 
     def replays():
         """Ten back-to-back replays (one timing sample)."""

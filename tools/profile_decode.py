@@ -6,7 +6,8 @@ graph's own time from the same layer.
 Each layer kind is a one-layer official-format model at V4-Flash dimensions (random packed
 weights, as `bench_engine.py --format official`), one session at position ctx - 2 with random
 rows in every cache, the kernel decoder's `run_layer` captured once; the child process replays
-it 200 times for the graph time, then once between cudaProfilerStart/Stop for ncu.
+it for the graph time (bench_engine's median replay), then once between cudaProfilerStart/Stop
+for ncu.
 
     python3 tools/profile_decode.py [--layers csa,sliding,hca] [--ctx 4096] [--batch 1]
 """
@@ -19,7 +20,6 @@ import io
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 TOOLS = Path(__file__).resolve().parent
@@ -28,7 +28,7 @@ TOOLS = Path(__file__).resolve().parent
 def child(kind: str, ctx: int, batch: int) -> None:
     """Capture layer 0's decode for `batch` members, time its replays, profile one."""
     import cupy as cp
-    from bench_engine import KINDS
+    from bench_engine import KINDS, capture, replay_time
     from bench_official import filled_state, layer_model
 
     from ds4.model.gpu_decode import KernelDecoder
@@ -39,18 +39,8 @@ def child(kind: str, ctx: int, batch: int) -> None:
     B = dec.prepare(states, [7] * batch)
     dec.run(B)  # every kernel compiled and loaded outside the capture
     stream = dec.stream
-    with stream:
-        stream.begin_capture()
-        dec.run_layer(0, B)
-        graph = stream.end_capture()
-    for _ in range(5):
-        graph.launch(stream)
-    stream.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(200):
-        graph.launch(stream)
-    stream.synchronize()
-    print(f"graph {(time.perf_counter() - t0) / 200 * 1e6:.1f}", flush=True)
+    graph = capture(cp, stream, lambda: dec.run_layer(0, B))
+    print(f"graph {replay_time(cp, stream, graph, repeat=200) * 1e6:.1f}", flush=True)
     cp.cuda.profiler.start()
     graph.launch(stream)
     stream.synchronize()

@@ -184,9 +184,9 @@ UNIT_THREADS = 256
 
 def unit_fits(n_mix: int, streams: int, D: int) -> bool:
     """True where hc_unit takes a unit: n_mix partial sums a slice beside sum(u^2) and sum(X^2),
-    up to four streams, D in float4 quads and small enough that the blocks of 8 members are all
-    resident at once (their meetings spin)."""
-    return (n_mix <= MAX_MIX - 2 and streams <= UNIT_STREAMS and D <= MAX_D and D % 4 == 0)
+    up to four streams, D in float4 quads and at most MAX_D (how many members a launch takes:
+    member_groups)."""
+    return n_mix <= MAX_MIX - 2 and streams <= UNIT_STREAMS and D <= MAX_D and D % 4 == 0
 
 
 def unit_scratch(xp, batch: int, D: int) -> tuple:
