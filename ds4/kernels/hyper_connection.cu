@@ -85,9 +85,12 @@ __device__ void hc_weights(const float* mix, const float* scale, const float* ba
     }
 }
 
-// The same weights computed by one warp, lane i*n + j holding comb[i][j] (n a power of two,
-// n*n <= 32): row sums reduce over lane bits below n, column sums over the bits above. A serial
-// Sinkhorn costs ~20 us of divisions in one thread; this costs ~1 us.
+// Whether one warp computes a unit's weights (hc_weights_warp): n a power of two, n * n <= 32.
+__device__ __forceinline__ bool warp_weights(int n) { return (n & (n - 1)) == 0 && n * n <= 32; }
+
+// The same weights computed by one warp, lane i*n + j holding comb[i][j] (warp_weights(n)):
+// row sums reduce over lane bits below n, column sums over the bits above. A serial Sinkhorn
+// costs ~20 us of divisions in one thread; this costs ~1 us.
 __device__ void hc_weights_warp(const float* mix, const float* scale, const float* base, int n,
                                 int iters, float eps, float* pre, float* post, float* comb) {
     int lane = threadIdx.x & 31, nn = n * n;
@@ -128,7 +131,7 @@ extern "C" __global__ void hc_pre(const float* __restrict__ mix, const float* __
     X += b * n * D;
     u += b * D;
     post_comb += b * (n + n * n);
-    bool warp_path = (n & (n - 1)) == 0 && n * n <= 32;
+    bool warp_path = warp_weights(n);
     if (head) {
         if (threadIdx.x < n) pre[threadIdx.x] = sigmoidf(mix[threadIdx.x] * scale[0] + base[threadIdx.x]) + eps;
     } else if (warp_path) {
@@ -263,8 +266,8 @@ __device__ __forceinline__ void collapse_sum_norm(const float* p, const float* X
 
 // The weights of one unit from its mix, the collapse u = sum_i pre_i X_i and its RMSNorm h, by
 // one block (member pointers already offset; us: D floats of shared memory). Where one warp
-// computes the weights (n a power of two, n * n <= 32), the last warp runs the Sinkhorn (only
-// comb needs it) while the others, each deriving pre itself by the same expression, sum and
+// computes the weights (warp_weights), the last warp runs the Sinkhorn (only comb needs it)
+// while the others, each deriving pre itself by the same expression, sum and
 // normalise: the two overlap instead of following each other. head: the output head's
 // collapse (mix holds the n pre values only; no post, no comb).
 __device__ void collapse_norm(const float* mix, const float* __restrict__ scale,
@@ -276,7 +279,7 @@ __device__ void collapse_norm(const float* mix, const float* __restrict__ scale,
     __shared__ float red[32], pre_sum[MAX_STREAMS];  // pre_sum: the summing warps' own copy
     int threads = blockDim.x - 32;
     const float* p = pre_sum;
-    if (head || (n & (n - 1)) != 0 || n * n > 32) {  // weights first, then every thread sums
+    if (head || !warp_weights(n)) {  // weights first, then every thread sums
         if (head && threadIdx.x < (unsigned)n)
             pre_sum[threadIdx.x] = sigmoidf(mix[threadIdx.x] * scale[0] + base[threadIdx.x]) + eps;
         if (!head && threadIdx.x == 0)
@@ -369,8 +372,7 @@ __device__ __forceinline__ void whole_mix(const float* pb, int slices, int n_mix
         mixs[threadIdx.x] = t;
     }
     __syncthreads();
-    float norm = rsqrtf(mixs[SS_SLOT] / width + mix_eps);
-    __syncthreads();
+    float norm = rsqrtf(mixs[SS_SLOT] / width + mix_eps);  // (mix rows sit below SS_SLOT)
     if (threadIdx.x < n_mix) mixs[threadIdx.x] *= norm;
     __syncthreads();
 }
@@ -397,7 +399,7 @@ hc_unit(float* X, const float* __restrict__ y, float* post_comb, const float* __
         member_wait(count, slices, false);
         whole_mix(pb, slices, n_mix, width, mix_eps, mixs);
         __shared__ float wpre[MAX_STREAMS], post[MAX_STREAMS], comb[MAX_STREAMS * MAX_STREAMS];
-        if ((n & (n - 1)) == 0 && n * n <= 32) {
+        if (warp_weights(n)) {
             if (warp == 0) hc_weights_warp(mixs, scale, base, n, iters, eps, wpre, post, comb);
         } else if (threadIdx.x == 0) {
             hc_weights(mixs, scale, base, n, iters, eps, wpre, post, comb);
