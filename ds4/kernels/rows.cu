@@ -43,22 +43,25 @@ __device__ __forceinline__ void matvec_group(const u8* W, const u8* S, int rows,
 #define MATVEC_ARGS const u8* __restrict__ W, const u8* __restrict__ S, int rows, int cols, \
     int sc_ld, int shift, const float* __restrict__ x, long long x_ld, int rows_per_group, \
     float* y, long long y_ld, int batch, int KW
-#define MATVEC(F, MT, DEPTH, NT) \
-    extern "C" __global__ void __launch_bounds__(32 * RW) \
+// MINB: blocks an SM must hold (the launch bounds). 2 for the variants of 8 k-tile words in
+// flight a lane, which fit 128 registers without spilling (q_b and o_a at B > 4 took 139 and
+// so ran one block of 8 warps an SM); 1 where 128 would spill.
+#define MATVEC(F, MT, DEPTH, NT, MINB) \
+    extern "C" __global__ void __launch_bounds__(32 * RW, MINB) \
     rows_matvec_##F##_m##MT##_d##DEPTH##_n##NT(MATVEC_ARGS) { \
         __shared__ float red[RW * MT * 4 * 32]; \
         matvec_group<F, MT, DEPTH, NT>(W, S, rows, cols, sc_ld, shift, x, x_ld, rows_per_group, \
                                        y, y_ld, batch, KW, blockIdx.x, red); }
 // (tiles per warp, k-tiles per stage) variants: rows.py picks one per shape
-#define MATVEC_NT(F, MT, DEPTH) MATVEC(F, MT, DEPTH, 1) MATVEC(F, MT, DEPTH, 2)
-#define MATVEC_VARIANTS(F) MATVEC_NT(F, 1, 4) MATVEC_NT(F, 2, 2) MATVEC_NT(F, 1, 8) \
-    MATVEC_NT(F, 2, 4) MATVEC_NT(F, 4, 2)
+#define MATVEC_NT(F, MT, DEPTH, MINB) MATVEC(F, MT, DEPTH, 1, MINB) MATVEC(F, MT, DEPTH, 2, MINB)
+#define MATVEC_VARIANTS(F, MINB22) MATVEC_NT(F, 1, 4, 2) MATVEC_NT(F, 2, 2, MINB22) \
+    MATVEC_NT(F, 1, 8, 1) MATVEC_NT(F, 2, 4, 1) MATVEC_NT(F, 4, 2, 1)
 
-MATVEC_VARIANTS(Fp8)
-MATVEC_VARIANTS(Fp8h)
-MATVEC_VARIANTS(Fp4)
-MATVEC_NT(Bf16, 1, 4)
-MATVEC_NT(Bf16, 2, 2)
+MATVEC_VARIANTS(Fp8, 2)
+MATVEC_VARIANTS(Fp8h, 2)
+MATVEC_VARIANTS(Fp4, 1)  // (its two-tile words at B > 4 would spill under 128 registers)
+MATVEC_NT(Bf16, 1, 4, 1)
+MATVEC_NT(Bf16, 2, 2, 1)
 
 // x [n, >= K] (row stride x_ld) as format F's split words (rows.cuh): out [n, out_ld], out_ld
 // = 2 * KT * 2 * CH words (KT = ceil(K / (4 CH)) k-tiles), hi words then lo words, columns
