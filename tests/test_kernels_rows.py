@@ -369,21 +369,32 @@ def test_moe_kernel_matches_twin_at_v4_shapes(moe_case):
     rng = np.random.default_rng(9)
     idx, wts = picks(rng, 8, 6, 256)
     idx[1, 2] = idx[0, 0]  # two tokens sharing an expert
+    crowded(idx)
     x = rng.standard_normal((8, 4096), dtype=np.float32)
-    y = run_moe(cp, moe_case, idx, wts, x, 2).get()
-    want = np.zeros((2, 4096), np.float32)
     gu, down, sh, inter, _ = moe_case
-    RM.moe_numpy(gu, down, idx[:2], wts[:2], x[:2], None, want, 2, inter, 10.0, sh)
-    assert np.allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    for batch in (2, 8):
+        y = run_moe(cp, moe_case, idx, wts, x, batch).get()
+        want = np.zeros((batch, 4096), np.float32)
+        RM.moe_numpy(gu, down, idx[:batch], wts[:batch], x[:batch], None, want, batch, inter,
+                     10.0, sh)
+        assert np.allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()), batch
+
+
+def crowded(idx) -> None:
+    """Tokens 2..7 all pick one expert (slot 5): a unit of 6 tokens, two passes of the
+    one-tile kernels (rows_moe.PASSES)."""
+    e = next(e for e in range(256) if e not in idx[:, :5])
+    idx[2:, 5] = e
 
 
 @gpu_test
-def test_moe_row_is_bitwise_the_same_in_any_batch(moe_case):
+def test_moe_row_is_bitwise_the_same_in_any_batch(moe_case, monkeypatch):
     import cupy as cp
 
     rng = np.random.default_rng(10)
     idx, wts = picks(rng, 8, 6, 256)
     idx[3, :3] = idx[0, :3]  # overlapping picks
+    crowded(idx)
     x = rng.standard_normal((8, 4096), dtype=np.float32)
     alone = cp.concatenate([run_moe(cp, moe_case, idx[b:b + 1], wts[b:b + 1], x[b:b + 1], 1)
                             for b in range(8)])
@@ -391,6 +402,9 @@ def test_moe_row_is_bitwise_the_same_in_any_batch(moe_case):
         assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, batch), alone[:batch])
     for kw in ({"persistent": False}, {"fuse_shared": False}):  # other launch shapes, same sums
         assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, **kw), alone)
+    monkeypatch.setattr(RM, "PASSES", False)  # 5..8 tokens in one pass of the two-tile kernels
+    assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8), alone)
+    monkeypatch.undo()
     routed = cp.concatenate([run_moe(cp, moe_case, idx[b:b + 1], wts[b:b + 1], x[b:b + 1], 1,
                                      shared=False) for b in range(8)])
     assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, shared=False), routed)

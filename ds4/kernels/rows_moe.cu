@@ -85,29 +85,40 @@ struct Bank {
     }
 };
 
-// Work item `item` of a routed part (n_units * tiles items) then a shared part (tiles_s):
-// unit (-1 for the shared expert) and row tile.
-__device__ __forceinline__ bool moe_item(int item, int n_units, int tiles, int tiles_s,
-                                         int& unit, int& tile) {
-    if (item < n_units * tiles) {
-        unit = item / tiles;
-        tile = item - unit * tiles;
+// Work item `item` of a routed part (n_units * passes * tiles items) then a shared part
+// (passes * tiles_s): unit (-1 for the shared expert), pass (columns 4 * pass.. of an NT = 1
+// kernel over more than 4 tokens) and row tile.
+__device__ __forceinline__ bool moe_item(int item, int n_units, int passes, int tiles,
+                                         int tiles_s, int& unit, int& pass, int& tile) {
+    if (item < n_units * passes * tiles) {
+        unit = item / (passes * tiles);
+        pass = (item - unit * passes * tiles) / tiles;
+        tile = item - (unit * passes + pass) * tiles;
         return true;
     }
     unit = -1;
-    tile = item - n_units * tiles;
-    return tile < tiles_s;
+    item -= n_units * passes * tiles;
+    pass = item / max(tiles_s, 1);
+    tile = item - pass * tiles_s;
+    return pass < passes;
 }
 
+// Passes of an MoE kernel over `batch` tokens: an NT = 1 kernel takes 4 columns a pass (so
+// batches of 5..8 run at its occupancy, an expert of more than 4 tokens read once a pass).
+template <int NT>
+__device__ __forceinline__ int moe_passes(int batch) { return NT == 1 && batch > 4 ? 2 : 1; }
+
 // gate/up of one row group: rows j0.. of gate (tile 0) and of up (tile 1, `up_row` rows
-// further), x columns of the unit's tokens (or the batch, for the shared expert); act[out
-// pair] = silu(min(g, limit)) * clamp(u, +-limit) * weight. XS: x's split words xs instead.
+// further), x columns of the unit's tokens (or the batch, for the shared expert) from column
+// `first` on (a pass: up to 4 columns for NT = 1); act[out pair] = silu(min(g, limit)) *
+// clamp(u, +-limit) * weight. XS: x's split words xs instead.
 template <class F, int NT, bool XS>
 __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int up_row, int inter,
                               int cols, const float* x, long long x_ld, const u32* xs,
-                              long long xs_ld, const int* unit, int k, const float* wts,
-                              float* act, int batch, float limit, int KW, int tile, float* red) {
-    int warp = threadIdx.x >> 5, kw = warp % KW, g = lane_slot<NT>();
+                              long long xs_ld, const int* unit, int first, int k,
+                              const float* wts, float* act, int batch, float limit, int KW,
+                              int tile, float* red) {
+    int warp = threadIdx.x >> 5, kw = warp % KW, g = first + lane_slot<NT>();
     int j0 = (tile * (RW / KW) + warp / KW) * 16;
     float v[2][4] = {};
     if (j0 < inter) {
@@ -126,8 +137,8 @@ __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int u
     int n = unit ? unit[1] : batch;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        int j = out_row(j0, i), c = out_col(i);
-        if (j >= inter || c >= n) continue;
+        int j = out_row(j0, i), c = first + out_col(i);
+        if (j >= inter || c >= n || (NT == 1 && out_col(i) >= 4)) continue;
         int p = unit ? unit[2 + c] : c;
         float gs = v[0][i], us = v[1][i];
         if (limit > 0.f) {
@@ -138,13 +149,13 @@ __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int u
     }
 }
 
-// down of one row group (32 rows): out[out pair][r] = down_e[r] . act[pair] (XS: act's split
-// words as).
+// down of one row group (32 rows): out[out pair][r] = down_e[r] . act[pair] for the pass's
+// columns from `first` (XS: act's split words as).
 template <class F, int NT, bool XS>
 __device__ void down_group(const Bank& bk, long long e, int rows, int inter, const float* act,
-                           const u32* as, long long as_ld, const int* unit, float* out,
-                           int batch, int KW, int tile, float* red) {
-    int warp = threadIdx.x >> 5, kw = warp % KW, g = lane_slot<NT>();
+                           const u32* as, long long as_ld, const int* unit, int first,
+                           float* out, int batch, int KW, int tile, float* red) {
+    int warp = threadIdx.x >> 5, kw = warp % KW, g = first + lane_slot<NT>();
     int r0 = (tile * (RW / KW) + warp / KW) * 32;
     float v[2][4] = {};
     if (r0 < rows) {
@@ -165,8 +176,9 @@ __device__ void down_group(const Bank& bk, long long e, int rows, int inter, con
     for (int mt = 0; mt < 2; mt++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            int r = out_row(r0 + 16 * mt, i), c = out_col(i);
-            if (r < rows && c < n) out[(size_t)(unit ? unit[2 + c] : c) * rows + r] = v[mt][i];
+            int r = out_row(r0 + 16 * mt, i), c = first + out_col(i);
+            if (r < rows && c < n && (NT == 2 || out_col(i) < 4))
+                out[(size_t)(unit ? unit[2 + c] : c) * rows + r] = v[mt][i];
         }
 }
 
@@ -193,21 +205,23 @@ __device__ void moe_gate_up(const Bank& rb, const Bank& sg, const Bank& su, cons
                             int cols, int batch, float limit, int KW, int tiles, int tiles_s,
                             const u32* xs, long long xs_ld, const u32* ss, long long ss_ld) {
     __shared__ float red[RW * 2 * 4 * 32];
-    int n_units = routed ? units[0] : 0, unit, tile;
-    for (int item = blockIdx.x; moe_item(item, n_units, tiles, tiles_s, unit, tile);
+    int n_units = routed ? units[0] : 0, passes = moe_passes<NT>(batch), unit, pass, tile;
+    for (int item = blockIdx.x; moe_item(item, n_units, passes, tiles, tiles_s, unit, pass, tile);
          item += gridDim.x) {
+        int first = 4 * pass;
         if (unit >= 0) {
             const int* u = units + 1 + UNIT * unit;
+            if (first >= u[1]) continue;  // (a block-wide skip: every warp takes the same item)
             Bank ex = rb.at(u[0]);
             if (NT == 2 && u[1] <= 4)  // few tokens: one mma per tile (same sums, half the work)
-                gate_up_group<F, 1, XS>(ex, ex, 0, inter, inter, cols, x, x_ld, xs, xs_ld, u, k,
-                                        wts, act, batch, limit, KW, tile, red);
+                gate_up_group<F, 1, XS>(ex, ex, 0, inter, inter, cols, x, x_ld, xs, xs_ld, u, 0,
+                                        k, wts, act, batch, limit, KW, tile, red);
             else
-                gate_up_group<F, NT, XS>(ex, ex, 0, inter, inter, cols, x, x_ld, xs, xs_ld, u, k,
-                                         wts, act, batch, limit, KW, tile, red);
+                gate_up_group<F, NT, XS>(ex, ex, 0, inter, inter, cols, x, x_ld, xs, xs_ld, u,
+                                         first, k, wts, act, batch, limit, KW, tile, red);
         } else if constexpr (!FS::NONE) {
-            gate_up_group<FS, NT, XS>(sg, su, 0, 0, s_inter, cols, x, x_ld, ss, ss_ld, nullptr, k,
-                                      wts, sact, batch, limit, KW, tile, red);
+            gate_up_group<FS, NT, XS>(sg, su, 0, 0, s_inter, cols, x, x_ld, ss, ss_ld, nullptr,
+                                      first, k, wts, sact, batch, limit, KW, tile, red);
         }
     }
 }
@@ -219,27 +233,30 @@ __device__ void moe_down(const Bank& rb, const Bank& sd, const int* units, int r
                          int tiles_s, const u32* as, long long as_ld, const u32* sas,
                          long long sas_ld) {
     __shared__ float red[RW * 2 * 4 * 32];
-    int n_units = routed ? units[0] : 0, unit, tile;
-    for (int item = blockIdx.x; moe_item(item, n_units, tiles, tiles_s, unit, tile);
+    int n_units = routed ? units[0] : 0, passes = moe_passes<NT>(batch), unit, pass, tile;
+    for (int item = blockIdx.x; moe_item(item, n_units, passes, tiles, tiles_s, unit, pass, tile);
          item += gridDim.x) {
+        int first = 4 * pass;
         if (unit >= 0) {
             const int* u = units + 1 + UNIT * unit;
+            if (first >= u[1]) continue;  // (block-wide, as in moe_gate_up)
             if (NT == 2 && u[1] <= 4)
-                down_group<F, 1, XS>(rb.at(u[0]), 0, rows, inter, act, as, as_ld, u, part, batch,
-                                     KW, tile, red);
+                down_group<F, 1, XS>(rb.at(u[0]), 0, rows, inter, act, as, as_ld, u, 0, part,
+                                     batch, KW, tile, red);
             else
-                down_group<F, NT, XS>(rb.at(u[0]), 0, rows, inter, act, as, as_ld, u, part, batch,
-                                      KW, tile, red);
+                down_group<F, NT, XS>(rb.at(u[0]), 0, rows, inter, act, as, as_ld, u, first,
+                                      part, batch, KW, tile, red);
         } else if constexpr (!FS::NONE) {
-            down_group<FS, NT, XS>(sd, 0, rows, s_inter, sact, sas, sas_ld, nullptr, spart, batch,
-                                   KW, tile, red);
+            down_group<FS, NT, XS>(sd, 0, rows, s_inter, sact, sas, sas_ld, nullptr, first,
+                                   spart, batch, KW, tile, red);
         }
     }
 }
 
-// NT = 1 (hi and lo in one tile) serves calls of up to 4 tokens, NT = 2 up to 8 (whose units of
-// at most 4 tokens still take the NT = 1 path: an output is hi + lo summed in the same order
-// either way, so it is bitwise the same, at half the mma and x-split work); the trailing
+// NT = 1 (hi and lo in one tile) serves calls of up to 4 tokens, or of up to 8 in passes of 4
+// columns; NT = 2 up to 8 in one pass (whose units of at most 4 tokens still take the NT = 1
+// path). An output is hi + lo summed in the same order either way, so it is bitwise the same,
+// at half the mma and x-split work a column; the trailing
 // arguments are the launch bounds (`32 * RW, 1` where ptxas would otherwise squeeze a kernel
 // that needs more than 128 registers, one block per SM either way, into 128 and spill).
 #define MOE_KERNELS(name, F, FS, NT, XS, ...) \

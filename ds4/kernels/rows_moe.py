@@ -45,6 +45,7 @@ from ds4.kernels.rows import (
 UNIT = 10  # ints per expert in the grouping table (rows_moe.cu)
 MAX_PAIRS = 64  # tokens x slots of one MoE call
 MOE_KERNELS = {(FP4, FP8), (FP4, "bf16"), (FP8, FP8), ("bf16", "bf16")}
+PASSES = True  # batches of 5..8 through the one-tile (NT = 1) kernels, 4 tokens a pass
 
 
 @dataclass
@@ -177,7 +178,7 @@ def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, 
     launch("rows_moe", "rows_moe_group", (1,), (32 * WARPS,),
            (ptr(idx), i32(call.pairs), i32(k), i32(gu.count), ptr(gu.on_host), ptr(live),
             ptr(counts), ptr(act.units)))
-    parts = _moe_parts(gu.fmt, sops, fuse_shared, 1 if batch <= 4 else 2)
+    parts = _moe_parts(gu.fmt, sops, fuse_shared, call.nt)
     xs = call.split_ready(parts)
     if xs:  # x split once for the routed FP4 and the shared FP8 experts
         split_rows([(x, batch, gu.cols, FP4, act.words[0]),
@@ -217,6 +218,17 @@ class MoeCall:
     def pairs(self) -> int:
         return self.batch * self.k
 
+    @property
+    def nt(self) -> int:
+        """The kernels' mma tiles a row tile: 1 (hi and lo of 4 columns in one) up to 4 tokens,
+        and with PASSES for any batch (two passes over 5..8); else 2."""
+        return 1 if self.batch <= 4 or PASSES else 2
+
+    @property
+    def passes(self) -> int:
+        """Passes over the tokens of an expert (rows_moe.cu's moe_passes)."""
+        return 2 if self.nt == 1 and self.batch > 4 else 1
+
     def grid(self, name: str, items: int) -> tuple[int]:
         return (min(items, resident_blocks(name)) if self.persistent else items,)
 
@@ -253,7 +265,7 @@ def _moe_gate_up(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -
     tiles = -(-c.inter // rows_per_block)
     tiles_s = -(-c.s_inter // rows_per_block) if sops else 0
     sg, su = (Bank(sops[0]), Bank(sops[1])) if sops else (Bank(None), Bank(None))
-    items = (min(c.gu.count, c.pairs) * tiles if routed else 0) + tiles_s
+    items = ((min(c.gu.count, c.pairs) * tiles if routed else 0) + tiles_s) * c.passes
     args = (*Bank(c.gu).args(), *sg.args(), *su.args(), ptr(c.act.units), i32(int(routed)),
             i32(c.k), ptr(c.wts), ptr(c.x), np.int64(_ld(c.x)), ptr(c.act.act),
             ptr(c.act.sact), i32(c.inter), i32(c.s_inter), i32(c.gu.cols), i32(c.batch),
@@ -266,7 +278,7 @@ def _moe_down(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -> N
     kw = pick_split(c.k * -(-hidden // 32), _k_tiles(c.dn.fmt, c.inter))
     tiles = -(-hidden // (32 * (WARPS // kw)))
     tiles_s = tiles if sops else 0
-    items = (min(c.dn.count, c.pairs) * tiles if routed else 0) + tiles_s
+    items = ((min(c.dn.count, c.pairs) * tiles if routed else 0) + tiles_s) * c.passes
     args = (*Bank(c.dn).args(), *Bank(sops[2] if sops else None).args(), ptr(c.act.units),
             i32(int(routed)), ptr(c.act.act), ptr(c.act.sact), ptr(c.act.part),
             ptr(c.act.spart), i32(hidden), i32(c.inter), i32(c.s_inter), i32(c.batch), i32(kw),
