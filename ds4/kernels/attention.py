@@ -30,15 +30,17 @@ def attention_store_kv_numpy(kv_in, w, freqs, pos, raw, rope_dim: int, eps: floa
 
 
 KEYS_PER_BLOCK = 32  # keys one attention_partial block stages (SPLIT_KEYS in common.cuh)
-TARGET_BLOCKS = 128  # (head group, split) blocks of one member that keep the SMs busy
+TARGET_BLOCKS = 128  # (head group, split, member) blocks of a launch that keep the SMs busy
 
 
-def heads_per_block(heads: int, splits: int) -> int:
+def heads_per_block(heads: int, splits: int, batch: int = 1) -> int:
     """Query heads sharing one staged key tile: the most (<= 8) that still give TARGET_BLOCKS
-    blocks (fewer heads a block: the scores' channels split over its idle warps), by shape
-    only, so a member's sums do not depend on the batch."""
+    blocks over the batch's members (fewer heads a block: the scores' channels split over its
+    idle warps). A member's sums do not depend on it: each score adds the same 8 channel parts
+    in order (common.cuh's staged_partial), each output channel its keys in order, whatever
+    the heads a block; so a batch of 8 stages each key tile once for 8 heads, not for 2."""
     fits = [g for g in (8, 4, 2, 1) if heads % g == 0]
-    return next((g for g in fits if heads // g * splits >= TARGET_BLOCKS), fits[-1])
+    return next((g for g in fits if heads // g * splits * batch >= TARGET_BLOCKS), fits[-1])
 
 
 def staged_shared(width: int, hpb: int) -> int:
@@ -104,7 +106,7 @@ def attention_decode_m(q, table, layer: int, raw_slot: int, comp_slot, cap: int,
     assert freqs is None or (width % 32 == 0 and rope_dim % 2 == 0)
     splits = -(-max_keys // KEYS_PER_BLOCK)
     assert width <= 1024 and part.shape[1] >= partial_size(heads, width, max_keys)
-    hpb = heads_per_block(heads, splits)
+    hpb = heads_per_block(heads, splits, batch)
     comp = NULL if comp_slot is None else table.group(layer, comp_slot)
     args = (ptr(q), table.group(layer, raw_slot), ptr(table.pos), i32(cap), comp, ptr(sel),
             ptr(sel_count), i32(0 if sel is None else sel.shape[1]), i32(ratio), ptr(part),
