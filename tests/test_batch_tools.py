@@ -81,3 +81,15 @@ def test_bench_gpus_compares_each_group_with_one_gpu(capsys):
     assert [r[0] for r in rows] == ["one GPU, no group", "--gpus 2", "--gpus 3"]
     assert all(r[4] == "same" for r in rows)
     assert all(float(r[1].split()[0]) > 0 for r in rows)
+
+
+def test_row_ablations_still_patch_the_kernel_sources(tmp_path):
+    """tools/ablate_rows.py removes each part by replacing text of the row kernels: every
+    ablation must still find its text (once) in the current sources, and change them."""
+    ablate = load_tool("ablate_rows")
+    base = ablate.patched("base", tmp_path)
+    for name, edits in ablate.ABLATIONS.items():
+        d = ablate.patched(name, tmp_path)
+        changed = {f for f, _, _ in edits}
+        for f in changed:
+            assert (d / f).read_text() != (base / f).read_text(), (name, f)

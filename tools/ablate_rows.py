@@ -1,0 +1,119 @@
+"""What bounds the row kernels: each part of their work taken out in turn, and the time it saves.
+
+Builds copies of ds4/kernels/rows.cu and rows_moe.cu with one part removed (the results are
+garbage; only the time counts) and times them against the unchanged kernels in the same run,
+with bench_rows.py's timing: the MoE (6 FP4 experts + the FP8 shared one) and the dense FP8
+q_b and o_b at B = 1 and 8. Ablations (ABLATIONS):
+
+- nox: x (or its split words) not loaded: a value computed from the column instead;
+- nodec: codes fed to the mma as they are, no decode (spills a few registers: an upper bound);
+- nox_nodec: both;
+- noalloc: the weight stream loaded without L1 allocation (ld.global.nc.L1::no_allocate).
+
+    cd tools && python3 ablate_rows.py [--only nox,nodec] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from pathlib import Path
+
+import bench_rows as BR
+
+import ds4.kernels as K
+from ds4.backend import KERNEL_DIR
+from ds4.kernels import rows_moe as RM
+
+X_WORDS = "if (src.w) q = __ldg((const uint4*)(src.w + n * src.lo + (size_t)kt * 4 * W) + i);"
+X_FLOATS = "float4 f = ok ? __ldg(v + i) : make_float4(0.f, 0.f, 0.f, 0.f);"
+FP8_BITS = """        const u32 S = 0x80008000u, M = 0x07f007f0u, w = word(q[0], m);
+        lo = bf16x2_mul(((w << 8) & S) | ((w << 4) & M), mul);
+        hi = bf16x2_mul((w & S) | ((w >> 4) & M), mul);"""
+FP4_BITS = """        u32 w = word(q[0], m >> 1);
+        lo = bf16x2_mul(nibbles(w, 2 * (m & 1)), mul);
+        hi = bf16x2_mul(nibbles(w, 2 * (m & 1) + 1), mul);"""
+FP8H_CVT = ('        asm("{.reg .b16 l, h;\\n\\tmov.b32 {l, h}, %2;\\n\\t'
+            'cvt.rn.f16x2.e4m3x2 %0, l;\\n\\t"\n'
+            '            "cvt.rn.f16x2.e4m3x2 %1, h;\\n\\t}" : "=r"(lo), "=r"(hi) : "r"(w));')
+LD_NA = """__device__ __forceinline__ uint4 ld_na(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+"""
+NOX = [("rows.cuh", X_WORDS, "if (src.w) q = make_uint4(kt * 7 + i, kt + n, kt ^ i, kt + 3 * i);"),
+       ("rows.cuh", X_FLOATS,
+        "float4 f = ok ? make_float4(col * 1e-3f, i, col, 1.f) : make_float4(0.f, 0.f, 0.f, 0.f);")]
+NODEC = [("rows_formats.cuh", FP8_BITS, "        u32 w = word(q[0], m); lo = w + mul; hi = w;"),
+         ("rows_formats.cuh", FP4_BITS,
+          "        u32 w = word(q[0], m >> 1); lo = w + mul + m; hi = w;"),
+         ("rows_formats.cuh", FP8H_CVT, "        lo = w; hi = w;")]
+NOALLOC = [("rows.cuh", "st.q[d][mt][h][l] = ok ? __ldcs(p + l) : make_uint4(0, 0, 0, 0);",
+            "st.q[d][mt][h][l] = ok ? ld_na(p + l) : make_uint4(0, 0, 0, 0);"),
+           ("rows.cuh", '#include "rows_formats.cuh"\n', '#include "rows_formats.cuh"\n' + LD_NA)]
+ABLATIONS = {"base": [], "nox": NOX, "nodec": NODEC, "nox_nodec": NOX + NODEC,
+             "noalloc": NOALLOC}
+FAMILIES = ("rows", "rows_moe")
+MATRICES = ("q_b 32768x1024", "o_b 4096x8192")
+
+
+def patched(name: str, root: Path) -> Path:
+    """A copy of the kernel sources with ablation `name` applied, under root / name."""
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    for p in KERNEL_DIR.glob("*.cu*"):
+        shutil.copy(p, d / p.name)
+    for file, old, new in ABLATIONS[name]:
+        text = (d / file).read_text()
+        assert text.count(old) == 1, f"{name}: {file} no longer holds the text it patches"
+        (d / file).write_text(text.replace(old, new))
+    return d
+
+
+def use(cp, source: Path | None, plain=K._module) -> None:
+    """Launch the row families from the sources in `source` (None: the repository's)."""
+    built: dict = {}
+
+    def module(family: str):
+        if source is None or family not in FAMILIES:
+            return plain(family)
+        if family not in built:
+            built[family] = cp.RawModule(code=(source / f"{family}.cu").read_text(),
+                                         options=("--std=c++17", f"-I{source}"))
+        return built[family]
+
+    K._module = module
+    RM.resident_blocks.cache_clear()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default=",".join(ABLATIONS), help="ablations to time")
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the ablations")
+    args = ap.parse_args()
+    import cupy as cp
+
+    copy = BR.copy_rate(cp)
+    print(f"device copy: {copy / 1e9:.0f} GB/s (read + write)\n")
+    bank = BR.expert_bank(cp)
+    mats = {n: BR.weights(cp, *BR.SHAPES[n][:3]) for n in MATRICES}
+    with tempfile.TemporaryDirectory() as tmp:
+        sources = {n: patched(n, Path(tmp)) for n in args.only.split(",")}
+        for _ in range(args.rounds):
+            for name, source in sources.items():
+                use(cp, source)
+                for b in (1, 8):
+                    t, rate, _ = BR.bench_moe(cp, bank, b, True)
+                    BR.line(f"{name} moe+shared", b, t, rate, copy)
+                for n, ms in mats.items():
+                    for b in (1, 8):
+                        t, rate = BR.bench_matvec(cp, ms, None, b)
+                        BR.line(f"{name} {n}", b, t, rate, copy)
+    use(cp, None)
+
+
+if __name__ == "__main__":
+    main()
