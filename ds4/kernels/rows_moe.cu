@@ -87,7 +87,9 @@ struct Bank {
 
 // Work item `item` of a routed part (n_units * passes * tiles items) then a shared part
 // (passes * tiles_s): unit (-1 for the shared expert), pass (columns 4 * pass.. of an NT = 1
-// kernel over more than 4 tokens) and row tile.
+// kernel over more than 4 tokens) and row tile. (tiles_s is 0 only for the kernels without a
+// shared expert, rows_moe.py's "_none" ones, whose shared branch compiles away: the shared
+// items this then yields do nothing.)
 __device__ __forceinline__ bool moe_item(int item, int n_units, int passes, int tiles,
                                          int tiles_s, int& unit, int& pass, int& tile) {
     if (item < n_units * passes * tiles) {
