@@ -237,8 +237,8 @@ def test_matvec_kernel_matches_twin_and_reference(name):
 
 
 @gpu_test
-@pytest.mark.parametrize("name", ["q_a", "o_a", "router", "expert_w1", "ragged_fp8", "odd_fp4",
-                                  "odd_bf16"])
+@pytest.mark.parametrize("name", ["q_a", "o_a", "o_b", "router", "expert_w1", "ragged_fp8",
+                                  "odd_fp4", "odd_bf16"])
 def test_matvec_row_is_bitwise_the_same_in_any_batch(name):
     import cupy as cp
 
