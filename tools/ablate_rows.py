@@ -74,18 +74,20 @@ def patched(name: str, root: Path) -> Path:
 
 
 def use(cp, source: Path | None, plain=K._module) -> None:
-    """Launch the row families from the sources in `source` (None: the repository's)."""
+    """Launch the row families from the sources in `source` (None: the repository's own
+    loader back). The include path is the patched copy's alone: ds4.kernels.compile_options
+    would put the unpatched headers first."""
     built: dict = {}
 
     def module(family: str):
-        if source is None or family not in FAMILIES:
+        if family not in FAMILIES:
             return plain(family)
         if family not in built:
             built[family] = cp.RawModule(code=(source / f"{family}.cu").read_text(),
                                          options=("--std=c++17", f"-I{source}"))
         return built[family]
 
-    K._module = module
+    K._module = plain if source is None else module
     RM.resident_blocks.cache_clear()
 
 
