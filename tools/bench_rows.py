@@ -233,7 +233,7 @@ def plain_table(cp, copy, batches, bank) -> None:
     """rows.moe over a device stack, against the one-token packed kernels."""
     old = old_moe(cp, bank)
     for with_shared, kw in ((False, {}), (True, {}), (True, {"split_x": False}),
-                            (True, {"fuse_shared": False}), (True, {"persistent": False})):
+                            (True, {"fuse_shared": False}), (True, {"persistent": True})):
         for b in batches:
             t, rate, distinct = bench_moe(cp, bank, b, with_shared, **kw)
             label = (f"moe {distinct:4.1f} experts" + (" +shared" if with_shared else "")
@@ -241,17 +241,19 @@ def plain_table(cp, copy, batches, bank) -> None:
             line(label, b, t, rate, copy, old if b == 1 and not with_shared else None)
 
 
-def moe_splits(cp, copy) -> None:
-    """The MoE kernels at fixed k-splits (rows_moe picks one by shape), B = 1 and 8, + shared."""
-    bank, chosen = expert_bank(cp), RM.pick_split
+def moe_splits(cp, copy, batches=(1, 8)) -> None:
+    """The MoE kernels at fixed k-splits (1: a warp an item; rows_moe.moe_split picks), on a
+    persistent grid and one block an item, + shared."""
+    bank, chosen = expert_bank(cp), RM.moe_split
     try:
-        for split in SPLITS:
-            RM.pick_split = lambda groups, k_tiles, s=split: s
-            for b in (1, 8):
-                t, rate, distinct = bench_moe(cp, bank, b, True)
-                line(f"moe +shared split {split}", b, t, rate, copy)
+        for persistent in (True, False):
+            for split in SPLITS:
+                RM.moe_split = lambda groups, k_tiles, s=split: s
+                for b in batches:
+                    t, rate, distinct = bench_moe(cp, bank, b, True, persistent=persistent)
+                    line(f"moe +shared split {split} pers={int(persistent)}", b, t, rate, copy)
     finally:
-        RM.pick_split = chosen
+        RM.moe_split = chosen
 
 
 def main() -> None:
@@ -260,6 +262,8 @@ def main() -> None:
     ap.add_argument("--no-moe", action="store_true")
     ap.add_argument("--variants", action="store_true", help="kernel variants and k-splits too")
     ap.add_argument("--only-moe", action="store_true", help="the MoE table alone")
+    ap.add_argument("--moe-splits", action="store_true",
+                    help="the MoE at each k-split alone (1: a warp an item)")
     ap.add_argument("--placed", action="store_true",
                     help="the placed-MoE lines alone (experts partly in mapped host memory)")
     ap.add_argument("--host-every", type=int, default=4,
@@ -270,6 +274,9 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     copy = copy_rate(cp)
     print(f"device copy: {copy / 1e9:.0f} GB/s (read + write)\n")
+    if args.moe_splits:
+        moe_splits(cp, copy, batches)
+        return
     if args.placed:
         moe_table(cp, copy, batches, placed_only=True, host_every=args.host_every)
         return

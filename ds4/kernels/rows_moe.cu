@@ -9,7 +9,7 @@
 // read once with its tokens as the batch columns. units[0] = number of experts hit; unit u at
 // units + 1 + UNIT * u: (expert, count, pairs in increasing order). A token picks an expert at
 // most once, so count <= B <= 8. Optional (null: off): on_host[e] != 0 puts the units of experts
-// in mapped host memory first (the persistent grids take items in unit order, so their slow
+// in mapped host memory first (the grids take items in unit order, so their slow
 // PCIe reads start in the first wave); *live members only (tokens b >= *live are idle rows of a
 // graph: their pairs join no unit, so they read no expert); counts[e] += the live picks of e
 // (placement's routing counts: one thread owns each expert, no atomics). Neither the unit order

@@ -46,6 +46,7 @@ UNIT = 10  # ints per expert in the grouping table (rows_moe.cu)
 MAX_PAIRS = 64  # tokens x slots of one MoE call
 MOE_KERNELS = {(FP4, FP8), (FP4, "bf16"), (FP8, FP8), ("bf16", "bf16")}
 PASSES = True  # batches of 5..8 through the one-tile (NT = 1) kernels, 4 tokens a pass
+MOE_SPLIT = 2  # at most this many warps split an expert's k (docs/PERF.md, stop 31: of 1..8)
 
 
 @dataclass
@@ -149,7 +150,7 @@ def resident_blocks(name: str) -> int:
 
 
 def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, limit: float,
-        shared=None, persistent: bool = True, fuse_shared: bool = True, counts=None,
+        shared=None, persistent: bool = False, fuse_shared: bool = True, counts=None,
         live=None) -> None:
     """y[b] = sum_j down_e(swiglu(gate_e x[b], up_e x[b]) * wts[b, j]), e = idx[b, j], + the
     shared expert (gate, up, down) of x[b] (weight 1), for b < batch. gate_up [E, 2*inter, D]
@@ -160,7 +161,9 @@ def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, 
     counts (device int32 [E]): += 1 per pick (placement's routing counts); live (device int32
     [1], read at run time): tokens b >= *live are idle rows, which read no routed expert
     (their y is the shared expert alone) and count nothing.
-    persistent: resident blocks loop over the work (else one block per item); fuse_shared:
+    persistent: resident blocks loop over the work (else, as measured faster at B > 4 and
+    even below, one block per item of the most the call can have: those past the units hit
+    exit at once); fuse_shared:
     the shared expert in the routed launches (else launches of its own). Neither changes y."""
     gu, dn = stack_of(gate_up), stack_of(down)
     sops = [operand(m) for m in shared] if shared is not None else None
@@ -259,8 +262,14 @@ def _moe_parts(fmt: str, sops, fuse: bool, nt: int) -> list[tuple[str, bool, lis
     return [(f"{f}_none_n{nt}", True, None), (f"{s}_{s}_n{nt}", False, sops)]
 
 
+def moe_split(groups: int, k_tiles: int) -> int:
+    """Warps splitting k in an MoE item, by shape: at most MOE_SPLIT (more, and the items are
+    too short to stream)."""
+    return min(pick_split(groups, k_tiles), MOE_SPLIT)
+
+
 def _moe_gate_up(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -> None:
-    kw = pick_split(c.k * -(-c.inter // 16), _k_tiles(c.gu.fmt, c.gu.cols))
+    kw = moe_split(c.k * -(-c.inter // 16), _k_tiles(c.gu.fmt, c.gu.cols))
     rows_per_block = 16 * (WARPS // kw)
     tiles = -(-c.inter // rows_per_block)
     tiles_s = -(-c.s_inter // rows_per_block) if sops else 0
@@ -275,7 +284,7 @@ def _moe_gate_up(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -
 
 def _moe_down(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -> None:
     hidden = c.dn.rows
-    kw = pick_split(c.k * -(-hidden // 32), _k_tiles(c.dn.fmt, c.inter))
+    kw = moe_split(c.k * -(-hidden // 32), _k_tiles(c.dn.fmt, c.inter))
     tiles = -(-hidden // (32 * (WARPS // kw)))
     tiles_s = tiles if sops else 0
     items = ((min(c.dn.count, c.pairs) * tiles if routed else 0) + tiles_s) * c.passes
