@@ -36,7 +36,7 @@ def child(kind: str, ctx: int, batch: int) -> None:
     model = layer_model(cp, KINDS[kind], False, False)
     states = [filled_state(cp, model.cfg, ctx) for _ in range(batch)]
     dec = KernelDecoder.from_model(model)
-    B = dec.prepare(states, [7] * batch)
+    B = dec.prepare(states, list(range(7, 7 + batch)))  # own tokens: the batch's own routing
     dec.run(B)  # every kernel compiled and loaded outside the capture
     stream = dec.stream
     graph = capture(cp, stream, lambda: dec.run_layer(0, B))
