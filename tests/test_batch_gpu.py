@@ -71,6 +71,27 @@ def test_kernel_batch_equals_single_steps_bitwise(path):
     assert set(graphs_of(engine)) == {1, 2, 4, 8}  # 3 runs as 4, 5 as 8 (idle members)
 
 
+def test_shared_expert_on_the_side_stream_keeps_every_bit(tmp_path_factory, monkeypatch):
+    # the packed model's FP4 experts with an FP8 shared expert: the decoder launches the
+    # shared expert ahead of the router on its side stream (rows_moe.shared_ahead); the same
+    # items of the same kernel, so logits equal the fused launches' bit for bit (graphs of 1
+    # and 4 members, eager first steps included)
+    from ds4.kernels import rows_moe
+    from ds4.model import gpu_decode
+
+    path, real, forks = model_dir("tiny-packed", tmp_path_factory), rows_moe.shared_ahead, []
+    monkeypatch.setattr(rows_moe, "shared_ahead", lambda *a: forks.append(real(*a)) or forks[-1])
+    runs = {}
+    for ahead in (True, False):
+        monkeypatch.setattr(gpu_decode, "SHARED_AHEAD", ahead)
+        engine = Engine.open(path, backend="cupy", prefill_chunk=16)
+        steps = twin_runs(engine, (15, 30, 47), 4)
+        runs[ahead] = [alone + list(together) for alone, together in steps]
+    assert forks and all(event is not None for event in forks)  # the side branch ran
+    for side, fused in zip(runs[True], runs[False]):
+        assert all(np.array_equal(a, b) for a, b in zip(side, fused))
+
+
 def test_one_graph_per_size_serves_every_member_set():
     engine = Engine.open(default_model_dir(), backend="cupy", prefill_chunk=16)
     pool = [engine.new_session(128) for _ in range(6)]

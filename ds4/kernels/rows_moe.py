@@ -151,7 +151,7 @@ def resident_blocks(name: str) -> int:
 
 def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, limit: float,
         shared=None, persistent: bool = False, fuse_shared: bool = True, counts=None,
-        live=None) -> None:
+        live=None, shared_done=None) -> None:
     """y[b] = sum_j down_e(swiglu(gate_e x[b], up_e x[b]) * wts[b, j]), e = idx[b, j], + the
     shared expert (gate, up, down) of x[b] (weight 1), for b < batch. gate_up [E, 2*inter, D]
     (gate rows then up rows), down [E, D, inter]: FP4/FP8 PackedMatrix stacks, bf16 words, or
@@ -163,41 +163,97 @@ def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, 
     (their y is the shared expert alone) and count nothing.
     persistent: resident blocks loop over the work (else, as measured faster at B > 4 and
     even below, one block per item of the most the call can have: those past the units hit
-    exit at once); fuse_shared:
-    the shared expert in the routed launches (else launches of its own). Neither changes y."""
-    gu, dn = stack_of(gate_up), stack_of(down)
-    sops = [operand(m) for m in shared] if shared is not None else None
-    if gu is None or dn is None or (sops is not None and None in sops):
+    exit at once); fuse_shared: the shared expert in the routed launches (else launches of
+    its own); shared_done: the event shared_ahead returned for this call (its shared expert
+    already launched on a side stream: only the routed experts here, then the sum waits for
+    it). None of them changes y."""
+    call = _call(gate_up, down, idx, wts, x, act, batch, inter, limit, shared, persistent)
+    if call is None:
         _moe_rows(gate_up, down, idx, wts, x, act, y, batch, inter, limit, shared)
         return
-    k = idx.shape[1]
-    call = MoeCall(gu, dn, idx, wts, x, act, batch, inter, sops[0].rows if sops else 0, limit,
-                   k, persistent)
-    assert call.pairs <= act.part.shape[0] and gu.fmt == dn.fmt and 2 * inter == gu.rows
-    placed = [getattr(w, "placed", False) for w in (gate_up, down)]
-    assert placed[0] == placed[1], "both stacks placed or neither"
-    assert not placed[0] or gu.code_ptrs is not None, "placed stacks on the device (tables)"
-    _check_rows(x, batch, gu.cols, "x")
+    gu, k, sops = call.gu, call.k, call.sops
     launch("rows_moe", "rows_moe_group", (1,), (32 * WARPS,),
            (ptr(idx), i32(call.pairs), i32(k), i32(gu.count), ptr(gu.on_host), ptr(live),
             ptr(counts), ptr(act.units)))
     parts = _moe_parts(gu.fmt, sops, fuse_shared, call.nt)
     xs = call.split_ready(parts)
-    if xs:  # x split once for the routed FP4 and the shared FP8 experts
-        split_rows([(x, batch, gu.cols, FP4, act.words[0]),
-                    (x, batch, gu.cols, FP8, act.words[1])])
-        parts = [("xs_" + name, routed, s) for name, routed, s in parts]
-    for name, routed, s in parts:
-        _moe_gate_up(f"rows_gate_up_{name}", routed, s, call, xs)
-    if xs:
-        split_rows([(act.act, call.pairs, inter, FP4, act.act_words[0]),
-                    (act.sact, batch, call.s_inter, FP8, act.act_words[1])])
-    for name, routed, s in parts:
-        _moe_down(f"rows_down_{name}", routed, s, call, xs)
-    n = batch * dn.rows
+    if shared_done is not None:  # the routed experts alone, reading x split once
+        assert xs, "shared_ahead ran the shared expert of a call that fuses it"
+        _routed_xs(call)
+    else:
+        if xs:  # x split once for the routed FP4 and the shared FP8 experts
+            split_rows([(x, batch, gu.cols, FP4, act.words[0]),
+                        (x, batch, gu.cols, FP8, act.words[1])])
+            parts = [("xs_" + name, routed, s) for name, routed, s in parts]
+        for name, routed, s in parts:
+            _moe_gate_up(f"rows_gate_up_{name}", routed, s, call, xs)
+        if xs:
+            split_rows([(act.act, call.pairs, inter, FP4, act.act_words[0]),
+                        (act.sact, batch, call.s_inter, FP8, act.act_words[1])])
+        for name, routed, s in parts:
+            _moe_down(f"rows_down_{name}", routed, s, call, xs)
+    if shared_done is not None:
+        import cupy
+
+        cupy.cuda.get_current_stream().wait_event(shared_done)  # (the join of the side branch)
+    n = batch * call.dn.rows
     launch("rows_moe", "rows_moe_sum", (-(-n // 256),), (256,),
-           (ptr(act.part), ptr(act.spart if sops else None), i32(k), i32(dn.rows), i32(batch),
-            ptr(live), ptr(idx), ptr(y), np.int64(_ld(y))))
+           (ptr(act.part), ptr(act.spart if sops else None), i32(k), i32(call.dn.rows),
+            i32(batch), ptr(live), ptr(idx), ptr(y), np.int64(_ld(y))))
+
+
+def shared_ahead(gate_up, down, idx, x, act: MoeScratch, batch: int, inter: int, limit: float,
+                 shared, stream):
+    """The shared expert of the moe() call that follows (same arguments), launched now on
+    `stream`, forked from the current stream (x is ready) and joined by that call before its
+    sum: it then streams its weights while the router, the route and the grouping (small
+    launches that wait on each other) run, instead of after them. Returns the event to pass
+    as moe()'s shared_done, or None (nothing launched) where moe() fuses it anyway: no shared
+    expert, or a call whose launches do not read x split once (the side launches are the
+    fused kernel's shared items, so the sums are the same bits)."""
+    call = _call(gate_up, down, idx, None, x, act, batch, inter, limit, shared, False)
+    if call is None or call.sops is None:
+        return None
+    parts = _moe_parts(call.gu.fmt, call.sops, True, call.nt)
+    if not call.split_ready(parts):
+        return None
+    import cupy
+
+    stream.wait_event(cupy.cuda.get_current_stream().record())
+    name = "xs_" + parts[0][0]
+    with stream:
+        split_rows([(x, batch, call.gu.cols, FP8, act.words[1])])
+        _moe_gate_up(f"rows_gate_up_{name}", False, call.sops, call, True)
+        split_rows([(act.sact, batch, call.s_inter, FP8, act.act_words[1])])
+        _moe_down(f"rows_down_{name}", False, call.sops, call, True)
+        return stream.record()
+
+
+def _call(gate_up, down, idx, wts, x, act, batch, inter, limit, shared, persistent):
+    """The MoeCall of a moe() over rows_moe.cu's kernels, None where it cannot read the
+    stacks (the per-token fallback)."""
+    gu, dn = stack_of(gate_up), stack_of(down)
+    sops = [operand(m) for m in shared] if shared is not None else None
+    if gu is None or dn is None or (sops is not None and None in sops):
+        return None
+    call = MoeCall(gu, dn, idx, wts, x, act, batch, inter, sops[0].rows if sops else 0, limit,
+                   idx.shape[1], persistent, sops)
+    assert call.pairs <= act.part.shape[0] and gu.fmt == dn.fmt and 2 * inter == gu.rows
+    placed = [getattr(w, "placed", False) for w in (gate_up, down)]
+    assert placed[0] == placed[1], "both stacks placed or neither"
+    assert not placed[0] or gu.code_ptrs is not None, "placed stacks on the device (tables)"
+    _check_rows(x, batch, gu.cols, "x")
+    return call
+
+
+def _routed_xs(call: MoeCall) -> None:
+    """The routed experts of a fused FP4 + FP8-shared call alone (its shared expert ran on the
+    side: shared_ahead), through the kernels without a shared expert that read split words."""
+    a, name = call.act, f"xs_fp4_none_n{call.nt}"
+    split_rows([(call.x, call.batch, call.gu.cols, FP4, a.words[0])])
+    _moe_gate_up(f"rows_gate_up_{name}", True, None, call, True)
+    split_rows([(a.act, call.pairs, call.inter, FP4, a.act_words[0])])
+    _moe_down(f"rows_down_{name}", True, None, call, True)
 
 
 @dataclass
@@ -216,6 +272,7 @@ class MoeCall:
     limit: float
     k: int
     persistent: bool
+    sops: list | None = None  # the shared expert's gate, up, down operands
 
     @property
     def pairs(self) -> int:
@@ -316,10 +373,11 @@ def _swiglu32(g, u, limit: float, weight) -> np.ndarray:
 
 
 def moe_numpy(gate_up, down, idx, wts, x, act, y, batch: int, inter: int, limit: float,
-              shared=None, counts=None, live=None) -> None:
+              shared=None, counts=None, live=None, shared_done=None) -> None:
     """NumPy twin of moe (act unused; device inputs are copied to the host; counts, when
     given, a host array): the pairs grouped as rows_moe_group does, each pick's product, then
-    the slot-order sums of moe_sum (idle rows: the shared expert alone)."""
+    the slot-order sums of moe_sum (idle rows: the shared expert alone). shared_done is
+    ignored: the twin always computes the shared expert itself."""
     fmt, dfmt = _stack_fmt(gate_up), _stack_fmt(down)
     idx, wts, x = _host(idx), _host(wts), np.asarray(_host(x), np.float32)
     k = idx.shape[1]

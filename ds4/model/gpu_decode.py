@@ -10,7 +10,9 @@ bitwise the row of that session's single step. A batch of 3 runs the B=4 graph w
 member (a decoder-owned empty session that stays at position 0); larger ones split.
 
 The transient buffers [8, ...] are shared by all graphs, which is safe because replays run one
-at a time on one stream and every buffer is written before it is read within a step.
+at a time on one stream and every buffer is written before it is read within a step. (The one
+fork, the shared expert's branch on a side stream, writes buffers of its own, which only the
+MoE's sum reads, after the join.)
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ds4.kernels import attention as at
 from ds4.kernels import compressor as cm
 from ds4.kernels import hyper_connection as hc
 from ds4.kernels import indexer as ix
-from ds4.kernels import moe, quant, sampling
+from ds4.kernels import moe, quant, rows_moe, sampling
 from ds4.kernels.norm import rms_norm, rms_norm_rope
 from ds4.kernels.rope import rope_tail
 from ds4.model import gpu_weights
@@ -41,6 +43,8 @@ from ds4.model.gpu_batch import (
 from ds4.model.gpu_group import DecoderShard
 from ds4.model.gpu_moe import moe_rows, row_moe_fits, row_moe_scratch, shared_of
 from ds4.model.state import SessionState
+
+SHARED_AHEAD = True  # the shared expert on a side stream, ahead of the router (docs/PERF.md)
 
 SIZES = (1, 2, 4, 8)  # batch sizes with a graph; a batch runs in the smallest that holds it
 MAX_MEMBERS = SIZES[-1]
@@ -72,7 +76,7 @@ class KernelDecoder:
         self._warm: set = set()  # graph keys that ran one eager step (kernels compiled)
         self._idle: SessionState | None = None
         self._capacities: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._stream = None
+        self._stream = self._side = None
         self.use_graphs = True
 
     @classmethod
@@ -269,6 +273,14 @@ class KernelDecoder:
             self._stream = self.cp.cuda.Stream(non_blocking=True)
         return self._stream
 
+    @property
+    def side_stream(self):
+        """The second stream of a step: the shared expert's branch, forked from `stream` and
+        joined back within the same layer (a graph captures both)."""
+        if self._side is None:
+            self._side = self.cp.cuda.Stream(non_blocking=True)
+        return self._side
+
     def run(self, B: int, serial: bool = False) -> None:
         """Enqueue one decode step for the B members of tables[B] (no host syncs); serial:
         the state kernels run member after member through `serial` (see `verify`)."""
@@ -390,8 +402,15 @@ class KernelDecoder:
                              tab.pos, ratio)
 
     def _moe(self, i: int, t: dict, B: int) -> None:
-        """y = routed experts + shared expert of h, per member."""
+        """y = routed experts + shared expert of h, per member. The shared expert goes first,
+        on the side stream (rows_moe.shared_ahead), so its weights stream while the router and
+        the route, which it does not need, run."""
         cfg, b, tokens = self.cfg, self.buf, self.tables[B].tokens
+        done = None
+        if self.cp is not np and self.row_moe[i] and self.shard is None and SHARED_AHEAD:
+            done = rows_moe.shared_ahead(t["experts.gate_up"], t["experts.down"], b["idx"][:B],
+                                         b["h"], self.moe_scratch, B, cfg.moe_intermediate_size,
+                                         cfg.swiglu_limit, shared_of(t), self.side_stream)
         matvec_rows(t["mlp.gate.weight"], b["h"], b["router"], B)
         moe.moe_route(b["router"][:B], t.get("mlp.gate.e_score_correction_bias"),
                       t.get("mlp.gate.tid2eid"), tokens[:B], cfg.num_experts_per_tok,
@@ -400,7 +419,7 @@ class KernelDecoder:
             self.shard.layer(i, B, shared=shared_of(t))
             return
         moe_rows(cfg, t, b, self.rows, B, self.moe_scratch if self.row_moe[i] else None,
-                 self.tables[B].live)  # idle members read no routed expert, count no pick
+                 self.tables[B].live, done)  # idle members read no routed expert or count
 
 
 class GraphDecode:
