@@ -351,14 +351,21 @@ def moe_case():
     return make_moe_case()
 
 
-def run_moe(cp, case, idx, wts, x, batch, shared=True, words=True, **kw):
+def run_moe(cp, case, idx, wts, x, batch, shared=True, words=True, ahead=False, **kw):
+    """rows_moe.moe's y for the first `batch` tokens (ahead: the shared expert launched first
+    on a side stream, rows_moe.shared_ahead)."""
     gu, down, sh, inter, hidden = case
     scratch = RM.moe_scratch(cp, 8, idx.shape[1], inter, hidden, inter)
     if not words:  # the kernels that split x themselves
         scratch.words = scratch.act_words = None
     y = cp.zeros((batch, hidden), cp.float32)
-    RM.moe(gu, down, cp.asarray(idx[:batch]), cp.asarray(wts[:batch]), cp.asarray(x[:batch]),
-          scratch, y, batch, inter, 10.0, sh if shared else None, **kw)
+    idx, x = cp.asarray(idx[:batch]), cp.asarray(x[:batch])
+    if ahead:
+        kw["shared_done"] = RM.shared_ahead(gu, down, idx, x, scratch, batch, inter, 10.0, sh,
+                                            cp.cuda.Stream(non_blocking=True))
+        assert kw["shared_done"] is not None
+    RM.moe(gu, down, idx, cp.asarray(wts[:batch]), x, scratch, y, batch, inter, 10.0,
+           sh if shared else None, **kw)
     return y
 
 
@@ -382,13 +389,13 @@ def test_moe_kernel_matches_twin_at_v4_shapes(moe_case):
 
 def crowded(idx) -> None:
     """Tokens 2..7 all pick one expert (slot 5): a unit of 6 tokens, two passes of the
-    one-tile kernels (rows_moe.PASSES)."""
+    kernels (4 columns a pass)."""
     e = next(e for e in range(256) if e not in idx[:, :5])
     idx[2:, 5] = e
 
 
 @gpu_test
-def test_moe_row_is_bitwise_the_same_in_any_batch(moe_case, monkeypatch):
+def test_moe_row_is_bitwise_the_same_in_any_batch(moe_case):
     import cupy as cp
 
     rng = np.random.default_rng(10)
@@ -400,11 +407,11 @@ def test_moe_row_is_bitwise_the_same_in_any_batch(moe_case, monkeypatch):
                             for b in range(8)])
     for batch in (2, 4, 8):
         assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, batch), alone[:batch])
-    for kw in ({"persistent": False}, {"fuse_shared": False}):  # other launch shapes, same sums
+    # other launch shapes, the same sums: a persistent grid, the shared expert in launches of
+    # its own, or first on a side stream
+    for kw in ({"persistent": True}, {"fuse_shared": False}, {"ahead": True}):
         assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, **kw), alone)
-    monkeypatch.setattr(RM, "PASSES", False)  # 5..8 tokens in one pass of the two-tile kernels
-    assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8), alone)
-    monkeypatch.undo()
+        assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 1, **kw), alone[:1])
     routed = cp.concatenate([run_moe(cp, moe_case, idx[b:b + 1], wts[b:b + 1], x[b:b + 1], 1,
                                      shared=False) for b in range(8)])
     assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, shared=False), routed)

@@ -86,8 +86,8 @@ struct Bank {
 };
 
 // Work item `item` of a routed part (n_units * passes * tiles items) then a shared part
-// (passes * tiles_s): unit (-1 for the shared expert), pass (columns 4 * pass.. of an NT = 1
-// kernel over more than 4 tokens) and row tile. (tiles_s is 0 only for the kernels without a
+// (passes * tiles_s): unit (-1 for the shared expert), pass (columns 4 * pass.. over more
+// than 4 tokens) and row tile. (tiles_s is 0 only for the kernels without a
 // shared expert, rows_moe.py's "_none" ones, whose shared branch compiles away: the shared
 // items this then yields do nothing.)
 __device__ __forceinline__ bool moe_item(int item, int n_units, int passes, int tiles,
@@ -105,16 +105,19 @@ __device__ __forceinline__ bool moe_item(int item, int n_units, int passes, int 
     return pass < passes;
 }
 
-// Passes of an MoE kernel over `batch` tokens: an NT = 1 kernel takes 4 columns a pass (so
-// batches of 5..8 run at its occupancy, an expert of more than 4 tokens read once a pass).
-template <int NT>
-__device__ __forceinline__ int moe_passes(int batch) { return NT == 1 && batch > 4 ? 2 : 1; }
+// Passes of an MoE kernel over `batch` tokens. The kernels run one mma tile a row tile, hi and
+// lo of 4 columns in it (rows.cuh's NT = 1: 128 registers, two blocks an SM), so they take 4
+// columns a pass; 5..8 tokens take two (an expert of more than 4 tokens is read once a pass).
+// The two-tile NT = 2 layout, one pass over 8 columns, measured no faster at B = 8 (docs/PERF.md,
+// stop 30) and gives the same sums.
+constexpr int NT = 1;
+__device__ __forceinline__ int moe_passes(int batch) { return batch > 4 ? 2 : 1; }
 
 // gate/up of one row group: rows j0.. of gate (tile 0) and of up (tile 1, `up_row` rows
 // further), x columns of the unit's tokens (or the batch, for the shared expert) from column
-// `first` on (a pass: up to 4 columns for NT = 1); act[out pair] = silu(min(g, limit)) *
+// `first` on (a pass: up to 4 columns); act[out pair] = silu(min(g, limit)) *
 // clamp(u, +-limit) * weight. XS: x's split words xs instead.
-template <class F, int NT, bool XS>
+template <class F, bool XS>
 __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int up_row, int inter,
                               int cols, const float* x, long long x_ld, const u32* xs,
                               long long xs_ld, const int* unit, int first, int k,
@@ -140,7 +143,7 @@ __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int u
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         int j = out_row(j0, i), c = first + out_col(i);
-        if (j >= inter || c >= n || (NT == 1 && out_col(i) >= 4)) continue;
+        if (j >= inter || c >= n || out_col(i) >= 4) continue;  // (columns 4..7: lo)
         int p = unit ? unit[2 + c] : c;
         float gs = v[0][i], us = v[1][i];
         if (limit > 0.f) {
@@ -153,7 +156,7 @@ __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int u
 
 // down of one row group (32 rows): out[out pair][r] = down_e[r] . act[pair] for the pass's
 // columns from `first` (XS: act's split words as).
-template <class F, int NT, bool XS>
+template <class F, bool XS>
 __device__ void down_group(const Bank& bk, long long e, int rows, int inter, const float* act,
                            const u32* as, long long as_ld, const int* unit, int first,
                            float* out, int batch, int KW, int tile, float* red) {
@@ -179,7 +182,7 @@ __device__ void down_group(const Bank& bk, long long e, int rows, int inter, con
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             int r = out_row(r0 + 16 * mt, i), c = first + out_col(i);
-            if (r < rows && c < n && (NT == 2 || out_col(i) < 4))
+            if (r < rows && c < n && out_col(i) < 4)
                 out[(size_t)(unit ? unit[2 + c] : c) * rows + r] = v[mt][i];
         }
 }
@@ -198,16 +201,17 @@ __device__ void down_group(const Bank& bk, long long e, int rows, int inter, con
     float* spart, int rows, int inter, int s_inter, int batch, int KW, int tiles, int tiles_s, \
     const u32* __restrict__ as, long long as_ld, const u32* __restrict__ sas, long long sas_ld
 
-// Persistent grid over the items of the routed experts hit, then the shared expert's. XS: x
-// split once, routed words xs (format F) and shared words ss (format FS).
-template <class F, class FS, int NT, bool XS>
+// The items of the routed experts hit, then the shared expert's, one block each or (a persistent
+// grid) looped over by resident blocks. XS: x split once, routed words xs (format F) and shared
+// words ss (format FS).
+template <class F, class FS, bool XS>
 __device__ void moe_gate_up(const Bank& rb, const Bank& sg, const Bank& su, const int* units,
                             int routed, int k, const float* wts, const float* x,
                             long long x_ld, float* act, float* sact, int inter, int s_inter,
                             int cols, int batch, float limit, int KW, int tiles, int tiles_s,
                             const u32* xs, long long xs_ld, const u32* ss, long long ss_ld) {
     __shared__ float red[RW * 2 * 4 * 32];
-    int n_units = routed ? units[0] : 0, passes = moe_passes<NT>(batch), unit, pass, tile;
+    int n_units = routed ? units[0] : 0, passes = moe_passes(batch), unit, pass, tile;
     for (int item = blockIdx.x; moe_item(item, n_units, passes, tiles, tiles_s, unit, pass, tile);
          item += gridDim.x) {
         int first = 4 * pass;
@@ -215,78 +219,61 @@ __device__ void moe_gate_up(const Bank& rb, const Bank& sg, const Bank& su, cons
             const int* u = units + 1 + UNIT * unit;
             if (first >= u[1]) continue;  // (a block-wide skip: every warp takes the same item)
             Bank ex = rb.at(u[0]);
-            if (NT == 2 && u[1] <= 4)  // few tokens: one mma per tile (same sums, half the work)
-                gate_up_group<F, 1, XS>(ex, ex, 0, inter, inter, cols, x, x_ld, xs, xs_ld, u, 0,
-                                        k, wts, act, batch, limit, KW, tile, red);
-            else
-                gate_up_group<F, NT, XS>(ex, ex, 0, inter, inter, cols, x, x_ld, xs, xs_ld, u,
-                                         first, k, wts, act, batch, limit, KW, tile, red);
+            gate_up_group<F, XS>(ex, ex, 0, inter, inter, cols, x, x_ld, xs, xs_ld, u, first, k,
+                                 wts, act, batch, limit, KW, tile, red);
         } else if constexpr (!FS::NONE) {
-            gate_up_group<FS, NT, XS>(sg, su, 0, 0, s_inter, cols, x, x_ld, ss, ss_ld, nullptr,
-                                      first, k, wts, sact, batch, limit, KW, tile, red);
+            gate_up_group<FS, XS>(sg, su, 0, 0, s_inter, cols, x, x_ld, ss, ss_ld, nullptr, first,
+                                  k, wts, sact, batch, limit, KW, tile, red);
         }
     }
 }
 
-template <class F, class FS, int NT, bool XS>
+template <class F, class FS, bool XS>
 __device__ void moe_down(const Bank& rb, const Bank& sd, const int* units, int routed,
                          const float* act, const float* sact, float* part, float* spart,
                          int rows, int inter, int s_inter, int batch, int KW, int tiles,
                          int tiles_s, const u32* as, long long as_ld, const u32* sas,
                          long long sas_ld) {
     __shared__ float red[RW * 2 * 4 * 32];
-    int n_units = routed ? units[0] : 0, passes = moe_passes<NT>(batch), unit, pass, tile;
+    int n_units = routed ? units[0] : 0, passes = moe_passes(batch), unit, pass, tile;
     for (int item = blockIdx.x; moe_item(item, n_units, passes, tiles, tiles_s, unit, pass, tile);
          item += gridDim.x) {
         int first = 4 * pass;
         if (unit >= 0) {
             const int* u = units + 1 + UNIT * unit;
             if (first >= u[1]) continue;  // (block-wide, as in moe_gate_up)
-            if (NT == 2 && u[1] <= 4)
-                down_group<F, 1, XS>(rb.at(u[0]), 0, rows, inter, act, as, as_ld, u, 0, part,
-                                     batch, KW, tile, red);
-            else
-                down_group<F, NT, XS>(rb.at(u[0]), 0, rows, inter, act, as, as_ld, u, first,
-                                      part, batch, KW, tile, red);
+            down_group<F, XS>(rb.at(u[0]), 0, rows, inter, act, as, as_ld, u, first, part, batch,
+                              KW, tile, red);
         } else if constexpr (!FS::NONE) {
-            down_group<FS, NT, XS>(sd, 0, rows, s_inter, sact, sas, sas_ld, nullptr, first,
-                                   spart, batch, KW, tile, red);
+            down_group<FS, XS>(sd, 0, rows, s_inter, sact, sas, sas_ld, nullptr, first, spart,
+                               batch, KW, tile, red);
         }
     }
 }
 
-// NT = 1 (hi and lo in one tile) serves calls of up to 4 tokens, or of up to 8 in passes of 4
-// columns; NT = 2 up to 8 in one pass (whose units of at most 4 tokens still take the NT = 1
-// path). An output is hi + lo summed in the same order either way, so it is bitwise the same,
-// at half the mma and x-split work a column; the trailing
-// arguments are the launch bounds (`32 * RW, 1` where ptxas would otherwise squeeze a kernel
-// that needs more than 128 registers, one block per SM either way, into 128 and spill).
-#define MOE_KERNELS(name, F, FS, NT, XS, ...) \
+// The kernels (suffix _n1: one mma tile a row tile); the trailing arguments are the launch
+// bounds (`32 * RW, 1` where ptxas would otherwise squeeze a kernel that needs more than 128
+// registers, one block per SM either way, into 128 and spill).
+#define MOE_KERNELS(name, F, FS, XS, ...) \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__) \
-    rows_gate_up_##name##_n##NT(MOE_GATE_UP_ARGS) { \
+    rows_gate_up_##name##_n1(MOE_GATE_UP_ARGS) { \
         wait_inputs(); \
-        moe_gate_up<F, FS, NT, XS>(BANK(rb), BANK(sg), BANK(su), units, routed, k, wts, x, x_ld, \
-                                   act, sact, inter, s_inter, cols, batch, limit, KW, tiles, \
-                                   tiles_s, xs, xs_ld, ss, ss_ld); } \
+        moe_gate_up<F, FS, XS>(BANK(rb), BANK(sg), BANK(su), units, routed, k, wts, x, x_ld, act, \
+                               sact, inter, s_inter, cols, batch, limit, KW, tiles, tiles_s, xs, \
+                               xs_ld, ss, ss_ld); } \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__) \
-    rows_down_##name##_n##NT(MOE_DOWN_ARGS) { \
+    rows_down_##name##_n1(MOE_DOWN_ARGS) { \
         wait_inputs(); \
-        moe_down<F, FS, NT, XS>(BANK(rb), BANK(sd), units, routed, act, sact, part, spart, rows, \
-                                inter, s_inter, batch, KW, tiles, tiles_s, as, as_ld, sas, \
-                                sas_ld); }
-#define MOE_NT(name, F, FS, NT, ...) MOE_KERNELS(name, F, FS, NT, false, __VA_ARGS__)
-#define MOE_B(name, F, FS, ...) MOE_NT(name, F, FS, 1, __VA_ARGS__) \
-    MOE_NT(name, F, FS, 2, __VA_ARGS__)
-#define MOE(name, F, FS) MOE_B(name, F, FS, 32 * RW)
+        moe_down<F, FS, XS>(BANK(rb), BANK(sd), units, routed, act, sact, part, spart, rows, \
+                            inter, s_inter, batch, KW, tiles, tiles_s, as, as_ld, sas, sas_ld); }
+#define MOE(name, F, FS) MOE_KERNELS(name, F, FS, false, 32 * RW)
 
-MOE_B(fp4_fp8, Fp4, Fp8, 32 * RW, 1)
+MOE_KERNELS(fp4_fp8, Fp4, Fp8, false, 32 * RW, 1)
 // the decoder's experts reading x and the activations split once (rows_split, rows.cu)
-MOE_KERNELS(xs_fp4_fp8, Fp4, Fp8, 1, true, 32 * RW, 2)
-MOE_KERNELS(xs_fp4_fp8, Fp4, Fp8, 2, true, 32 * RW, 1)
+MOE_KERNELS(xs_fp4_fp8, Fp4, Fp8, true, 32 * RW, 2)
 // their routed experts alone, where the shared expert runs on a side stream (rows_moe.py's
 // shared_ahead: the launches above with routed = 0 take its items)
-MOE_KERNELS(xs_fp4_none, Fp4, NoShared, 1, true, 32 * RW, 2)
-MOE_KERNELS(xs_fp4_none, Fp4, NoShared, 2, true, 32 * RW, 1)
+MOE_KERNELS(xs_fp4_none, Fp4, NoShared, true, 32 * RW, 2)
 MOE(fp4_bf16, Fp4, Bf16)
 MOE(fp8_fp8, Fp8, Fp8)
 MOE(bf16_bf16, Bf16, Bf16)

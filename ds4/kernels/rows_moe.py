@@ -45,7 +45,6 @@ from ds4.kernels.rows import (
 UNIT = 10  # ints per expert in the grouping table (rows_moe.cu)
 MAX_PAIRS = 64  # tokens x slots of one MoE call
 MOE_KERNELS = {(FP4, FP8), (FP4, "bf16"), (FP8, FP8), ("bf16", "bf16")}
-PASSES = True  # batches of 5..8 through the one-tile (NT = 1) kernels, 4 tokens a pass
 MOE_SPLIT = 2  # at most this many warps split an expert's k (docs/PERF.md, stop 31: of 1..8)
 
 
@@ -175,7 +174,7 @@ def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, 
     launch("rows_moe", "rows_moe_group", (1,), (32 * WARPS,),
            (ptr(idx), i32(call.pairs), i32(k), i32(gu.count), ptr(gu.on_host), ptr(live),
             ptr(counts), ptr(act.units)))
-    parts = _moe_parts(gu.fmt, sops, fuse_shared, call.nt)
+    parts = _moe_parts(gu.fmt, sops, fuse_shared)
     xs = call.split_ready(parts)
     if shared_done is not None:  # the routed experts alone, reading x split once
         assert xs, "shared_ahead ran the shared expert of a call that fuses it"
@@ -214,7 +213,7 @@ def shared_ahead(gate_up, down, idx, x, act: MoeScratch, batch: int, inter: int,
     call = _call(gate_up, down, idx, None, x, act, batch, inter, limit, shared, False)
     if call is None or call.sops is None:
         return None
-    parts = _moe_parts(call.gu.fmt, call.sops, True, call.nt)
+    parts = _moe_parts(call.gu.fmt, call.sops, True)
     if not call.split_ready(parts):
         return None
     import cupy
@@ -249,7 +248,7 @@ def _call(gate_up, down, idx, wts, x, act, batch, inter, limit, shared, persiste
 def _routed_xs(call: MoeCall) -> None:
     """The routed experts of a fused FP4 + FP8-shared call alone (its shared expert ran on the
     side: shared_ahead), through the kernels without a shared expert that read split words."""
-    a, name = call.act, f"xs_fp4_none_n{call.nt}"
+    a, name = call.act, "xs_fp4_none_n1"
     split_rows([(call.x, call.batch, call.gu.cols, FP4, a.words[0])])
     _moe_gate_up(f"rows_gate_up_{name}", True, None, call, True)
     split_rows([(a.act, call.pairs, call.inter, FP4, a.act_words[0])])
@@ -279,15 +278,9 @@ class MoeCall:
         return self.batch * self.k
 
     @property
-    def nt(self) -> int:
-        """The kernels' mma tiles a row tile: 1 (hi and lo of 4 columns in one) up to 4 tokens,
-        and with PASSES for any batch (two passes over 5..8); else 2."""
-        return 1 if self.batch <= 4 or PASSES else 2
-
-    @property
     def passes(self) -> int:
-        """Passes over the tokens of an expert (rows_moe.cu's moe_passes)."""
-        return 2 if self.nt == 1 and self.batch > 4 else 1
+        """Passes over the tokens of an expert, 4 columns a pass (rows_moe.cu's moe_passes)."""
+        return 2 if self.batch > 4 else 1
 
     def grid(self, name: str, items: int) -> tuple[int]:
         return (min(items, resident_blocks(name)) if self.persistent else items,)
@@ -307,16 +300,16 @@ def _words(words: tuple, xs: bool) -> tuple:
     return tuple(v for a in words for v in (ptr(a), np.int64(a.shape[-1])))
 
 
-def _moe_parts(fmt: str, sops, fuse: bool, nt: int) -> list[tuple[str, bool, list | None]]:
+def _moe_parts(fmt: str, sops, fuse: bool) -> list[tuple[str, bool, list | None]]:
     """(kernel suffix, routed?, shared operands or None) of each launch pair."""
     f = KERNEL_NAME[fmt].lower()
     if sops is None:
-        return [(f"{f}_none_n{nt}", True, None)]
+        return [(f"{f}_none_n1", True, None)]
     s = KERNEL_NAME[sops[0].fmt].lower()
     if fuse:
         assert (fmt, sops[0].fmt) in MOE_KERNELS, f"no MoE kernel for {fmt} + shared {s}"
-        return [(f"{f}_{s}_n{nt}", True, sops)]
-    return [(f"{f}_none_n{nt}", True, None), (f"{s}_{s}_n{nt}", False, sops)]
+        return [(f"{f}_{s}_n1", True, sops)]
+    return [(f"{f}_none_n1", True, None), (f"{s}_{s}_n1", False, sops)]
 
 
 def moe_split(groups: int, k_tiles: int) -> int:
