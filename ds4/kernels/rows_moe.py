@@ -45,7 +45,7 @@ from ds4.kernels.rows import (
 UNIT = 10  # ints per expert in the grouping table (rows_moe.cu)
 MAX_PAIRS = 64  # tokens x slots of one MoE call
 MOE_KERNELS = {(FP4, FP8), (FP4, "bf16"), (FP8, FP8), ("bf16", "bf16")}
-MOE_SPLIT = 2  # at most this many warps split an expert's k (docs/PERF.md, stop 31: of 1..8)
+MOE_SPLIT = 2  # warps splitting an expert's k at most: the best of 1, 2, 4, 8 (docs/PERF.md)
 
 
 @dataclass
