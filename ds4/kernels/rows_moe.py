@@ -179,22 +179,11 @@ def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, 
     if shared_done is not None:  # the routed experts alone, reading x split once
         assert xs, "shared_ahead ran the shared expert of a call that fuses it"
         _routed_xs(call)
-    else:
-        if xs:  # x split once for the routed FP4 and the shared FP8 experts
-            split_rows([(x, batch, gu.cols, FP4, act.words[0]),
-                        (x, batch, gu.cols, FP8, act.words[1])])
-            parts = [("xs_" + name, routed, s) for name, routed, s in parts]
-        for name, routed, s in parts:
-            _moe_gate_up(f"rows_gate_up_{name}", routed, s, call, xs)
-        if xs:
-            split_rows([(act.act, call.pairs, inter, FP4, act.act_words[0]),
-                        (act.sact, batch, call.s_inter, FP8, act.act_words[1])])
-        for name, routed, s in parts:
-            _moe_down(f"rows_down_{name}", routed, s, call, xs)
-    if shared_done is not None:
         import cupy
 
         cupy.cuda.get_current_stream().wait_event(shared_done)  # (the join of the side branch)
+    else:
+        _launch_parts(call, parts, xs)
     n = batch * call.dn.rows
     launch("rows_moe", "rows_moe_sum", (-(-n // 256),), (256,),
            (ptr(act.part), ptr(act.spart if sops else None), i32(k), i32(call.dn.rows),
@@ -243,6 +232,23 @@ def _call(gate_up, down, idx, wts, x, act, batch, inter, limit, shared, persiste
     assert not placed[0] or gu.code_ptrs is not None, "placed stacks on the device (tables)"
     _check_rows(x, batch, gu.cols, "x")
     return call
+
+
+def _launch_parts(call: MoeCall, parts: list, xs: bool) -> None:
+    """gate/up then down of each launch pair (_moe_parts); xs: x and the activations split
+    once for the routed FP4 and the shared FP8 experts."""
+    a, batch = call.act, call.batch
+    if xs:
+        split_rows([(call.x, batch, call.gu.cols, FP4, a.words[0]),
+                    (call.x, batch, call.gu.cols, FP8, a.words[1])])
+        parts = [("xs_" + name, routed, s) for name, routed, s in parts]
+    for name, routed, s in parts:
+        _moe_gate_up(f"rows_gate_up_{name}", routed, s, call, xs)
+    if xs:
+        split_rows([(a.act, call.pairs, call.inter, FP4, a.act_words[0]),
+                    (a.sact, batch, call.s_inter, FP8, a.act_words[1])])
+    for name, routed, s in parts:
+        _moe_down(f"rows_down_{name}", routed, s, call, xs)
 
 
 def _routed_xs(call: MoeCall) -> None:
