@@ -17,7 +17,7 @@ from test_gpu_decode_twins import row_twins, twins  # noqa: F401 (fixtures)
 
 from ds4.engine import Engine, default_model_dir
 from ds4.model.expert_group import HostComm, HostExchange, local_maps, owned, owner_table
-from ds4.model.gpu_decode import GraphDecode
+from ds4.model.graph_decode import GraphDecode
 
 TOL = 1e-5
 

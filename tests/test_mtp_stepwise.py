@@ -14,7 +14,7 @@ from test_mtp import PROMPTS, assert_same_state, main_state, plain_session, spec
 from ds4.engine import Engine, default_model_dir
 from ds4.jobs.speculative import DraftOracle
 from ds4.model import gpu_decode
-from ds4.model.gpu_decode import GraphDecode
+from ds4.model.graph_decode import GraphDecode
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from ds4.kernels import widen
 from ds4.model import quant
 from ds4.model.attention import attention, attention_rows, window_bias
 from ds4.model.config import ModelConfig
-from ds4.model.gpu_decode import kernel_decoder_for
+from ds4.model.graph_decode import kernel_decoder_for
 from ds4.model.hyper_connection import hc_collapse, hc_expand, hc_weights, hyper_head, rms_norm
 from ds4.model.linear import linear
 from ds4.model.moe import moe

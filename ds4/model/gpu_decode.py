@@ -25,7 +25,7 @@ from ds4.kernels import attention as at
 from ds4.kernels import compressor as cm
 from ds4.kernels import hyper_connection as hc
 from ds4.kernels import indexer as ix
-from ds4.kernels import moe, quant, rows_moe, sampling
+from ds4.kernels import moe, quant, sampling
 from ds4.kernels.norm import rms_norm, rms_norm_rope
 from ds4.kernels.rope import rope_tail
 from ds4.model import gpu_weights
@@ -41,7 +41,7 @@ from ds4.model.gpu_batch import (
     matvec_rows,
 )
 from ds4.model.gpu_group import DecoderShard
-from ds4.model.gpu_moe import moe_rows, row_moe_fits, row_moe_scratch, shared_of
+from ds4.model.gpu_moe import moe_rows, row_moe_fits, row_moe_scratch, shared_ahead, shared_of
 from ds4.model.state import SessionState
 
 SHARED_AHEAD = True  # the shared expert on a side stream, ahead of the router (docs/PERF.md)
@@ -403,14 +403,13 @@ class KernelDecoder:
 
     def _moe(self, i: int, t: dict, B: int) -> None:
         """y = routed experts + shared expert of h, per member. The shared expert goes first,
-        on the side stream (rows_moe.shared_ahead), so its weights stream while the router and
+        on the side stream (gpu_moe.shared_ahead), so its weights stream while the router and
         the route, which it does not need, run."""
         cfg, b, tokens = self.cfg, self.buf, self.tables[B].tokens
+        scratch = self.moe_scratch if self.row_moe[i] else None
         done = None
-        if self.cp is not np and self.row_moe[i] and self.shard is None and SHARED_AHEAD:
-            done = rows_moe.shared_ahead(t["experts.gate_up"], t["experts.down"], b["idx"][:B],
-                                         b["h"], self.moe_scratch, B, cfg.moe_intermediate_size,
-                                         cfg.swiglu_limit, shared_of(t), self.side_stream)
+        if self.cp is not np and self.shard is None and SHARED_AHEAD:
+            done = shared_ahead(cfg, t, b, B, scratch, self.side_stream)
         matvec_rows(t["mlp.gate.weight"], b["h"], b["router"], B)
         moe.moe_route(b["router"][:B], t.get("mlp.gate.e_score_correction_bias"),
                       t.get("mlp.gate.tid2eid"), tokens[:B], cfg.num_experts_per_tok,
@@ -418,42 +417,5 @@ class KernelDecoder:
         if self.shard is not None:
             self.shard.layer(i, B, shared=shared_of(t))
             return
-        moe_rows(cfg, t, b, self.rows, B, self.moe_scratch if self.row_moe[i] else None,
-                 self.tables[B].live, done)  # idle members read no routed expert or count
-
-
-class GraphDecode:
-    """The engine's hook for one-token steps: builds the KernelDecoder on first use."""
-
-    def __init__(self, model):
-        self.model = model
-        self.decoder: KernelDecoder | None = None
-
-    def decode(self, state, token: int):
-        """Logits (device array) of token appended at state.n, through a replayed CUDA graph."""
-        return self.decode_batch([state], [token])[0]
-
-    def decode_batch(self, states: list, tokens: list[int]) -> list:
-        """Logits per session of one token each, one graph replay per (at most 8) sessions."""
-        if self.decoder is None:
-            self.decoder = KernelDecoder.from_model(self.model)
-        return self.decoder.decode_batch(states, tokens)
-
-    def verify(self, state, tokens: list[int]):
-        """Logits [T, V] of tokens appended to one session as consecutive steps, one graph
-        replay (see KernelDecoder.verify)."""
-        if self.decoder is None:
-            self.decoder = KernelDecoder.from_model(self.model)
-        return self.decoder.verify(state, tokens)
-
-    def last_streams(self, row: int = 0):
-        """A copy of the final streams [hc, D] of the last step's member `row` (of a verify:
-        its token `row`), what MTP drafts from."""
-        return self.decoder.buf["X"][row].copy()
-
-
-def kernel_decoder_for(model) -> GraphDecode | None:
-    """A GraphDecode for a model on the GPU whose features the kernels cover, else None."""
-    if not model.backend.is_gpu or gpu_weights.supported(model) is not None:
-        return None
-    return GraphDecode(model)
+        moe_rows(cfg, t, b, self.rows, B, scratch, self.tables[B].live,
+                 done)  # idle members read no routed expert or count

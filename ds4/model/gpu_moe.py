@@ -43,6 +43,18 @@ def moe_rows(cfg, t: dict, buf: dict, rows: list, batch: int, scratch=None, live
         experts_one(cfg, t, rows[b], live, b)
 
 
+def shared_ahead(cfg, t: dict, buf: dict, batch: int, scratch, stream):
+    """The shared expert of the moe_rows call that follows (same layer, buffers and scratch),
+    launched now on `stream` by rows_moe.shared_ahead; its event for moe_rows' shared_done, or
+    None where nothing was launched (no scratch: the per-member kernels; or a layer that
+    rows_moe.moe fuses anyway)."""
+    if scratch is None:
+        return None
+    return rows_moe.shared_ahead(t["experts.gate_up"], t["experts.down"], buf["idx"], buf["h"],
+                                 scratch, batch, cfg.moe_intermediate_size, cfg.swiglu_limit,
+                                 shared_of(t), stream)
+
+
 def shared_of(t: dict) -> tuple | None:
     """The layer's shared expert (gate, up, down), None without one."""
     gate = t.get("mlp.shared_experts.gate_proj.weight")
