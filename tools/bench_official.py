@@ -71,7 +71,7 @@ def layer_model(cp, kind: str, small: bool, quantize: bool, load_format: str = "
     config["expert_dtype"] = "fp4"
     cfg = ModelConfig.from_dict(config)
     weights = dummy_weights(cfg, cp) if load_format == "dummy" else packed_weights(cp, cfg)
-    return Model(cfg, weights, get_backend("cupy"), quantize)
+    return Model(cfg, weights, get_backend("numpy" if cp.__name__ == "numpy" else "cupy"), quantize)
 
 
 def filled_state(cp, cfg, ctx: int):

@@ -1,0 +1,177 @@
+"""Where one packed prefill chunk's time goes, by the model code's own functions.
+
+Each layer kind is a one-layer official-format model (V4-Flash dimensions, or `--small` ones;
+ds4's dummy loader draws the packed weights), prefilled with `--chunk` random tokens from an
+empty context. Every function of SPANS is wrapped so that a call records a device event on
+entry and on exit (CuPy; on NumPy the host clock); a second run is timed, and each function
+gets its calls, its inclusive time and its own time (inclusive less the spans it called).
+The events measure the GPU's timeline, so a function whose kernels wait for the host shows
+that wait too: the table's own times add up to the whole run's.
+
+    python3 tools/profile_prefill.py [--layers sliding,csa,hca] [--chunk 2048] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SPANS = (  # (module, attribute): functions, or Class.method
+    "ds4.model.forward:Model._layer", "ds4.model.forward:Model._head",
+    "ds4.model.hyper_connection:hc_weights", "ds4.model.hyper_connection:hc_collapse",
+    "ds4.model.hyper_connection:hc_expand", "ds4.model.hyper_connection:rms_norm",
+    "ds4.model.attention:attention", "ds4.model.attention:_project",
+    "ds4.model.attention:_attend", "ds4.model.attention:_grouped_output",
+    "ds4.model.attention:_compressed_rows", "ds4.model.attention:_raw_keys",
+    "ds4.model.attention:_store_raw", "ds4.model.rope:Rope.rotate",
+    "ds4.kernels.chunk_attention:chunk_attention", "ds4.model.compressor:compress",
+    "ds4.model.indexer:select_entries", "ds4.model.quant:kv_fp8_simulation",
+    "ds4.model.quant:indexer_fp4_simulation", "ds4.model.linear:linear",
+    "ds4.model.linear:batched_linear", "ds4.model.linear:held", "ds4.model.linear:_words",
+    "ds4.model.linear:_gemm", "ds4.model.linear:grouped_rows_linear", "ds4.model.moe:moe",
+    "ds4.model.moe:route", "ds4.model.moe:_routed", "ds4.model.moe:swiglu",
+    "ds4.kernels.grouped:routed",
+)
+
+
+class Spans:
+    """Wraps functions so that each call is a span of (start, end) marks with its children."""
+
+    def __init__(self, xp):
+        self.xp, self.stack, self.done, self.on = xp, [[]], [], False
+
+    def mark(self):
+        """A point on the device timeline (CuPy event) or the host clock (NumPy)."""
+        if self.xp.__name__ == "numpy":
+            return time.perf_counter()
+        event = self.xp.cuda.Event()
+        event.record()
+        return event
+
+    def seconds(self, a, b) -> float:
+        """Seconds between two marks (after a device sync)."""
+        if isinstance(a, float):
+            return b - a
+        return self.xp.cuda.get_elapsed_time(a, b) / 1e3
+
+    def wrap(self, name: str, fn):
+        """fn, recording a span named `name` per call while the profile is on."""
+        def call(*args, **kw):
+            if not self.on:
+                return fn(*args, **kw)
+            children = []
+            self.stack.append(children)
+            start = self.mark()
+            try:
+                return fn(*args, **kw)
+            finally:
+                end = self.mark()
+                self.stack.pop()
+                span = (name, start, end, children)
+                self.stack[-1].append(span)
+                self.done.append(span)
+        call.__wrapped__ = fn
+        return call
+
+    def table(self) -> dict[str, list]:
+        """name -> [calls, inclusive s, own s]."""
+        out: dict[str, list] = {}
+        for name, start, end, children in self.done:
+            total = self.seconds(start, end)
+            own = total - sum(self.seconds(c[1], c[2]) for c in children)
+            row = out.setdefault(name, [0, 0.0, 0.0])
+            row[0] += 1
+            row[1] += total
+            row[2] += own
+        return out
+
+
+def install(spans: Spans) -> None:
+    """Replace every SPANS function wherever ds4 imported it (names bound by `from x import`
+    too), and each method on its class."""
+    for entry in SPANS:
+        module_name, attr = entry.split(":")
+        module = importlib.import_module(module_name)
+        if "." in attr:
+            cls_name, method = attr.split(".")
+            cls = getattr(module, cls_name)
+            setattr(cls, method, spans.wrap(attr, getattr(cls, method)))
+            continue
+        fn = getattr(module, attr)
+        wrapped = spans.wrap(attr, fn)
+        for other in list(sys.modules.values()):
+            name = getattr(other, "__name__", "")
+            if name.startswith("ds4") and getattr(other, attr, None) is fn:
+                setattr(other, attr, wrapped)
+
+
+def layer_run(xp, kind: str, chunk: int, small: bool):
+    """A function prefilling `chunk` random tokens into a fresh state of a one-layer model."""
+    import numpy as np
+    from bench_engine import KINDS
+    from bench_official import layer_model
+
+    from ds4.model.state import SessionState
+
+    model = layer_model(xp, KINDS[kind], small, True, load_format="dummy")
+    ids = np.random.default_rng(chunk).integers(2, model.cfg.vocab_size, chunk).tolist()
+    state = SessionState(xp, model.cfg, chunk)
+
+    def run():
+        """One chunk from an empty context, then a sync."""
+        state.reset()
+        model.forward(state, ids)
+        if xp.__name__ != "numpy":
+            xp.cuda.Device().synchronize()
+    return run
+
+
+def report(kind: str, chunk: int, total: float, table: dict) -> None:
+    """One line a function, the largest own time first."""
+    print(f"{kind} chunk {chunk}: {total * 1e3:.2f} ms")
+    print(f"  {'function':24} {'calls':>5} {'inclusive ms':>13} {'own ms':>8} {'own %':>6}")
+    for name, (calls, inclusive, own) in sorted(table.items(), key=lambda kv: -kv[1][2]):
+        print(f"  {name:24} {calls:5d} {inclusive * 1e3:13.3f} {own * 1e3:8.3f} "
+              f"{100 * own / total:6.1f}")
+
+
+def main(argv=None) -> int:
+    """Profile each layer kind."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", default="sliding,csa,hca")
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--small", action="store_true", help="tiny dimensions (CPU checks)")
+    ap.add_argument("--backend", choices=("cupy", "numpy"), default="cupy")
+    args = ap.parse_args(argv)
+    xp = importlib.import_module(args.backend)
+    spans = Spans(xp)
+    install(spans)  # once a process: the functions stay wrapped for every layer kind
+    for kind in args.layers.split(","):
+        spans.done.clear()
+        total, table = profile(spans, xp, kind, args.chunk, args.small)
+        report(kind, args.chunk, total, table)
+    return 0
+
+
+def profile(spans: Spans, xp, kind: str, chunk: int, small: bool) -> tuple[float, dict]:
+    """(seconds of the whole timed run, the span table) of one layer kind, through installed
+    spans: a warm-up run, then the timed one."""
+    run = layer_run(xp, kind, chunk, small)
+    run()  # kernels compiled, memory pools grown
+    spans.on = True
+    start = spans.mark()
+    run()
+    end = spans.mark()
+    spans.on = False
+    if xp.__name__ != "numpy":
+        end.synchronize()
+    return spans.seconds(start, end), spans.table()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
