@@ -9,7 +9,7 @@ from ds4.model.compressor import compress
 from ds4.model.config import CSA, SLIDING
 from ds4.model.hyper_connection import rms_norm
 from ds4.model.indexer import select_entries
-from ds4.model.linear import batched_linear, held, linear, parts
+from ds4.model.linear import grouped_rows_linear, held, linear, parts
 
 
 def attention(xp, ctx, lw, layer_state, h, step):
@@ -22,7 +22,8 @@ def attention(xp, ctx, lw, layer_state, h, step):
     cos, sin = step.cos_sin[rope_kind]
     qlat, q, kv = _project(xp, ctx, lw, h, ctx.ropes[rope_kind], cos, sin)
     out = _attend(xp, ctx, lw, layer_state, h, qlat, q, kv, step)
-    return _grouped_output(xp, ctx.cfg, lw, ctx.ropes[rope_kind].apply(out, cos, sin, inverse=True))
+    out = ctx.ropes[rope_kind].rotate(out, cos, sin, inverse=True)
+    return _grouped_output(xp, ctx.cfg, lw, out)
 
 
 def attention_rows(xp, ctx, lw, layer_states: list, h, steps: list, cos_sin: dict):
@@ -39,7 +40,8 @@ def attention_rows(xp, ctx, lw, layer_states: list, h, steps: list, cos_sin: dic
     for b, (layer_state, step) in enumerate(zip(layer_states, steps)):
         rows = slice(b, b + 1)
         out[rows] = _attend(xp, ctx, lw, layer_state, h[rows], qlat[rows], q[rows], kv[rows], step)
-    return _grouped_output(xp, ctx.cfg, lw, ctx.ropes[rope_kind].apply(out, cos, sin, inverse=True))
+    out = ctx.ropes[rope_kind].rotate(out, cos, sin, inverse=True)
+    return _grouped_output(xp, ctx.cfg, lw, out)
 
 
 def _project(xp, ctx, lw, h, rope, cos, sin):
@@ -49,9 +51,9 @@ def _project(xp, ctx, lw, h, rope, cos, sin):
     qlat = linear(xp, h, lw["self_attn.q_a_proj.weight"])
     qlat = rms_norm(xp, qlat, lw["self_attn.q_a_norm.weight"], eps)
     q = linear(xp, qlat, lw["self_attn.q_b_proj.weight"]).reshape(S, H, d)
-    q = rope.apply(rms_norm(xp, q, None, eps), cos, sin)
+    q = rope.rotate(rms_norm(xp, q, None, eps), cos, sin)
     kv = linear(xp, h, lw["self_attn.kv_proj.weight"])
-    kv = rope.apply(rms_norm(xp, kv, lw["self_attn.kv_norm.weight"], eps), cos, sin)
+    kv = rope.rotate(rms_norm(xp, kv, lw["self_attn.kv_norm.weight"], eps), cos, sin)
     if ctx.kv_fp8 is not None:
         kv = ctx.kv_fp8(kv)
     return qlat, q, kv
@@ -204,8 +206,6 @@ def _scores(xp, q, rows):
 def _grouped_output(xp, cfg, lw, out):
     """Heads in o_groups groups: z_g = W_oa[g] @ o_g, then a = W_ob @ concat(z)."""
     S, G = out.shape[0], cfg.o_groups
-    grouped = out.reshape(S, G, -1).transpose(1, 0, 2)  # [G, S, H/G*d]
     w_oa = held(xp, lw["self_attn.o_a_proj.weight"]).reshape(G, cfg.o_lora_rank, -1)
-    z = batched_linear(xp, grouped, w_oa)  # [G, S, o_lora_rank]
-    z = z.transpose(1, 0, 2).reshape(S, -1)
-    return linear(xp, z, lw["self_attn.o_b_proj.weight"])
+    z = grouped_rows_linear(xp, out.reshape(S, G, -1), w_oa)  # [S, G, o_lora_rank]
+    return linear(xp, z.reshape(S, -1), lw["self_attn.o_b_proj.weight"])

@@ -67,7 +67,7 @@ def compress(xp, weights, comp: CompressorState, h, positions, start: int, rope,
         rows = rms_norm(xp, pooled, weights("kv_norm.weight"), eps)
         window_starts = (xp.arange(pooled.shape[0]) + first) * m
         cos, sin = rope.cos_sin(window_starts)
-        rows = rope.apply(rows, cos, sin)
+        rows = rope.rotate(rows, cos, sin)
         if finish is not None:
             rows = finish(rows)
         comp.rows[first : first + rows.shape[0]] = rows

@@ -46,7 +46,7 @@ def index_scores(xp, weight, cfg, h, qlat, keys, rope, cos_q, sin_q, qat=None):
     """score[t, s] = sum_h w_th * relu(q_th . k_s) / sqrt(dim), w = W_proj h / sqrt(heads)."""
     S, heads, dim = h.shape[0], cfg.index_n_heads, cfg.index_head_dim
     q = linear(xp, qlat, weight("q_b_proj.weight")).reshape(S, heads, dim)
-    q = rope.apply(q, cos_q, sin_q)
+    q = rope.rotate(q, cos_q, sin_q)
     if qat is not None:
         q = qat(q)
     head_w = linear(xp, h, weight("scorer.weights_proj.weight")) * heads ** -0.5

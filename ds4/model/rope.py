@@ -51,17 +51,23 @@ class Rope:
         return cos, sin
 
     def apply(self, x, cos, sin, inverse: bool = False):
-        """Rotate pairs (2k, 2k+1) of the trailing slice of x [S, ..., d]; returns a new array.
+        """`rotate` on a copy of x: x itself is left as it was."""
+        return self.rotate(x.copy(), cos, sin, inverse)
 
-        cos/sin are [S, rope_dim/2] and broadcast over any middle axes (heads).
+    def rotate(self, x, cos, sin, inverse: bool = False):
+        """Rotate pairs (2k, 2k+1) of the trailing slice of x [S, ..., d] in place; returns x.
+
+        cos/sin are [S, rope_dim/2] and broadcast over any middle axes (heads). Only the rope
+        slice is read and written (an eighth of a V4 head), which is why the model code
+        rotates the arrays it has just made instead of copying them whole.
         """
         if inverse:
             sin = -sin
         shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (cos.shape[1],)
         cos, sin = cos.reshape(shape), sin.reshape(shape)
-        out = x.copy()
         a = x[..., -self.rope_dim :: 2]
         b = x[..., -self.rope_dim + 1 :: 2]
-        out[..., -self.rope_dim :: 2] = a * cos - b * sin
-        out[..., -self.rope_dim + 1 :: 2] = a * sin + b * cos
-        return out
+        even, odd = a * cos - b * sin, a * sin + b * cos
+        a[...] = even
+        b[...] = odd
+        return x
