@@ -37,7 +37,7 @@ def test_split_kernel_equals_its_twin(parts):
 def test_linear_on_words_matches_fp32(monkeypatch, mode, tol, rows, n, k):
     import cupy
 
-    from ds4.model.linear import batched_linear, grouped_linear, linear
+    from ds4.model.linear import batched_linear, grouped_linear, grouped_rows_linear, linear
 
     monkeypatch.setenv("DS4_GEMM", mode)
     rng = np.random.default_rng(rows)
@@ -49,6 +49,10 @@ def test_linear_on_words_matches_fp32(monkeypatch, mode, tol, rows, n, k):
     xs = np.stack([x, -x[::-1]])
     got = cupy.asnumpy(batched_linear(cupy, cupy.asarray(xs), cupy.asarray(ws)))
     assert rel_err(got, np.matmul(xs, widen(ws).transpose(0, 2, 1))) < tol
+    # o_a's layout: row group g of every row times w[g], strided in place on both sides
+    got = cupy.asnumpy(grouped_rows_linear(cupy, cupy.asarray(xs.transpose(1, 0, 2)),
+                                           cupy.asarray(ws)))
+    assert rel_err(got, np.matmul(xs, widen(ws).transpose(0, 2, 1)).transpose(1, 0, 2)) < tol
     groups = [(1, 0, rows // 3), (0, rows // 3, rows)] if rows > 2 else [(1, 0, rows)]
     got = cupy.asnumpy(grouped_linear(cupy, cupy.asarray(x), cupy.asarray(ws), groups))
     assert rel_err(got, grouped_linear(np, x, ws, groups)) < tol

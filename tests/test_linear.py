@@ -10,7 +10,7 @@ import pytest
 from ds4.kernels import to_bf16, widen
 from ds4.kernels.split import split_bf16_numpy
 from ds4.model import attention, moe
-from ds4.model.linear import batched_linear, linear
+from ds4.model.linear import batched_linear, grouped_rows_linear, linear
 
 
 def test_linear_on_bf16_words_is_the_widened_product():
@@ -22,6 +22,8 @@ def test_linear_on_bf16_words_is_the_widened_product():
     ws = np.stack([w, w[::-1]])
     np.testing.assert_allclose(batched_linear(np, x[:2], ws),
                                np.matmul(x[:2], widen(ws).transpose(0, 2, 1)))
+    np.testing.assert_allclose(grouped_rows_linear(np, x[:2].transpose(1, 0, 2), ws),
+                               np.matmul(x[:2], widen(ws).transpose(0, 2, 1)).transpose(1, 0, 2))
 
 
 def test_split_rows_keep_16_bits_of_each_activation():

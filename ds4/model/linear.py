@@ -66,7 +66,7 @@ def _words_product(x, w):
 
 
 def batched_linear(xp, x, w):
-    """x [B, M, K] times each w[b] [N, K] transposed -> [B, M, N] in fp32 (one cuBLAS call)."""
+    """x [B, M, K] times each w[b] [N, K] transposed -> [B, M, N] in fp32 (cuBLAS, batched)."""
     if w.dtype != xp.uint16:
         return xp.matmul(x, w.transpose(0, 2, 1))
     if xp is np:
@@ -74,10 +74,28 @@ def batched_linear(xp, x, w):
     B, M, K = x.shape
     N = w.shape[1]
     words = _words(xp, x.reshape(B * M, K))  # [B*M, p, K]: row r's hi (and lo)
+    y = xp.empty((B, M, N), xp.float32)
+    w_stride = N * K if w.shape[0] > 1 else 0
+    _gemm_parts(xp, w, w_stride, words, words.shape[1] * K, M * words.shape[1] * K, y, N, M * N,
+                (N, M, K, B))
+    return y
+
+
+def grouped_rows_linear(xp, x, w):
+    """x [S, G, K] row group g of each row times its own w[g] [N, K] transposed -> [S, G, N].
+
+    On CuPy the cuBLAS batches stride over x's and y's middle axis in place, so neither side
+    is transposed into a copy (at a 2048-token prefill chunk, V4's o_a input is 268 MB)."""
+    if xp is np or w.dtype != xp.uint16:
+        y = batched_linear(xp, x.transpose(1, 0, 2), w)
+        return y.transpose(1, 0, 2)
+    S, G, K = x.shape
+    N = w.shape[1]
+    words = _words(xp, x.reshape(S * G, K))  # [S*G, p, K]
     p = words.shape[1]
-    y = xp.empty((B * M, p, N), xp.float32)
-    _gemm(xp, w, words, y, N, p * M, K, batch=B, w_stride=N * K if w.shape[0] > 1 else 0)
-    return _join(y).reshape(B, M, N)
+    y = xp.empty((S, G, N), xp.float32)
+    _gemm_parts(xp, w, N * K, words, G * p * K, p * K, y, G * N, N, (N, S, K, G))
+    return y
 
 
 def grouped_linear(xp, x, w, groups: list[tuple[int, int, int]]):
@@ -91,10 +109,11 @@ def grouped_linear(xp, x, w, groups: list[tuple[int, int, int]]):
         return y
     words = _words(xp, x)
     p = words.shape[1]
-    y = xp.empty((R, p, N), xp.float32)
+    y = xp.empty((R, N), xp.float32)
     for g, start, end in groups:  # a packed expert is widened to bf16 words just before its GEMM
-        _gemm(xp, held(xp, w[g]), words[start:], y[start:], N, p * (end - start), K)
-    return _join(y)
+        _gemm_parts(xp, held(xp, w[g]), 0, words[start:], p * K, 0, y[start:], N, 0,
+                    (N, end - start, K, 1))
+    return y
 
 
 def _words(cp, x):
@@ -106,21 +125,30 @@ def _words(cp, x):
     return split_bf16(x, cp.empty((x.shape[0], parts(), x.shape[2]), cp.uint16))
 
 
-def _join(y):
-    """[R, p, N] products of the hi (and lo) rows -> [R, N]."""
-    return y[:, 0] + y[:, 1] if y.shape[1] == 2 else y[:, 0]
+def _gemm_parts(cp, w, w_stride: int, words, ldb: int, b_stride: int, y, ldc: int,
+                c_stride: int, dims: tuple[int, int, int, int]) -> None:
+    """y = words' hi rows times w transposed, then + the lo rows' product (p = 2) accumulated
+    by the second GEMM into the same y (beta = 1): no [rows, 2, N] product and no pass adding
+    its halves. dims = (N, rows, K, batch); ldb / ldc and the strides are in elements."""
+    N, rows, K, batch = dims
+    for part in range(words.shape[1]):
+        _gemm(cp, w, w_stride, words[:, part], ldb, b_stride, y, ldc, c_stride, dims,
+              ONE if part else ZERO)
 
 
-def _gemm(cp, w, words, y, N: int, rows: int, K: int, batch: int = 1, w_stride: int = 0) -> None:
-    """y[b] (rows x N, fp32) = words[b] (rows x K, bf16) times w[b] (N x K, bf16) transposed."""
+def _gemm(cp, w, w_stride: int, words, ldb: int, b_stride: int, y, ldc: int, c_stride: int,
+          dims: tuple[int, int, int, int], beta) -> None:
+    """y[b] (rows x N, fp32, row stride ldc) = words[b] (rows x K bf16, row stride ldb) times
+    w[b] (N x K bf16) transposed, + beta y[b]; batch b steps w, words and y by their strides."""
     from cupy.cuda import cublas
 
+    N, rows, K, batch = dims
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
     # Row-major y = x w^T is column-major y^T = w x^T: A = w (transposed), B = x.
     cublas.gemmStridedBatchedEx(
         handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, N, rows, K,
         ONE.ctypes.data, w.data.ptr, CUDA_R_16BF, K, w_stride,
-        words.data.ptr, CUDA_R_16BF, K, rows * K,
-        ZERO.ctypes.data, y.data.ptr, CUDA_R_32F, N, rows * N,
+        words.data.ptr, CUDA_R_16BF, ldb, b_stride,
+        beta.ctypes.data, y.data.ptr, CUDA_R_32F, ldc, c_stride,
         batch, CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
