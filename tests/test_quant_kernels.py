@@ -32,6 +32,13 @@ def test_kv_twins_round_the_one_row_the_model_rounds(width, rope):
     np.testing.assert_array_equal(untouched, rows)
 
 
+@pytest.mark.parametrize("width, rope", [(512, 64), (64, 8)])
+def test_kv_rows_twin_rounds_every_row_as_the_model_does(width, rope):
+    rows = _rows(7, width)
+    want = quant.kv_fp8_simulation(np, rows, rope)
+    np.testing.assert_array_equal(qk.kv_fp8_rows_numpy(rows.copy(), width - rope), want)
+
+
 @pytest.mark.parametrize("width", [128, 16])
 def test_hadamard_twin_is_the_indexer_simulation(width):
     rows = _rows(6, width)
@@ -72,3 +79,16 @@ def test_quant_kernels_equal_their_twins():
             # noise of an FP4 boundary may land on the other side (one step of its block)
             close = np.isclose(got, want, atol=1e-5 * np.abs(want).max())
             assert close.mean() > 0.995, close.mean()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")
+@pytest.mark.parametrize("width, rope", [(512, 64), (64, 8)])
+def test_prefill_kv_rounding_on_the_gpu_is_the_models_bit_for_bit(width, rope):
+    """Prefill's KV rows go through kv_fp8_rows on CuPy: every bit as the NumPy simulation."""
+    import cupy as cp
+
+    rows = _rows(300, width).reshape(3, 100, width)
+    want = quant.kv_fp8_simulation(np, rows, rope)
+    got = quant.kv_fp8_simulation(cp, cp.asarray(rows), rope)
+    np.testing.assert_array_equal(cp.asnumpy(got), want)

@@ -48,6 +48,12 @@ extern "C" __global__ void kv_fp8_slot(float* rows, int width, int nope, int blo
     round_blocks(rows, pos[0] % cap, width, nope, block, 3, -6, 448.f, 1e-4f);
 }
 
+// kv_fp8_rows: every row of rows (one block a row): prefill's KV rows, a chunk at a time.
+extern "C" __global__ void kv_fp8_rows(float* rows, int width, int nope, int block) {
+    wait_inputs();  // (pdl.py)
+    round_blocks(rows, (int)blockIdx.x, width, nope, block, 3, -6, 448.f, 1e-4f);
+}
+
 extern "C" __global__ void kv_fp8_closed(float* rows, int width, int nope, int block,
                                          const int* pos, int ratio) {
     wait_inputs();  // (pdl.py)

@@ -29,6 +29,14 @@ def kv_fp8_slot(rows, nope: int, pos):
     return rows
 
 
+def kv_fp8_rows(rows, nope: int):
+    """FP8 round trip of channels [0, nope) of every row of rows [n, width] (in place)."""
+    n, width = rows.shape
+    launch("quant", "kv_fp8_rows", (n,), (_threads(nope),),
+           (ptr(rows), i32(width), i32(nope), i32(kv_block(nope))), shared=4 * nope)
+    return rows
+
+
 def kv_fp8_closed(rows, nope: int, pos, ratio: int):
     """FP8 round trip of the compressed row token pos closes (rows[(pos + 1) // ratio - 1] when
     (pos + 1) % ratio == 0, else nothing)."""
@@ -104,6 +112,13 @@ def kv_fp8_slot_numpy(rows, nope: int, pos):
     """NumPy twin of kv_fp8_slot."""
     _round_blocks(rows[int(np.asarray(pos)[0]) % rows.shape[0]], nope, kv_block(nope), 3, -6,
                   448.0, 1e-4)
+    return rows
+
+
+def kv_fp8_rows_numpy(rows, nope: int):
+    """NumPy twin of kv_fp8_rows."""
+    for row in rows:
+        _round_blocks(row, nope, kv_block(nope), 3, -6, 448.0, 1e-4)
     return rows
 
 

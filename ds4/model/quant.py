@@ -67,6 +67,12 @@ def hadamard(n: int) -> np.ndarray:
 def kv_fp8_simulation(xp, rows, rope_dim: int):
     """Official KV rounding: FP8 round trip of the non-rope channels, rope slice untouched."""
     nope = rows.shape[-1] - rope_dim
+    if xp is not np and nope <= 1024:  # one kernel, the same float ops (ds4/kernels/quant.cu)
+        from ds4.kernels.quant import kv_fp8_rows
+
+        out = xp.array(rows, dtype=xp.float32, order="C")
+        kv_fp8_rows(out.reshape(-1, out.shape[-1]), nope)
+        return out
     out = rows.copy()
     out[..., :nope] = fp8_round_blocks(xp, rows[..., :nope], 64 if nope % 64 == 0 else nope)
     return out
