@@ -5,9 +5,11 @@ current path (a widened bf16 slab per hit expert, cuBLAS on the hi + lo rows) an
 Floor = max(the stage's FLOPs at the fp16 GEMM rate, the packed bytes of the experts hit plus
 x and the output at the copy rate), both rates measured in the same run (bench_engine's
 ceilings). Routing picks top-6 of 256 experts uniformly at random, as the packed random
-weights do (nearly every expert hit at chunk 2048).
+weights do (nearly every expert hit at chunk 2048); `--skew s` gives expert e a fixed
+popularity exp(s g_e), g_e ~ N(0, 1), as trained routers are uneven (s = 1: the busiest expert
+gets ~11x the mean rows, and 349 tiles of 64 rows hold what 260 hold uniformly).
 
-    PYTHONPATH=. python3 tools/bench_grouped.py [--chunks 512,2048] [--json out.json]
+    PYTHONPATH=. python3 tools/bench_grouped.py [--chunks 512,2048] [--skew 1] [--json out.json]
 """
 
 from __future__ import annotations
@@ -36,10 +38,15 @@ def fp4_stack(cp, rows: int, cols: int) -> PackedMatrix:
     return PackedMatrix("fp4", codes.astype(cp.uint8), scale.astype(cp.uint8), cols)
 
 
-def chunk(cp, S: int, seed: int):
+def chunk(cp, S: int, seed: int, skew: float = 0.0):
     """x [S, HIDDEN], ids [S, TOP_K] (distinct experts per token), routing weights."""
     rng = np.random.default_rng(seed)
-    ids = np.argsort(rng.random((S, EXPERTS)), axis=1)[:, :TOP_K]
+    if skew:  # top-k of log-popularity + Gumbel noise: picks without replacement, p ~ popularity
+        popularity = skew * np.random.default_rng(0).standard_normal(EXPERTS)
+        ids = np.argsort(-(popularity - np.log(-np.log(rng.random((S, EXPERTS))))),
+                         axis=1)[:, :TOP_K]
+    else:
+        ids = np.argsort(rng.random((S, EXPERTS)), axis=1)[:, :TOP_K]
     x = rng.standard_normal((S, HIDDEN)).astype(np.float32)
     w = rng.random((S, TOP_K)).astype(np.float32) / TOP_K
     return cp.asarray(x), cp.asarray(ids), cp.asarray(w), len(np.unique(ids))
@@ -118,9 +125,9 @@ def launches_ms(cp, gate_up, down, x, ids, w, mt: int, variant: str) -> dict:
             down, act_words, order, tiles, n, mt, rows, variant=variant), repeat=10)}
 
 
-def measure(cp, gate_up, down, S: int, rates: dict) -> dict:
+def measure(cp, gate_up, down, S: int, rates: dict, skew: float = 0.0) -> dict:
     """Times and floor of one chunk size."""
-    x, ids, w, hit = chunk(cp, S, S)
+    x, ids, w, hit = chunk(cp, S, S, skew)
     bank = ExpertBank.from_stacks(cp, gate_up, down)
     R = S * TOP_K
     flops = 2 * R * (2 * INTER * HIDDEN + HIDDEN * INTER)
@@ -134,7 +141,8 @@ def measure(cp, gate_up, down, S: int, rates: dict) -> dict:
     got = grouped.routed(cp, gate_up, down, x, ids, w, LIMIT)
     want = current(cp, bank, x, ids, w)
     err = float(cp.abs(got - want).max() / cp.abs(want).max())
-    row = {"chunk": S, "experts_hit": hit, "new_ms": new * 1e3, "bf16_ms": one * 1e3,
+    row = {"chunk": S, "experts_hit": hit, "busiest": int(cp.bincount(ids.reshape(-1)).max()),
+           "new_ms": new * 1e3, "bf16_ms": one * 1e3,
            "current_ms": old * 1e3, "floor_ms": floor * 1e3, "tflops_new": flops / new / 1e12,
            "ratio_new": new / floor, "ratio_current": old / floor, "rel_err": err}
     row["launches"] = [launches_ms(cp, gate_up, down, x, ids, w, mt, variant)
@@ -162,6 +170,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--chunks", default="512,2048")
+    p.add_argument("--skew", type=float, default=0.0, help="uneven expert popularity")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     os.environ.setdefault("DS4_GEMM", "bf16x2")
@@ -169,7 +178,7 @@ def main() -> None:
     print(f"copy {rates['copy_bytes_per_s'] / 1e12:.2f} TB/s, fp16 GEMM "
           f"{rates['gemm_flop_per_s'] / 1e12:.0f} TFLOP/s")
     gate_up, down = fp4_stack(cp, 2 * INTER, HIDDEN), fp4_stack(cp, HIDDEN, INTER)
-    rows = [measure(cp, gate_up, down, int(s), rates) for s in a.chunks.split(",")]
+    rows = [measure(cp, gate_up, down, int(s), rates, a.skew) for s in a.chunks.split(",")]
     print("| chunk | experts hit | grouped | grouped, DS4_GEMM=bf16 | current | floor | "
           "TFLOP/s | ratio grouped / current | rel err |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -182,7 +191,8 @@ def main() -> None:
               f"{r['tuned_ms']:.2f} ms, {r['tuned_tflops']:.0f} TFLOP/s, "
               f"{r['tuned_ratio']:.1f}x floor, rel err {r['tuned_rel_err']:.1e}")
     for r in rows:
-        print(f"chunk {r['chunk']} (picked m16 tiles per block: {r['mt']}):")
+        print(f"chunk {r['chunk']} (picked m16 tiles per block: {r['mt']}; busiest expert "
+              f"{r['busiest']} rows):")
         for t in r["launches"]:
             print(f"  m16 tiles {t['mt']}, {t['variant']}: gate/up {t['gate_up_ms']:.2f} ms,"
                   f" act split {t['split_act_ms']:.2f} ms, down {t['down_ms']:.2f} ms")

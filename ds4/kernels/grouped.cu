@@ -82,7 +82,9 @@ extern "C" __global__ void split_words(const float* __restrict__ x, long long x_
 }
 
 // The tile table of rows grouped by expert: offsets from counts[e] (rows of expert e, in expert
-// order), one entry (expert, first row, rows) per tile of up to bm rows; *n_tiles = entries.
+// order), one entry (expert, first row, rows, m16 tiles the rows fill) per tile of up to bm rows;
+// *n_tiles = entries. A block multiplies only the m16 tiles its rows fill: an expert's last,
+// partial tile (and every tile under skewed routing) does less tensor work, not bm rows' worth.
 // One thread: ~E + tiles steps, a few microseconds, and no host round trip.
 extern "C" __global__ void expert_tiles(const long long* __restrict__ counts, int experts, int bm,
                                         int4* __restrict__ tiles, int* __restrict__ n_tiles) {
@@ -90,7 +92,10 @@ extern "C" __global__ void expert_tiles(const long long* __restrict__ counts, in
     int row = 0, n = 0;
     for (int e = 0; e < experts; e++) {
         int c = (int)counts[e];
-        for (int r = 0; r < c; r += bm) tiles[n++] = make_int4(e, row + r, min(bm, c - r), 0);
+        for (int r = 0; r < c; r += bm) {
+            int rows = min(bm, c - r);
+            tiles[n++] = make_int4(e, row + r, rows, (rows + 15) / 16);
+        }
         row += c;
     }
     *n_tiles = n;
@@ -282,8 +287,9 @@ __device__ __forceinline__ void load_scales(const Weights& W, int expert, int n0
     }
 }
 
-// acc += the stage in buf times the lane's decoded weights, 8 k-steps.
-template <class F, int MT, bool GATE_UP>
+// acc += the stage in buf times the lane's decoded weights, 8 k-steps, for the first USED
+// m16 tiles (the rest hold no rows of this tile).
+template <class F, int MT, int USED, bool GATE_UP>
 __device__ __forceinline__ void stage_mma(const u8* buf, const u32* scales, int parts,
                                           float (*acc)[F::NT][4]) {
     using L = Smem<F, MT>;
@@ -321,7 +327,7 @@ __device__ __forceinline__ void stage_mma(const u8* buf, const u32* scales, int 
             if (hl == 1 && parts == 1) break;
             u32 a[MT][4];
 #pragma unroll
-            for (int m = 0; m < MT; m++) {
+            for (int m = 0; m < USED; m++) {
                 const uint2* u = sa + ((unit_of(j, h, hl, 0) >> 2) * L::BM + m * 16 + g) * 4 + t;
                 uint2 top = u[0], low = u[8 * 4];
                 a[m][0] = top.x; a[m][1] = low.x; a[m][2] = top.y; a[m][3] = low.y;
@@ -329,7 +335,7 @@ __device__ __forceinline__ void stage_mma(const u8* buf, const u32* scales, int 
 #pragma unroll
             for (int i = 0; i < F::NT; i++)
 #pragma unroll
-                for (int m = 0; m < MT; m++) mma(acc[m][i], a[m], b[i][0], b[i][1]);
+                for (int m = 0; m < USED; m++) mma(acc[m][i], a[m], b[i][0], b[i][1]);
         }
     }
 }
@@ -374,35 +380,15 @@ __device__ __forceinline__ void store_tile(float (*acc)[F::NT][4], int row0, int
     }
 }
 
-// One block: tile blockIdx.y of the table (rows grouped by expert) times weight band
-// blockIdx.x (gate/up: BN/2 columns of act; plain: BN output columns). The activation row of
-// sorted row r is order[r] / k_div for gate/up (order null: r), r for plain (act rows).
-template <class F, int MT, bool GATE_UP, int STAGES>
-__device__ void grouped_gemm(const uint2* __restrict__ words, long long w_ld,
-                             const int* __restrict__ order, int k_div,
-                             const float* __restrict__ wts, const int4* __restrict__ tiles,
-                             const int* __restrict__ n_tiles, Weights W, int parts, float limit,
-                             float* __restrict__ out, long long out_ld) {
+// The k loop of one block: stages through a ring of STAGES buffers, acc += every stage's
+// product for the first USED m16 tiles.
+template <class F, int MT, int USED, bool GATE_UP, int STAGES>
+__device__ __forceinline__ void run_stages(const uint2* words, long long w_ld, const int* a_rows,
+                                           int tile_rows, const Weights& W, int expert, int n0,
+                                           int parts, float (*acc)[F::NT][4]) {
     using L = Smem<F, MT>;
     extern __shared__ __align__(16) u8 smem[];
-    __shared__ int a_rows[L::BM];
-    if ((int)blockIdx.y >= *n_tiles) return;
-    const int4 tile = tiles[blockIdx.y];
-    const int expert = tile.x, row0 = tile.y, tile_rows = tile.z;
-    const int n0 = blockIdx.x * (GATE_UP ? L::BN / 2 : L::BN);
     const int stages = (W.cols + BK - 1) / BK;
-    for (int i = threadIdx.x; i < L::BM; i += WARPS * 32) {
-        int r = row0 + min(i, tile_rows - 1);
-        a_rows[i] = GATE_UP && order ? order[r] / k_div : r;
-    }
-    __syncthreads();
-    float acc[MT][F::NT][4];
-#pragma unroll
-    for (int m = 0; m < MT; m++)
-#pragma unroll
-        for (int i = 0; i < F::NT; i++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[m][i][e] = 0.f;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < stages)
@@ -422,9 +408,49 @@ __device__ void grouped_gemm(const uint2* __restrict__ words, long long w_ld,
         copy_commit();
         u32 ahead[2];
         load_scales<F, MT, GATE_UP>(W, expert, n0, min(st + 1, stages - 1), ahead);
-        stage_mma<F, MT, GATE_UP>(smem + (st % STAGES) * L::STAGE, scales, parts, acc);
+        stage_mma<F, MT, USED, GATE_UP>(smem + (st % STAGES) * L::STAGE, scales, parts, acc);
         scales[0] = ahead[0];
         scales[1] = ahead[1];
+    }
+}
+
+// One block: tile blockIdx.y of the table (rows grouped by expert) times weight band
+// blockIdx.x (gate/up: BN/2 columns of act; plain: BN output columns). The activation row of
+// sorted row r is order[r] / k_div for gate/up (order null: r), r for plain (act rows).
+template <class F, int MT, bool GATE_UP, int STAGES>
+__device__ void grouped_gemm(const uint2* __restrict__ words, long long w_ld,
+                             const int* __restrict__ order, int k_div,
+                             const float* __restrict__ wts, const int4* __restrict__ tiles,
+                             const int* __restrict__ n_tiles, Weights W, int parts, float limit,
+                             float* __restrict__ out, long long out_ld) {
+    using L = Smem<F, MT>;
+    __shared__ int a_rows[L::BM];
+    if ((int)blockIdx.y >= *n_tiles) return;
+    const int4 tile = tiles[blockIdx.y];
+    const int expert = tile.x, row0 = tile.y, tile_rows = tile.z;
+    const int n0 = blockIdx.x * (GATE_UP ? L::BN / 2 : L::BN);
+    for (int i = threadIdx.x; i < L::BM; i += WARPS * 32) {
+        int r = row0 + min(i, tile_rows - 1);
+        a_rows[i] = GATE_UP && order ? order[r] / k_div : r;
+    }
+    __syncthreads();
+    float acc[MT][F::NT][4];
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int i = 0; i < F::NT; i++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[m][i][e] = 0.f;
+    // the m16 tiles this tile's rows fill, as a compile-time bound of the mma loops (a
+    // run-time bound inside them measured 1.3x slower on full tiles)
+    switch (tile.w > 0 ? min(tile.w, MT) : MT) {
+#define RUN(USED) run_stages<F, MT, USED, GATE_UP, STAGES>(words, w_ld, a_rows, tile_rows, W, \
+                                                          expert, n0, parts, acc)
+    case 1: RUN(1); break;
+    case 2: if constexpr (MT >= 2) RUN(2); break;
+    case 3: if constexpr (MT >= 3) RUN(3); break;
+    default: RUN(MT);
+#undef RUN
     }
     int n_out = GATE_UP ? W.rows / 2 : W.rows;
     store_tile<F, MT, GATE_UP>(acc, row0, tile_rows, n0, n_out, order, wts, limit, out, out_ld);

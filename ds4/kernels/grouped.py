@@ -128,8 +128,9 @@ def new_words(xp, rows: int, cols: int):
 
 
 def expert_tiles(counts, bm: int, tiles, n_tiles):
-    """tiles [>= max_tiles, 4] int32 = (expert, first row, rows, 0) per tile of up to bm rows of
-    the rows grouped by expert (counts [E] int64 in expert order); n_tiles [1] = entries."""
+    """tiles [>= max_tiles, 4] int32 = (expert, first row, rows, m16 tiles they fill) per tile of
+    up to bm rows of the rows grouped by expert (counts [E] int64 in expert order); n_tiles [1]
+    = entries."""
     launch("grouped", "expert_tiles", (1,), (32,),
            (ptr(counts), i32(counts.shape[0]), i32(bm), ptr(tiles), ptr(n_tiles)))
     return tiles
@@ -140,7 +141,8 @@ def expert_tiles_numpy(counts, bm: int, tiles, n_tiles):
     n, row = 0, 0
     for e, c in enumerate(np.asarray(counts).tolist()):
         for r in range(0, c, bm):
-            tiles[n] = (e, row + r, min(bm, c - r), 0)
+            rows = min(bm, c - r)
+            tiles[n] = (e, row + r, rows, -(-rows // 16))
             n += 1
         row += c
     n_tiles[0] = n
