@@ -54,6 +54,26 @@ def test_hyper_connection_comb_is_doubly_stochastic():
 
 
 @pytest.mark.parametrize("ratio,overlap", [(4, True), (8, False)])
+def test_the_pool_kernels_twin_pools_as_the_model_code(ratio, overlap):
+    """compressor_pool_windows_numpy (the GPU kernel's twin) gives the model's pooled rows for
+    a chunk whose first window pools the overlap carried from the chunk before."""
+    from ds4.kernels.compressor import compressor_pool_windows_numpy
+
+    rng = np.random.default_rng(3)
+    width, out = (16, 8) if overlap else (8, 8)
+    kv = rng.standard_normal((4 * ratio, width)).astype(np.float32)
+    score = rng.standard_normal((4 * ratio, width)).astype(np.float32)
+    state = CompressorState(np, ratio, width, out, overlap, 16)
+    pool_windows(np, state, kv[:ratio], score[:ratio], 0)
+    carried = (state.overlap_kv.copy(), state.overlap_score.copy()) if overlap else (None, None)
+    want, _ = pool_windows(np, state, kv[ratio:], score[ratio:], ratio)
+    got = compressor_pool_windows_numpy(kv[ratio:].reshape(3, ratio, width),
+                                        score[ratio:].reshape(3, ratio, width), *carried,
+                                        np.empty((3, out), np.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (8, False)])
 def test_compressor_windows_do_not_depend_on_chunking(ratio, overlap):
     rng = np.random.default_rng(2)
     width, out = (16, 8) if overlap else (8, 8)

@@ -190,6 +190,28 @@ def test_compressor_windows(cp, rng, ratio, hd, overlap):
         assert rel_err(cp.asnumpy(dev["okv"]), host["okv"]) < 1e-6
 
 
+@pytest.mark.parametrize("ratio,hd,overlap", [(4, 512, True), (128, 512, False)])
+def test_prefill_pools_windows_in_one_kernel_as_numpy_does(cp, rng, ratio, hd, overlap):
+    """The model's pool_windows on CuPy (compressor_pool_windows: every window of a chunk in
+    one launch) gives NumPy's pooled rows and carried state, chunk after chunk."""
+    from ds4.model.compressor import pool_windows
+    from ds4.model.state import CompressorState
+
+    cw = 2 * hd if overlap else hd
+    states = {xp: CompressorState(xp, ratio, cw, hd, overlap, 64) for xp in (np, cp)}
+    start = 0
+    for size in (3 * ratio + 1, 5 * ratio - 1, 2 * ratio):
+        kv, score = randn(rng, size, cw), randn(rng, size, cw, scale=3.0)
+        want, first = pool_windows(np, states[np], kv, score, start)
+        got, d_first = pool_windows(cp, states[cp], cp.asarray(kv), cp.asarray(score), start)
+        assert first == d_first
+        assert rel_err(cp.asnumpy(got), want) < 1e-6
+        start += size
+    for name in ("pending_kv", "pending_score", "overlap_kv", "overlap_score"):
+        np.testing.assert_array_equal(cp.asnumpy(getattr(states[cp], name)),
+                                      getattr(states[np], name))
+
+
 def test_indexer_scores_and_topk(cp, rng):
     from ds4.kernels import indexer, sampling
 

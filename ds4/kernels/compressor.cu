@@ -122,3 +122,42 @@ extern "C" __global__ void compressor_step_m(const float* __restrict__ kvp,
     pool(pending_kv, pending_score, (float*)ptrs[2 * B + b], (float*)ptrs[3 * B + b], norm_w,
          freqs, pos, (float*)ptrs[4 * B + b], m, hd, rope_dim, eps);
 }
+
+// Prefill: the nw windows a chunk closes, pooled at once. win_kv / win_score [nw, m, cw] (scores
+// with the position bias added); overlap_kv / overlap_score [m, hd]: the A-half carried from
+// before window 0 (null: no overlap, cw = hd). pooled[w, c] = the softmax pool of channel c over
+// the slots of pool() above: window w - 1's A-half (the carried one for w = 0), then window w's
+// B-half; without overlap, window w's rows. Norm, rope and the state update stay with the model
+// code. Grid (ceil(hd / blockDim), nw), one thread a channel.
+extern "C" __global__ void compressor_pool_windows(const float* __restrict__ win_kv,
+                                                   const float* __restrict__ win_score,
+                                                   const float* __restrict__ overlap_kv,
+                                                   const float* __restrict__ overlap_score,
+                                                   float* __restrict__ pooled, int m, int hd) {
+    int w = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= hd) return;
+    int overlap = overlap_kv != 0, cw = overlap ? 2 * hd : hd;
+    const float* kv = win_kv + (size_t)w * m * cw + (overlap ? hd + c : c);
+    const float* sc = win_score + (size_t)w * m * cw + (overlap ? hd + c : c);
+    const float* pkv = w ? win_kv + (size_t)(w - 1) * m * cw + c : overlap_kv + c;
+    const float* psc = w ? win_score + (size_t)(w - 1) * m * cw + c : overlap_score + c;
+    size_t pstride = w ? cw : hd;
+    float mx = -INFINITY;
+    if (overlap)
+        for (int i = 0; i < m; i++) mx = fmaxf(mx, psc[i * pstride]);
+    for (int i = 0; i < m; i++) mx = fmaxf(mx, sc[(size_t)i * cw]);
+    float s = 0.f, acc = 0.f;
+    if (overlap) {
+        for (int i = 0; i < m; i++) {
+            float e = expf(psc[i * pstride] - mx);
+            s += e;
+            acc += e * pkv[i * pstride];
+        }
+    }
+    for (int i = 0; i < m; i++) {
+        float e = expf(sc[(size_t)i * cw] - mx);
+        s += e;
+        acc += e * kv[(size_t)i * cw];
+    }
+    pooled[(size_t)w * hd + c] = acc / s;
+}

@@ -65,6 +65,32 @@ def compressor_pool_numpy(pending_kv, pending_score, overlap_kv, overlap_score, 
     return comp
 
 
+def compressor_pool_windows(win_kv, win_score, overlap_kv, overlap_score, pooled):
+    """pooled [nw, hd] = the softmax pool of each closed window of win_kv / win_score
+    [nw, m, cw] (prefill), over the carried overlap_* [m, hd] for window 0 (None: no
+    overlap)."""
+    nw, m, _ = win_kv.shape
+    hd = pooled.shape[1]
+    args = (ptr(win_kv), ptr(win_score), ptr(overlap_kv), ptr(overlap_score), ptr(pooled), i32(m),
+            i32(hd))
+    launch("compressor", "compressor_pool_windows", ((hd + 127) // 128, nw), (128,), args)
+    return pooled
+
+
+def compressor_pool_windows_numpy(win_kv, win_score, overlap_kv, overlap_score, pooled):
+    """NumPy twin of compressor_pool_windows."""
+    hd = pooled.shape[1]
+    kv, score = win_kv, win_score
+    if overlap_kv is not None:
+        kv = np.concatenate([np.concatenate([overlap_kv[None], win_kv[:-1, :, :hd]]),
+                             win_kv[:, :, hd:]], axis=1)
+        score = np.concatenate([np.concatenate([overlap_score[None], win_score[:-1, :, :hd]]),
+                                win_score[:, :, hd:]], axis=1)
+    e = np.exp(score - score.max(axis=1, keepdims=True))
+    pooled[...] = (e * kv).sum(axis=1) / e.sum(axis=1)
+    return pooled
+
+
 def compressor_step_m(kvp, g, bias, table, layer: int, slot: int, norm_w, freqs, m: int,
                       cw: int, hd: int, rope_dim: int, eps: float = 1e-6):
     """compressor_push then compressor_pool, in one launch, for each member b of a batch graph:

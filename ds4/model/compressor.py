@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from ds4.model.hyper_connection import rms_norm
 from ds4.model.linear import linear
 from ds4.model.state import CompressorState
@@ -32,8 +34,12 @@ def pool_windows(xp, comp: CompressorState, kv, score, start: int):
     if nw:
         win_kv = kv[:done].reshape(nw, m, -1)
         win_score = score[:done].reshape(nw, m, -1)
-        pooled = _pool_overlap(xp, comp, win_kv, win_score) if comp.overlap else \
-            softmax_pool(xp, win_kv, win_score, axis=1)
+        if xp is not np and nw < 65536:  # one kernel for every window, not ~20 array ops
+            pooled = _pool_kernel(xp, comp, win_kv, win_score)
+        elif comp.overlap:
+            pooled = _pool_overlap(xp, comp, win_kv, win_score)
+        else:
+            pooled = softmax_pool(xp, win_kv, win_score, axis=1)
     if rest:
         comp.pending_kv[:rest] = kv[done:]
         comp.pending_score[:rest] = score[done:]
@@ -50,6 +56,23 @@ def _pool_overlap(xp, comp: CompressorState, win_kv, win_score):
     comp.overlap_kv[...] = win_kv[-1, :, :half]
     comp.overlap_score[...] = win_score[-1, :, :half]
     return softmax_pool(xp, slots_kv, slots_score, axis=1)
+
+
+def _pool_kernel(xp, comp: CompressorState, win_kv, win_score):
+    """`_pool_overlap` / `softmax_pool` of the windows in one launch (ds4/kernels/compressor.cu),
+    then the last window's A-half carried as the overlap."""
+    from ds4.kernels.compressor import compressor_pool_windows
+
+    win_kv = xp.ascontiguousarray(win_kv, dtype=xp.float32)
+    win_score = xp.ascontiguousarray(win_score, dtype=xp.float32)
+    hd = win_kv.shape[-1] // 2 if comp.overlap else win_kv.shape[-1]
+    carried = (comp.overlap_kv, comp.overlap_score) if comp.overlap else (None, None)
+    pooled = compressor_pool_windows(win_kv, win_score, *carried,
+                                     xp.empty((win_kv.shape[0], hd), xp.float32))
+    if comp.overlap:  # after the launch on the same stream: window 0 read the old overlap
+        comp.overlap_kv[...] = win_kv[-1, :, :hd]
+        comp.overlap_score[...] = win_score[-1, :, :hd]
+    return pooled
 
 
 def compress(xp, weights, comp: CompressorState, h, positions, start: int, rope, eps: float,
