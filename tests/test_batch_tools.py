@@ -93,3 +93,25 @@ def test_row_ablations_still_patch_the_kernel_sources(tmp_path):
         changed = {f for f, _, _ in edits}
         for f in changed:
             assert (d / f).read_text() != (base / f).read_text(), (name, f)
+
+
+def test_profile_prefill_accounts_for_the_whole_chunk_and_unwraps(capsys):
+    """The function table's own times add up to the timed run, each layer kind reports its
+    own functions (only CSA has an indexer), and the model code is unwrapped afterwards."""
+    from ds4.model import attention, linear
+
+    before = (attention.linear, linear.linear, attention.attention)
+    tool = load_tool("profile_prefill")
+    assert tool.main(["--small", "--backend", "numpy", "--chunk", "48",
+                      "--layers", "sliding,csa"]) == 0
+    assert (attention.linear, linear.linear, attention.attention) == before
+    blocks = capsys.readouterr().out.split("chunk 48: ")[1:]
+    assert len(blocks) == 2
+    for block, has_indexer in zip(blocks, (False, True)):
+        total = float(block.split(" ms")[0])
+        rows = {ln.split()[0]: ln.split()[1:] for ln in block.splitlines()[2:]
+                if len(ln.split()) == 5}  # not the next kind's name
+        own = sum(float(r[2]) for r in rows.values())
+        assert abs(own - total) < 0.1 * total  # the wrapped calls cover the run
+        assert int(rows["Model._layer"][0]) == 1 and "routed" not in rows  # NumPy: no kernels
+        assert ("select_entries" in rows) == has_indexer

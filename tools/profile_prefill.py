@@ -91,15 +91,17 @@ class Spans:
         return out
 
 
-def install(spans: Spans) -> None:
+def install(spans: Spans) -> list[tuple]:
     """Replace every SPANS function wherever ds4 imported it (names bound by `from x import`
-    too), and each method on its class."""
+    too), and each method on its class; returns the (owner, name, original) to put back."""
+    undo = []
     for entry in SPANS:
         module_name, attr = entry.split(":")
         module = importlib.import_module(module_name)
         if "." in attr:
             cls_name, method = attr.split(".")
             cls = getattr(module, cls_name)
+            undo.append((cls, method, cls.__dict__[method]))
             setattr(cls, method, spans.wrap(attr, getattr(cls, method)))
             continue
         fn = getattr(module, attr)
@@ -107,7 +109,9 @@ def install(spans: Spans) -> None:
         for other in list(sys.modules.values()):
             name = getattr(other, "__name__", "")
             if name.startswith("ds4") and getattr(other, attr, None) is fn:
+                undo.append((other, attr, fn))
                 setattr(other, attr, wrapped)
+    return undo
 
 
 def layer_run(xp, kind: str, chunk: int, small: bool):
@@ -150,11 +154,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     xp = importlib.import_module(args.backend)
     spans = Spans(xp)
-    install(spans)  # once a process: the functions stay wrapped for every layer kind
-    for kind in args.layers.split(","):
-        spans.done.clear()
-        total, table = profile(spans, xp, kind, args.chunk, args.small)
-        report(kind, args.chunk, total, table)
+    undo = install(spans)  # wrapped once for every layer kind, put back at the end
+    try:
+        for kind in args.layers.split(","):
+            spans.done.clear()
+            total, table = profile(spans, xp, kind, args.chunk, args.small)
+            report(kind, args.chunk, total, table)
+    finally:
+        for owner, name, original in reversed(undo):
+            setattr(owner, name, original)
     return 0
 
 
