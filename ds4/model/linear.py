@@ -130,7 +130,6 @@ def _gemm_parts(cp, w, w_stride: int, words, ldb: int, b_stride: int, y, ldc: in
     """y = words' hi rows times w transposed, then + the lo rows' product (p = 2) accumulated
     by the second GEMM into the same y (beta = 1): no [rows, 2, N] product and no pass adding
     its halves. dims = (N, rows, K, batch); ldb / ldc and the strides are in elements."""
-    N, rows, K, batch = dims
     for part in range(words.shape[1]):
         _gemm(cp, w, w_stride, words[:, part], ldb, b_stride, y, ldc, c_stride, dims,
               ONE if part else ZERO)
