@@ -134,6 +134,7 @@ extern "C" __global__ void compressor_pool_windows(const float* __restrict__ win
                                                    const float* __restrict__ overlap_kv,
                                                    const float* __restrict__ overlap_score,
                                                    float* __restrict__ pooled, int m, int hd) {
+    wait_inputs();  // (pdl.py)
     int w = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= hd) return;
     int overlap = overlap_kv != 0, cw = overlap ? 2 * hd : hd;
