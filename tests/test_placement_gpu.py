@@ -192,3 +192,31 @@ class _on_host:
         codes, scale = self.stack.memory_of(int(e))
         return PackedMatrix(self.stack.fmt, codes.get(), scale.get(), self.stack.shape[-1],
                             self.stack.block)
+
+
+def test_prefill_of_staged_host_experts_is_bitwise_the_in_place_read(model: Path,
+                                                                     monkeypatch) -> None:
+    """Prefill copies a layer's host experts to the device before multiplying them
+    (moe.stage_host): the logits equal those of the kernels reading mapped memory in place,
+    bit for bit, and a device without room for the copy falls back to the in-place read."""
+    import cupy
+
+    from ds4.model import moe
+
+    _, placed = engines(model)
+    staged = []
+    stage = moe.stage_host
+    monkeypatch.setattr(moe, "stage_host", lambda *a: staged.append(stage(*a)) or staged[-1])
+    logits = {}
+    for mode in ("staged", "in place", "no room"):
+        monkeypatch.setattr(moe, "STAGE_HOST", mode != "in place")
+        if mode == "no room":
+            def no_room(*_):
+                raise cupy.cuda.memory.OutOfMemoryError(1, 0)
+            monkeypatch.setattr(moe, "_device_copy", no_room)
+        staged.clear()
+        logits[mode] = np.asarray(placed.new_session(256).sync(PROMPT))
+        assert len(staged) == (0 if mode == "in place" else 6)  # one a layer
+        assert all((s is None) == (mode == "no room") for s in staged)
+    np.testing.assert_array_equal(logits["staged"], logits["in place"])
+    np.testing.assert_array_equal(logits["no room"], logits["in place"])

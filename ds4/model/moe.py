@@ -177,21 +177,66 @@ def _halves(gate_up, down, memory: str, hidden: int) -> list:
 
 def _routed_placed(xp, cfg, bank, x, ids, weights):
     """Prefill of a placed bank: the picks of resident experts through the grouped kernels
-    over the device stacks, then those of host experts over the mapped host stacks (read in
-    place over PCIe); a pick of the other memory gets the id one past its stack (skipped)."""
+    over the device stacks, then those of host experts; a pick of the other memory gets the
+    id one past its stack (skipped). The host experts are first copied to the device on a
+    copy stream while the resident picks run (`stage_host`); without room for the copy the
+    kernels read them in place over PCIe."""
     from ds4.kernels import grouped
 
     gate_up, down = bank.placed_stacks
     resident, slot = gate_up.resident, gate_up.slot
+    on_gpu = STAGE_HOST and xp is not np and not resident.all()  # NumPy: one memory already
+    staged = stage_host(xp, gate_up, down) if on_gpu else None
     out = None
     for memory, here in (("device", resident), ("host", ~resident)):
         if not here.any():
             continue
         (gu, _), (dn, _) = _halves(gate_up, down, memory, x.shape[1])
+        if memory == "host" and staged is not None:
+            (gu, dn), copied = staged
+            xp.cuda.get_current_stream().wait_event(copied)
         remap = xp.asarray(np.where(here, slot, int(here.sum())).astype(np.int32))
         part = grouped.routed(xp, gu, dn, x, remap[ids], weights, cfg.swiglu_limit, parts(),
                               skips=True)
         out = part if out is None else out + part
+    return out
+
+
+STAGE_HOST = True  # prefill copies a layer's host experts to the device first (tests flip it)
+_COPY_STREAMS: dict = {}  # device id -> the stream staging copies run on
+
+
+def stage_host(xp, gate_up, down):
+    """((gate_up, down) as PackedMatrix copies of the stacks' host experts in device memory,
+    the event their copies end at), or None when the device has no room for them.
+
+    A prefill chunk of 2048 tokens picks nearly every expert, so a layer's host experts are
+    read whole anyway: one DMA copy (~55 GB/s, off the SMs) beside the resident experts'
+    GEMMs, then GEMMs at HBM speed, instead of kernels that read mapped memory at ~51 GB/s
+    while the GPU waits (the whole V4-Flash on one H200: prefill 1587 -> 2405 tok/s; see
+    docs/PERF.md). The copies wait for the main stream's work so far:
+    a re-placement's writes to the stacks, and the previous layer's reads of memory this
+    stream's pool hands out again."""
+    main, device = xp.cuda.get_current_stream(), xp.cuda.Device().id
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = xp.cuda.Stream(non_blocking=True)
+    stream = _COPY_STREAMS[device]
+    stream.wait_event(main.record())
+    try:
+        with stream:
+            copies = [[_device_copy(xp, a, stream) for a in stack.host]
+                      for stack in (gate_up, down)]
+    except xp.cuda.memory.OutOfMemoryError:
+        return None
+    mats = tuple(PackedMatrix(stack.fmt, codes, scale, stack.shape[-1], stack.block)
+                 for stack, (codes, scale) in zip((gate_up, down), copies))
+    return mats, stream.record()
+
+
+def _device_copy(xp, host, stream):
+    """A device array with host's bytes, copied by DMA on `stream` (cudaMemcpyDefault)."""
+    out = xp.empty(host.shape, host.dtype)
+    xp.cuda.runtime.memcpyAsync(out.data.ptr, host.data.ptr, host.nbytes, 4, stream.ptr)
     return out
 
 

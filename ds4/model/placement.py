@@ -64,7 +64,9 @@ def device_budget(free_bytes: int, reserve_bytes: int, limit_gib: float | None) 
 def scratch_estimate(cfg, prefill_chunk: int) -> int:
     """Bytes the engine's scratch may grow to for prefill chunks of this size: residual
     streams, queries, attention scores, expert activations, logits, plus 1 GiB of slack
-    (CUDA graphs, cuBLAS workspaces, widened expert slabs)."""
+    (CUDA graphs, cuBLAS workspaces, widened expert slabs, and the layer's host experts that
+    prefill stages on the device: ~0.3 GB for V4-Flash on one H200; without room for them
+    prefill reads the host experts in place)."""
     C, D, H, d = prefill_chunk, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     k, inter = cfg.num_experts_per_tok, cfg.moe_intermediate_size
     per_token = (6 * cfg.hc_mult * D + 4 * H * d + 2 * H * (cfg.sliding_window + C)
