@@ -59,14 +59,15 @@ def packed_weights(cp, cfg) -> Weights:
     return Weights(named, [bank], {}, True)
 
 
-def layer_model(cp, kind: str, small: bool, quantize: bool, load_format: str = "auto"):
-    """The engine's Model on CuPy holding one packed layer of this kind (load_format dummy:
-    weights drawn by ds4's own dummy loader, ds4.model.dummy)."""
+def layer_model(cp, kind, small: bool, quantize: bool, load_format: str = "auto"):
+    """The engine's Model on CuPy (or NumPy) holding one packed layer of this kind, or a
+    layer of each kind of a list (load_format dummy: weights drawn by ds4's own dummy loader,
+    ds4.model.dummy)."""
     from ds4.backend import get_backend
     from ds4.model.dummy import dummy_weights
     from ds4.model.forward import Model
 
-    config = flash_config([kind], small=small)
+    config = flash_config(kind if isinstance(kind, list) else [kind], small=small)
     config["quantization_config"] = {"fmt": "e4m3", "weight_block_size": list(BLOCK)}
     config["expert_dtype"] = "fp4"
     cfg = ModelConfig.from_dict(config)

@@ -1,14 +1,17 @@
-"""Where one packed prefill chunk's time goes, by the model code's own functions.
+"""Where a packed prefill chunk's time goes in one layer, by the model code's own functions.
 
-Each layer kind is a one-layer official-format model (V4-Flash dimensions, or `--small` ones;
-ds4's dummy loader draws the packed weights), prefilled with `--chunk` random tokens from an
-empty context. Every function of SPANS is wrapped so that a call records a device event on
-entry and on exit (CuPy; on NumPy the host clock); a second run is timed, and each function
-gets its calls, its inclusive time and its own time (inclusive less the spans it called).
-The events measure the GPU's timeline, so a function whose kernels wait for the host shows
-that wait too: the table's own times add up to the whole run's.
+Each layer kind is profiled as the last layer of an official-format model of `--before` + 1
+layers of that kind (V4-Flash dimensions, or `--small` ones; ds4's dummy loader draws the
+packed weights), prefilled with `--chunk` random tokens from an empty context: the layers
+before it fill the GPU's queue as a whole model's earlier layers do (a lone layer starts from
+an empty queue and shows more time waiting on Python's launches than a layer inside the
+model does). Every function of SPANS is wrapped so that a call inside that layer records a
+device event on entry and on exit (CuPy; on NumPy the host clock); after a warm-up run, each
+function gets its calls, its inclusive time and its own time (inclusive less the spans it
+called). The events measure the GPU's timeline, so a function whose kernels wait for the host
+shows that wait too: the own times add up to the layer's.
 
-    python3 tools/profile_prefill.py [--layers sliding,csa,hca] [--chunk 2048] [--small]
+    python3 tools/profile_prefill.py [--layers sliding,csa,hca] [--chunk 2048] [--before 1]
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SPANS = (  # (module, attribute): functions, or Class.method
-    "ds4.model.forward:Model._layer", "ds4.model.forward:Model._head",
+    "ds4.model.forward:Model._layer",
     "ds4.model.hyper_connection:hc_weights", "ds4.model.hyper_connection:hc_collapse",
     "ds4.model.hyper_connection:hc_expand", "ds4.model.hyper_connection:rms_norm",
     "ds4.model.attention:attention", "ds4.model.attention:_project",
@@ -114,15 +117,16 @@ def install(spans: Spans) -> list[tuple]:
     return undo
 
 
-def layer_run(xp, kind: str, chunk: int, small: bool):
-    """A function prefilling `chunk` random tokens into a fresh state of a one-layer model."""
+def layer_run(xp, kind: str, chunk: int, small: bool, layers: int = 1):
+    """A function prefilling `chunk` random tokens into a fresh state of a model of `layers`
+    layers of this kind."""
     import numpy as np
     from bench_engine import KINDS
     from bench_official import layer_model
 
     from ds4.model.state import SessionState
 
-    model = layer_model(xp, KINDS[kind], small, True, load_format="dummy")
+    model = layer_model(xp, [KINDS[kind]] * layers, small, True, load_format="dummy")
     ids = np.random.default_rng(chunk).integers(2, model.cfg.vocab_size, chunk).tolist()
     state = SessionState(xp, model.cfg, chunk)
 
@@ -149,6 +153,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", default="sliding,csa,hca")
     ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--before", type=int, default=1,
+                    help="layers run in front of the profiled one (0: a lone layer)")
     ap.add_argument("--small", action="store_true", help="tiny dimensions (CPU checks)")
     ap.add_argument("--backend", choices=("cupy", "numpy"), default="cupy")
     args = ap.parse_args(argv)
@@ -158,7 +164,7 @@ def main(argv=None) -> int:
     try:
         for kind in args.layers.split(","):
             spans.done.clear()
-            total, table = profile(spans, xp, kind, args.chunk, args.small)
+            total, table = profile(spans, xp, kind, args.chunk, args.small, args.before)
             report(kind, args.chunk, total, table)
     finally:
         for owner, name, original in reversed(undo):
@@ -166,19 +172,31 @@ def main(argv=None) -> int:
     return 0
 
 
-def profile(spans: Spans, xp, kind: str, chunk: int, small: bool) -> tuple[float, dict]:
-    """(seconds of the whole timed run, the span table) of one layer kind, through installed
-    spans: a warm-up run, then the timed one."""
-    run = layer_run(xp, kind, chunk, small)
+def profile(spans: Spans, xp, kind: str, chunk: int, small: bool,
+            before: int = 1) -> tuple[float, dict]:
+    """(seconds of the profiled layer, the span table) of one layer kind, through installed
+    spans: a warm-up run, then a run that records only inside layer `before`."""
+    from ds4.model.forward import Model
+
+    run = layer_run(xp, kind, chunk, small, before + 1)
     run()  # kernels compiled, memory pools grown
-    spans.on = True
-    start = spans.mark()
-    run()
-    end = spans.mark()
-    spans.on = False
-    if xp.__name__ != "numpy":
-        end.synchronize()
-    return spans.seconds(start, end), spans.table()
+    spanned = Model._layer
+
+    def gated(self, i, *args, **kw):
+        """The layer, recording spans only when it is the profiled one."""
+        spans.on = i == before
+        try:
+            return spanned(self, i, *args, **kw)
+        finally:
+            spans.on = False
+
+    Model._layer = gated
+    try:
+        run()
+    finally:
+        Model._layer = spanned
+    table = spans.table()
+    return table["Model._layer"][1], table
 
 
 if __name__ == "__main__":
