@@ -198,7 +198,8 @@ def test_prefill_of_staged_host_experts_is_bitwise_the_in_place_read(model: Path
                                                                      monkeypatch) -> None:
     """Prefill copies a layer's host experts to the device before multiplying them
     (moe.stage_host): the logits equal those of the kernels reading mapped memory in place,
-    bit for bit, and a device without room for the copy falls back to the in-place read."""
+    bit for bit, and a device without room for the copy falls back to the in-place read. By
+    default only a chunk of at least 4 picks an expert stages (8 experts, top-2: 16 tokens)."""
     import cupy
 
     from ds4.model import moe
@@ -207,6 +208,11 @@ def test_prefill_of_staged_host_experts_is_bitwise_the_in_place_read(model: Path
     staged = []
     stage = moe.stage_host
     monkeypatch.setattr(moe, "stage_host", lambda *a: staged.append(stage(*a)) or staged[-1])
+    for prompt, stages in ((PROMPT, False), (PROMPT + PROMPT[:6], True)):
+        staged.clear()
+        placed.new_session(256).sync(prompt)
+        assert len(staged) == (6 if stages else 0)  # one a layer
+    monkeypatch.setattr(moe, "STAGE_PICKS", 0)  # the 10-token prompt stages too
     logits = {}
     for mode in ("staged", "in place", "no room"):
         monkeypatch.setattr(moe, "STAGE_HOST", mode != "in place")
@@ -216,7 +222,7 @@ def test_prefill_of_staged_host_experts_is_bitwise_the_in_place_read(model: Path
             monkeypatch.setattr(moe, "_device_copy", no_room)
         staged.clear()
         logits[mode] = np.asarray(placed.new_session(256).sync(PROMPT))
-        assert len(staged) == (0 if mode == "in place" else 6)  # one a layer
+        assert len(staged) == (0 if mode == "in place" else 6)
         assert all((s is None) == (mode == "no room") for s in staged)
     np.testing.assert_array_equal(logits["staged"], logits["in place"])
     np.testing.assert_array_equal(logits["no room"], logits["in place"])

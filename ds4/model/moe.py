@@ -178,15 +178,16 @@ def _halves(gate_up, down, memory: str, hidden: int) -> list:
 def _routed_placed(xp, cfg, bank, x, ids, weights):
     """Prefill of a placed bank: the picks of resident experts through the grouped kernels
     over the device stacks, then those of host experts; a pick of the other memory gets the
-    id one past its stack (skipped). The host experts are first copied to the device on a
-    copy stream while the resident picks run (`stage_host`); without room for the copy the
-    kernels read them in place over PCIe."""
+    id one past its stack (skipped). A chunk with many picks first copies the host experts
+    to the device on a copy stream while the resident picks run (`stage_host`); a short one,
+    or one without room for the copy, reads them in place over PCIe."""
     from ds4.kernels import grouped
 
     gate_up, down = bank.placed_stacks
     resident, slot = gate_up.resident, gate_up.slot
+    many = ids.size >= STAGE_PICKS * resident.size  # nearly every host expert is hit
     on_gpu = STAGE_HOST and xp is not np and not resident.all()  # NumPy: one memory already
-    staged = stage_host(xp, gate_up, down) if on_gpu else None
+    staged = stage_host(xp, gate_up, down) if on_gpu and many else None
     out = None
     for memory, here in (("device", resident), ("host", ~resident)):
         if not here.any():
@@ -203,6 +204,11 @@ def _routed_placed(xp, cfg, bank, x, ids, weights):
 
 
 STAGE_HOST = True  # prefill copies a layer's host experts to the device first (tests flip it)
+# Picks per expert from which a chunk stages them: with 4 picks an expert, uniform routing
+# misses a given expert with probability (1 - 1/E)^(4E) < 2%, so the copy brings little that
+# is not read; below it (decode rows, MTP's few-token verify, short turns) the kernels read
+# the experts they need in place instead of copying all of them (~296 MB a layer at full size)
+STAGE_PICKS = 4
 _COPY_STREAMS: dict = {}  # device id -> the stream staging copies run on
 
 
