@@ -135,7 +135,8 @@ def test_a_bf16_checkpoint_under_a_budget_loads_whole_or_says_why() -> None:
         Engine.open(model, backend="numpy", gpu_memory_gib=0.001)
 
 
-def test_placed_prefill_runs_each_memory_through_the_grouped_kernels(small_model: Path) -> None:
+def test_placed_prefill_runs_each_memory_through_the_grouped_kernels(small_model: Path,
+                                                                     monkeypatch) -> None:
     """A chunk's picks over a bank split between the memories: the resident ones through the
     grouped kernels over the device stacks, the host ones over the host stacks (their NumPy
     twins here), summed, equal the model's per-expert prefill loop."""
@@ -154,6 +155,15 @@ def test_placed_prefill_runs_each_memory_through_the_grouped_kernels(small_model
     want = _routed_many(np, cfg, bank, x, ids, weights, ids)
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= 3e-5 * scale  # bf16 hi + lo words of x and of act
+    # the host experts staged (on the GPU: copied to the device first) give the same bits
+    from ds4.model import moe
+
+    copies = []
+    stage = moe.stage_host
+    monkeypatch.setattr(moe, "stage_host", lambda *a: copies.append(stage(*a)) or copies[-1])
+    staged = _routed_placed(np, cfg, bank, x, ids, weights, stage=True)
+    assert len(copies) == 1 and copies[0][0][0].codes is not bank.placed_stacks[0].host[0]
+    np.testing.assert_array_equal(staged, got)
 
 
 def test_the_weight_budget_is_the_flag_or_the_free_memory_less_the_reserve() -> None:

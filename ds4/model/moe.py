@@ -175,19 +175,20 @@ def _halves(gate_up, down, memory: str, hidden: int) -> list:
     return out
 
 
-def _routed_placed(xp, cfg, bank, x, ids, weights):
+def _routed_placed(xp, cfg, bank, x, ids, weights, stage: bool | None = None):
     """Prefill of a placed bank: the picks of resident experts through the grouped kernels
     over the device stacks, then those of host experts; a pick of the other memory gets the
     id one past its stack (skipped). A chunk with many picks first copies the host experts
     to the device on a copy stream while the resident picks run (`stage_host`); a short one,
-    or one without room for the copy, reads them in place over PCIe."""
+    or one without room for the copy, reads them in place over PCIe. `stage` overrides that
+    choice (tests: NumPy stages by a plain copy)."""
     from ds4.kernels import grouped
 
     gate_up, down = bank.placed_stacks
     resident, slot = gate_up.resident, gate_up.slot
-    many = ids.size >= STAGE_PICKS * resident.size  # nearly every host expert is hit
-    on_gpu = STAGE_HOST and xp is not np and not resident.all()  # NumPy: one memory already
-    staged = stage_host(xp, gate_up, down) if on_gpu and many else None
+    if stage is None:  # NumPy has one memory already; a few picks read a few experts
+        stage = STAGE_HOST and xp is not np and ids.size >= STAGE_PICKS * resident.size
+    staged = stage_host(xp, gate_up, down) if stage and not resident.all() else None
     out = None
     for memory, here in (("device", resident), ("host", ~resident)):
         if not here.any():
@@ -195,7 +196,8 @@ def _routed_placed(xp, cfg, bank, x, ids, weights):
         (gu, _), (dn, _) = _halves(gate_up, down, memory, x.shape[1])
         if memory == "host" and staged is not None:
             (gu, dn), copied = staged
-            xp.cuda.get_current_stream().wait_event(copied)
+            if copied is not None:
+                xp.cuda.get_current_stream().wait_event(copied)
         remap = xp.asarray(np.where(here, slot, int(here.sum())).astype(np.int32))
         part = grouped.routed(xp, gu, dn, x, remap[ids], weights, cfg.swiglu_limit, parts(),
                               skips=True)
@@ -222,7 +224,10 @@ def stage_host(xp, gate_up, down):
     while the GPU waits (the whole V4-Flash on one H200: prefill 1587 -> 2405 tok/s; see
     docs/PERF.md). The copies wait for the main stream's work so far:
     a re-placement's writes to the stacks, and the previous layer's reads of memory this
-    stream's pool hands out again."""
+    stream's pool hands out again. On NumPy: plain copies and no event."""
+    if xp is np:
+        return _packed_like((gate_up, down), [[a.copy() for a in stack.host]
+                                              for stack in (gate_up, down)]), None
     main, device = xp.cuda.get_current_stream(), xp.cuda.Device().id
     if device not in _COPY_STREAMS:
         _COPY_STREAMS[device] = xp.cuda.Stream(non_blocking=True)
@@ -234,9 +239,13 @@ def stage_host(xp, gate_up, down):
                       for stack in (gate_up, down)]
     except xp.cuda.memory.OutOfMemoryError:
         return None
-    mats = tuple(PackedMatrix(stack.fmt, codes, scale, stack.shape[-1], stack.block)
-                 for stack, (codes, scale) in zip((gate_up, down), copies))
-    return mats, stream.record()
+    return _packed_like((gate_up, down), copies), stream.record()
+
+
+def _packed_like(stacks, copies) -> tuple:
+    """PackedMatrix stacks over copied (codes, scale) of placed stacks' host experts."""
+    return tuple(PackedMatrix(stack.fmt, codes, scale, stack.shape[-1], stack.block)
+                 for stack, (codes, scale) in zip(stacks, copies))
 
 
 def _device_copy(xp, host, stream):
