@@ -249,9 +249,9 @@ def _packed_like(stacks, copies) -> tuple:
 
 
 def _device_copy(xp, host, stream):
-    """A device array with host's bytes, copied by DMA on `stream` (cudaMemcpyDefault)."""
+    """A device array with host's bytes, copied by DMA on `stream` (CuPy's async memcpy)."""
     out = xp.empty(host.shape, host.dtype)
-    xp.cuda.runtime.memcpyAsync(out.data.ptr, host.data.ptr, host.nbytes, 4, stream.ptr)
+    out.data.copy_from_device_async(host.data, host.nbytes, stream)
     return out
 
 
