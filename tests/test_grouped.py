@@ -148,6 +148,19 @@ def _on_device(cp, m: PackedMatrix) -> PackedMatrix:
 
 @pytest.mark.gpu
 @needs_cuda
+def test_expert_counts_on_the_device_equal_bincount():
+    """The device count (no host round trip) gives bincount's figures; id E, a skipped pick,
+    is not counted."""
+    import cupy as cp
+
+    flat = np.random.default_rng(3).integers(0, 9, 5000)
+    want = np.bincount(flat, minlength=9)[:8].tolist()
+    assert grouped.expert_counts(cp, cp.asarray(flat), 8).get().tolist() == want
+    assert grouped.expert_counts(np, flat, 8).tolist() == want
+
+
+@pytest.mark.gpu
+@needs_cuda
 def _tiles(xp, ids, E: int, mt: int, tiles_of):
     flat = ids.reshape(-1)
     order = (np.argsort(flat, kind="stable") if xp is np else xp.argsort(flat)).astype(xp.int32)

@@ -290,7 +290,7 @@ def routed(xp, gate_up_m, down_m, x, ids, weights, limit: float, parts: int = 2,
     inter = down_m.shape[-1]
     flat = ids.reshape(-1)
     order = (np.argsort(flat, kind="stable") if xp is np else xp.argsort(flat)).astype(xp.int32)
-    counts = xp.bincount(flat, minlength=E + 1)[:E].astype(xp.int64)  # picks of id E sort last
+    counts = expert_counts(xp, flat, E)  # picks of id E (skipped) sort last
     mt, variant = TUNED.get((gate_up_m.fmt, pick_mt(R, E)), (pick_mt(R, E), ""))
     tiles = xp.zeros((max_tiles(R, E, 16 * mt), 4), xp.int32)
     n_tiles = xp.zeros(1, xp.int32)
@@ -305,6 +305,19 @@ def routed(xp, gate_up_m, down_m, x, ids, weights, limit: float, parts: int = 2,
     down_op(down_m, split(act, new_words(xp, R, inter), parts), order, tiles, n_tiles, mt, rows,
             parts, variant)
     return sum_op(rows, k, xp.empty((S, D), xp.float32))
+
+
+def expert_counts(xp, flat, E: int):
+    """Picks per expert id < E (int64 [E]) of flat ids in 0..E, on the device without a host
+    round trip: CuPy's bincount checks its input for negatives on the host, which stalled
+    the host once a layer (the queue behind the MoE drained while it waited)."""
+    if xp is np:
+        return np.bincount(flat, minlength=E + 1)[:E].astype(np.int64)
+    import cupyx
+
+    counts = xp.zeros(E + 1, xp.int32)
+    cupyx.scatter_add(counts, flat, xp.ones(flat.shape, xp.int32))
+    return counts[:E].astype(xp.int64)
 
 
 def decode_numpy(fmt: str, q, j: int, h: int) -> tuple[int, int]:
