@@ -89,6 +89,27 @@ def test_split_words_keep_fp32_class_values_and_zero_the_padding():
     assert 1e-5 < rel_err(grouped.words_values(one, 200), x) < 1e-2  # hi only: one rounding
 
 
+def test_wgmma_order_holds_every_column_once_with_the_same_words():
+    """The wgmma words permute a stage's 128 columns (each once) and hold the very hi and lo
+    words of the mma.sync order: their values read back the same, bit for bit."""
+    assert sorted(grouped.WG_COLUMNS.ravel().tolist()) == list(range(128))
+    x = np.random.default_rng(2).standard_normal((5, 200)).astype(np.float32)
+    for parts in (1, 2):
+        wg = grouped.split_words_wg_numpy(x, grouped.new_words(np, 5, 200, wg=True), parts)
+        old = grouped.split_words_numpy(x, grouped.new_words(np, 5, 200), parts)
+        np.testing.assert_array_equal(grouped.words_values(wg, 200),
+                                      grouped.words_values(old, 200))
+    assert not grouped.words_values(wg, 256)[:, 200:].any()
+
+
+def test_routed_twin_in_wgmma_order_gives_the_same_bits():
+    gate_up, down = experts("fp4", 8, 256, 128)
+    x, ids, weights = routing(40, 8, 6, 256)
+    want = grouped.routed(np, gate_up, down, x, ids, weights, 7.0, wg=False)
+    got = grouped.routed(np, gate_up, down, x, ids, weights, 7.0, wg=True)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_expert_tiles_cover_every_row_once_in_expert_order():
     counts = np.array([0, 17, 3, 0, 64, 1], np.int64)
     tiles = np.zeros((grouped.max_tiles(int(counts.sum()), 6, 16), 4), np.int32)
@@ -206,6 +227,58 @@ def test_kernels_equal_their_twins(fmt, E, D, inter, S, k, block, parts, mt, var
     got = grouped.gemm(dev_down, cp.asarray(act_words), d_order, d_tiles, d_n, mt,
                        cp.empty((S * k, D), cp.float32), parts, variant)
     assert rel_err(cp.asnumpy(got), want) < 2e-5
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("E,D,inter,S,k,parts", [
+    (5, 96, 64, 7, 3, 2), (9, 256, 160, 70, 6, 1), (6, 384, 320, 90, 4, 2)])
+@pytest.mark.parametrize("mt", [1, 4])
+def test_wgmma_kernels_equal_their_twins(E, D, inter, S, k, parts, mt):
+    """grouped_wg.cu (compute capability 9.0 only) against the twins: its words bit for bit,
+    gate/up and down within fp32 summation noise, on odd shapes (partial stages and bands,
+    tiles of 1..64 rows)."""
+    import cupy as cp
+
+    if not grouped.builds_here("grouped_wg"):
+        pytest.skip("wgmma needs a compute capability 9.0 device")
+    gate_up, down = experts("fp4", E, D, inter)
+    dev_up, dev_down = _on_device(cp, gate_up), _on_device(cp, down)
+    x, ids, weights = routing(S, E, k, D)
+    words = grouped.split_words_wg(cp.asarray(x), grouped.new_words(cp, S, D, True), parts)
+    want_words = grouped.split_words_wg_numpy(x, grouped.new_words(np, S, D, True), parts)
+    assert (cp.asnumpy(words) == want_words).all()
+    order, tiles, n = _tiles(np, ids, E, mt, grouped.expert_tiles_numpy)
+    d_order, d_tiles, d_n = _tiles(cp, cp.asarray(ids), E, mt, grouped.expert_tiles)
+    wts = weights.reshape(-1)
+    act = grouped.gate_up_numpy(gate_up, want_words, order, k, wts, tiles, n, mt,
+                                np.empty((S * k, inter), np.float32), 7.0, parts)
+    got = grouped.gate_up(dev_up, words, d_order, k, cp.asarray(wts), d_tiles, d_n, mt,
+                          cp.empty((S * k, inter), cp.float32), 7.0, parts)
+    assert rel_err(cp.asnumpy(got), act) < 2e-5
+    act_words = grouped.split_words_wg_numpy(act, grouped.new_words(np, S * k, inter, True),
+                                             parts)
+    want = grouped.gemm_numpy(down, act_words, order, tiles, n, mt,
+                              np.empty((S * k, D), np.float32), parts)
+    got = grouped.gemm(dev_down, cp.asarray(act_words), d_order, d_tiles, d_n, mt,
+                       cp.empty((S * k, D), cp.float32), parts)
+    assert rel_err(cp.asnumpy(got), want) < 2e-5
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_routed_on_wgmma_matches_the_mma_sync_kernels():
+    """The default routed path (wgmma on an H100/H200) against grouped.cu's kernels at Flash
+    widths: the same products, within fp32 summation noise."""
+    import cupy as cp
+
+    if not grouped.wgmma_ready(experts("fp4", 1, 64, 32)[0]):
+        pytest.skip("wgmma needs a compute capability 9.0 device (and DS4_WGMMA not 0)")
+    gate_up, down = (_on_device(cp, m) for m in experts("fp4", 32, 4096, 2048))
+    x, ids, weights = (cp.asarray(a) for a in routing(700, 32, 6, 4096))
+    want = grouped.routed(cp, gate_up, down, x, ids, weights, 7.0, wg=False)
+    got = grouped.routed(cp, gate_up, down, x, ids, weights, 7.0)
+    assert rel_err(cp.asnumpy(got), cp.asnumpy(want)) < 1e-5
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ds4.backend import KERNEL_DIR
-from ds4.kernels import PDL_FAMILIES
+from ds4.kernels import ARCH, PDL_FAMILIES
 
 SOURCES = sorted(KERNEL_DIR.glob("*.cu"))
 FAMILIES = {"norm", "rope", "attention", "compressor", "indexer", "moe", "sampling", "gemv",
@@ -27,7 +27,7 @@ def test_every_family_has_a_source():
 def test_kernel_compiles_for_sm90(source: Path, tmp_path: Path):
     cubin = tmp_path / (source.stem + ".cubin")
     proc = subprocess.run(
-        ["nvcc", "-arch=sm_90", "--cubin", "-std=c++17", "-I", str(KERNEL_DIR), "-Xptxas",
+        ["nvcc", f"-arch={ARCH.get(source.stem, ('sm_90',))[0]}", "--cubin", "-std=c++17", "-I", str(KERNEL_DIR), "-Xptxas",
          "-warn-spills", "-o", str(cubin), str(source)],
         capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -122,10 +122,39 @@ def test_compile_ahead_builds_every_family_side_by_side_and_names_failures(monke
             state["device"] += 1
 
     monkeypatch.setattr(K, "_module", Module)
+    monkeypatch.setattr(K, "builds_here", lambda family: True)
     failed = K.compile_ahead(workers=4, use_device=use_device)()
     assert failed == ["rope"]
     assert sorted(state["built"]) == sorted(p.stem for p in SOURCES)
     assert state["device"] == len(SOURCES) and state["most"] >= 2
+
+
+@pytest.mark.parametrize("capability,built", [("90", True), ("80", False), ("100", False)])
+def test_sm90a_families_build_on_compute_capability_9_0_only(monkeypatch, capability, built):
+    """grouped_wg's wgmma runs on sm_90a code, which no other device runs: compile_ahead leaves
+    it out elsewhere (and the launchers keep to grouped.cu's kernels there)."""
+    import sys
+    import types
+
+    import ds4.kernels as K
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDevice=lambda: 0)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(K, "_capability", lambda device: capability)
+    built_families: list = []
+
+    class Module:
+        def __init__(self, family):
+            built_families.append(family)
+
+        def compile(self):
+            pass
+
+    monkeypatch.setattr(K, "_module", Module)
+    assert K.compile_ahead(workers=2, use_device=lambda: None)() == []
+    assert ("grouped_wg" in built_families) is built and "grouped" in built_families
+    assert K.builds_here("grouped") and K.builds_here("grouped_wg") is built
 
 
 def test_compile_ahead_join_gives_up_on_a_family_that_does_not_finish(monkeypatch):
@@ -145,6 +174,7 @@ def test_compile_ahead_join_gives_up_on_a_family_that_does_not_finish(monkeypatc
                 release.wait(10)
 
     monkeypatch.setattr(K, "_module", Module)
+    monkeypatch.setattr(K, "builds_here", lambda family: True)
     join = K.compile_ahead(workers=4, use_device=lambda: None)
     try:
         assert join(timeout=0.5) == ["norm"]

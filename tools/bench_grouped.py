@@ -29,6 +29,7 @@ from ds4.model.packed import PackedMatrix
 EXPERTS, TOP_K, HIDDEN, INTER, LIMIT = 256, 6, 4096, 2048, 10.0
 SWEEP = [(1, ""), (1, "s4"), (2, ""), (2, "s4"), (3, ""),
          (4, "")]  # (m16 tiles per block, kernel variant: grouped.VARIANTS)
+WG_SWEEP = [(1, "wgmma"), (4, "wgmma")]  # grouped_wg.cu, on compute capability 9.0
 
 
 def fp4_stack(cp, rows: int, cols: int) -> PackedMatrix:
@@ -111,18 +112,20 @@ def launches_ms(cp, gate_up, down, x, ids, w, mt: int, variant: str) -> dict:
     tiles = cp.zeros((grouped.max_tiles(R, E, 16 * mt), 4), cp.int32)
     n = cp.zeros(1, cp.int32)
     grouped.expert_tiles(cp.bincount(flat, minlength=E).astype(cp.int64), 16 * mt, tiles, n)
-    words = grouped.split_words(x, grouped.new_words(cp, S, D))
+    wg = variant == "wgmma"  # grouped_wg.cu's kernels, words in their order
+    split, kind = (grouped.split_words_wg, "") if wg else (grouped.split_words, variant)
+    words = split(x, grouped.new_words(cp, S, D, wg))
     wts = cp.ascontiguousarray(w.reshape(-1))
     act = cp.empty((R, INTER), cp.float32)
-    act_words = grouped.new_words(cp, R, INTER)
+    act_words = grouped.new_words(cp, R, INTER, wg)
     rows = cp.empty((R, D), cp.float32)
     return {
         "mt": mt, "variant": variant or "default",
         "gate_up_ms": 1e3 * timed(cp, lambda: grouped.gate_up(
-            gate_up, words, order, k, wts, tiles, n, mt, act, LIMIT, variant=variant), repeat=10),
-        "split_act_ms": 1e3 * timed(cp, lambda: grouped.split_words(act, act_words), repeat=10),
+            gate_up, words, order, k, wts, tiles, n, mt, act, LIMIT, variant=kind), repeat=10),
+        "split_act_ms": 1e3 * timed(cp, lambda: split(act, act_words), repeat=10),
         "down_ms": 1e3 * timed(cp, lambda: grouped.gemm(
-            down, act_words, order, tiles, n, mt, rows, variant=variant), repeat=10)}
+            down, act_words, order, tiles, n, mt, rows, variant=kind), repeat=10)}
 
 
 def measure(cp, gate_up, down, S: int, rates: dict, skew: float = 0.0) -> dict:
@@ -135,6 +138,8 @@ def measure(cp, gate_up, down, S: int, rates: dict, skew: float = 0.0) -> dict:
     nbytes = hit * per_expert + 2 * S * HIDDEN * 4
     floor = max(flops / rates["gemm_flop_per_s"], nbytes / rates["copy_bytes_per_s"])
     new = timed(cp, lambda: grouped.routed(cp, gate_up, down, x, ids, w, LIMIT), repeat=10)
+    mma = timed(cp, lambda: grouped.routed(cp, gate_up, down, x, ids, w, LIMIT, wg=False),
+                repeat=10)
     one = timed(cp, lambda: grouped.routed(cp, gate_up, down, x, ids, w, LIMIT, parts=1),
                 repeat=10)
     old = timed(cp, lambda: current(cp, bank, x, ids, w), repeat=5, warmup=1)
@@ -142,19 +147,23 @@ def measure(cp, gate_up, down, S: int, rates: dict, skew: float = 0.0) -> dict:
     want = current(cp, bank, x, ids, w)
     err = float(cp.abs(got - want).max() / cp.abs(want).max())
     row = {"chunk": S, "experts_hit": hit, "busiest": int(cp.bincount(ids.reshape(-1)).max()),
-           "new_ms": new * 1e3, "bf16_ms": one * 1e3,
+           "new_ms": new * 1e3, "bf16_ms": one * 1e3, "mma_sync_ms": mma * 1e3,
            "current_ms": old * 1e3, "floor_ms": floor * 1e3, "tflops_new": flops / new / 1e12,
            "ratio_new": new / floor, "ratio_current": old / floor, "rel_err": err}
     row["launches"] = [launches_ms(cp, gate_up, down, x, ids, w, mt, variant)
                        for mt, variant in SWEEP]
     row["mt"] = grouped.pick_mt(S * TOP_K, EXPERTS)
     best = min(row["launches"], key=lambda t: t["gate_up_ms"] + t["down_ms"])
+    if grouped.wgmma_ready(gate_up):
+        row["launches"] += [launches_ms(cp, gate_up, down, x, ids, w, mt, variant)
+                            for mt, variant in WG_SWEEP]
     pick = (best["mt"], "" if best["variant"] == "default" else best["variant"])
     saved = dict(grouped.TUNED)
     grouped.TUNED[("fp4", row["mt"])] = pick
     try:
-        tuned = timed(cp, lambda: grouped.routed(cp, gate_up, down, x, ids, w, LIMIT), repeat=10)
-        got = grouped.routed(cp, gate_up, down, x, ids, w, LIMIT)
+        tuned = timed(cp, lambda: grouped.routed(cp, gate_up, down, x, ids, w, LIMIT, wg=False),
+                      repeat=10)
+        got = grouped.routed(cp, gate_up, down, x, ids, w, LIMIT, wg=False)
     finally:
         grouped.TUNED.clear()
         grouped.TUNED.update(saved)
@@ -179,11 +188,12 @@ def main() -> None:
           f"{rates['gemm_flop_per_s'] / 1e12:.0f} TFLOP/s")
     gate_up, down = fp4_stack(cp, 2 * INTER, HIDDEN), fp4_stack(cp, HIDDEN, INTER)
     rows = [measure(cp, gate_up, down, int(s), rates, a.skew) for s in a.chunks.split(",")]
-    print("| chunk | experts hit | grouped | grouped, DS4_GEMM=bf16 | current | floor | "
-          "TFLOP/s | ratio grouped / current | rel err |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| chunk | experts hit | grouped | grouped on mma.sync | grouped, DS4_GEMM=bf16 | "
+          "current | floor | TFLOP/s | ratio grouped / current | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['chunk']} | {r['experts_hit']} | {r['new_ms']:.2f} ms | {r['bf16_ms']:.2f} ms"
+        print(f"| {r['chunk']} | {r['experts_hit']} | {r['new_ms']:.2f} ms | "
+              f"{r['mma_sync_ms']:.2f} ms | {r['bf16_ms']:.2f} ms"
               f" | {r['current_ms']:.2f} ms | {r['floor_ms']:.2f} ms | {r['tflops_new']:.0f} | "
               f"{r['ratio_new']:.1f}x / {r['ratio_current']:.1f}x | {r['rel_err']:.1e} |")
     for r in rows:

@@ -30,9 +30,33 @@ def compile_options() -> tuple[str, ...]:
     return ("--std=c++17", f"-I{KERNEL_DIR}", f"-DDS4_HEADERS={digest}")
 
 
+# Families built for one architecture's own instructions (sm_90a: Hopper's wgmma), which run on
+# that compute capability alone; their launchers check `builds_here` before using them.
+ARCH = {"grouped_wg": ("sm_90a", "90")}
+
+
+def builds_here(family: str) -> bool:
+    """True when the current CUDA device runs what `family` is built for (every family but the
+    ones in ARCH; those only on their own compute capability)."""
+    if family not in ARCH:
+        return True
+    import cupy
+
+    return _capability(cupy.cuda.runtime.getDevice()) == ARCH[family][1]
+
+
+@functools.cache
+def _capability(device: int) -> str:
+    """Compute capability of a CUDA device as CuPy spells it ("90": 9.0)."""
+    import cupy
+
+    return cupy.cuda.Device(device).compute_capability
+
+
 @functools.cache
 def _module(family: str):
-    return load_module(family, options=compile_options())
+    arch = (f"-arch={ARCH[family][0]}",) if family in ARCH else ()
+    return load_module(family, options=compile_options() + arch)
 
 
 def kernel(family: str, name: str):
@@ -60,7 +84,7 @@ def compile_ahead(workers: int = 8, use_device=None):
         use_device()
         _module(family).compile()
 
-    families = sorted(p.stem for p in KERNEL_DIR.glob("*.cu"))
+    families = sorted(p.stem for p in KERNEL_DIR.glob("*.cu") if builds_here(p.stem))
     pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(families))),
                               thread_name_prefix="ds4-nvrtc")
     futures = {family: pool.submit(build, family) for family in families}

@@ -9,9 +9,11 @@ in a fixed order (slot_sum). The weights are read as stored, FP4 or FP8 codes an
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from ds4.kernels import f32, i32, launch, ptr, to_bf16, widen
+from ds4.kernels import builds_here, f32, i32, launch, ptr, to_bf16, widen
 from ds4.kernels.moe import _swiglu
 from ds4.kernels.packed import dequant_fp4, dequant_fp8
 
@@ -30,6 +32,12 @@ MAX_MT = 4  # m16 tiles per block: tiles of up to 64 rows
 # E8M0 bytes whose folded bf16 factor stays finite: 2^(s - 127) * 2^126 (FP4), * 2^120 (FP8)
 MAX_SCALE = {"fp4": 128, "fp8": 134}
 PAIRS = ((0, 4, 1, 5), (2, 6, 3, 7))  # columns (of 8) of a unit's words, per half h
+# grouped_wg.cu (wgmma, compute capability 9.0; FP4): 16-byte pieces of one row's words per
+# stage (8 k-steps x hi, lo x 2), weight rows per block, dynamic shared memory (3 stages of 64
+# tokens' words and the block's FP4 codes); DS4_WGMMA=0 keeps to the mma.sync kernels
+WG_PIECES, WG_ROWS = 32, 512
+WG_SHARED = 3 * (8 * 2 * 2 * 64 * 16 + WG_ROWS * 64)
+WGMMA = os.environ.get("DS4_WGMMA", "1") != "0"
 
 
 def stages(cols: int) -> int:
@@ -105,7 +113,10 @@ def split_words_numpy(x, words, parts: int = 2):
 
 
 def words_values(words, cols: int):
-    """fp32 [rows, cols] of hi + lo as the GEMMs read them (the inverse of split_words)."""
+    """fp32 [rows, cols] of hi + lo as the GEMMs read them (the inverse of split_words, or of
+    split_words_wg for words in wgmma order)."""
+    if words.shape[-1] == 4:
+        return _wg_values(words, cols)
     w = np.asarray(words).reshape(words.shape[0], -1, UNITS, 2)
     rows, n_st = w.shape[:2]
     total = np.zeros((rows, n_st * BK), np.float32)
@@ -122,9 +133,67 @@ def words_values(words, cols: int):
     return total[:, :cols]
 
 
-def new_words(xp, rows: int, cols: int):
-    """An empty words buffer for rows x cols activations."""
+def new_words(xp, rows: int, cols: int, wg: bool = False):
+    """An empty words buffer for rows x cols activations: mma.sync order [rows, stages * UNITS,
+    2], or wgmma order [rows, stages * WG_PIECES, 4] (wg); the last axis tells them apart."""
+    if wg:
+        return xp.empty((rows, stages(cols) * WG_PIECES, 4), xp.uint32)
     return xp.empty((rows, stages(cols) * UNITS, 2), xp.uint32)
+
+
+def _wg_columns() -> np.ndarray:
+    """[8, 16]: the stage column of value kk of k-step s = 2 j + h in wgmma order (t, e =
+    (kk % 8) // 2, kk % 2: column 32 t + 8 j + 2 h + 4 e, + 1 for kk >= 8), the order the
+    FP4 decode leaves A's k index in (grouped_wg.cu)."""
+    s, kk = np.arange(8)[:, None], np.arange(16)[None, :]
+    return 32 * ((kk & 7) >> 1) + 8 * (s >> 1) + 2 * (s & 1) + (kk >= 8) + 4 * (kk & 1)
+
+
+WG_COLUMNS = _wg_columns()
+
+
+def split_words_wg(x, words, parts: int = 2):
+    """words [rows, stages * WG_PIECES, 4] (uint32) of x [rows, cols] fp32 in wgmma order: hi
+    (and lo) bf16 words, zeros past cols."""
+    rows, cols = x.shape
+    assert x.flags.c_contiguous and x.dtype == np.float32
+    n = rows * stages(cols) * 16
+    blocks = max(1, min(-(-n // THREADS), 132 * 32))
+    launch("grouped_wg", "split_words_wg", (blocks,), (THREADS,),
+           (ptr(x), np.int64(cols), i32(rows), i32(cols), i32(stages(cols)), i32(parts),
+            ptr(words)))
+    return words
+
+
+def split_words_wg_numpy(x, words, parts: int = 2):
+    """NumPy twin of split_words_wg."""
+    rows, cols = x.shape
+    padded = np.zeros((rows, stages(cols) * BK), np.float32)
+    padded[:, :cols] = x
+    hi = to_bf16(padded)
+    lo = to_bf16(padded - widen(hi)) if parts == 2 else np.zeros_like(hi)
+    out = words.reshape(rows, -1, 8, 2, 8)  # [row, stage, step, hl, word of two values]
+    for hl, w in enumerate((hi, lo)):
+        v = w.reshape(rows, -1, BK)[:, :, WG_COLUMNS].astype(np.uint32)
+        out[:, :, :, hl] = v[..., 0::2] | (v[..., 1::2] << 16)
+    return words
+
+
+def _wg_values(words, cols: int):
+    """fp32 [rows, cols] of hi + lo of wgmma-order words."""
+    w = np.asarray(words).reshape(words.shape[0], -1, 8, 2, 8)
+    vals = np.empty(w.shape[:-1] + (16,), np.float32)
+    vals[..., 0::2] = widen((w & 0xFFFF).astype(np.uint16))
+    vals[..., 1::2] = widen((w >> 16).astype(np.uint16))
+    total = np.zeros((w.shape[0], w.shape[1], BK), np.float32)
+    total[:, :, WG_COLUMNS] = vals[:, :, :, 0] + vals[:, :, :, 1]
+    return total.reshape(w.shape[0], -1)[:, :cols]
+
+
+def wgmma_ready(m) -> bool:
+    """True when packed m's grouped products run on grouped_wg.cu: FP4 on a compute capability
+    9.0 device (sm_90a code), DS4_WGMMA not 0."""
+    return WGMMA and getattr(m, "fmt", None) == "fp4" and builds_here("grouped_wg")
 
 
 def expert_tiles(counts, bm: int, tiles, n_tiles):
@@ -174,18 +243,22 @@ def _shift(m) -> int:
 def _gemm(kind: str, m, words, order, k_div: int, wts, tiles, n_tiles, mt: int, parts: int,
           limit: float, out, variant: str = ""):
     """One grouped launch of kind gate_up (act rows) or gemm (scattered rows) over packed m
-    [E, rows, cols] (a 2-D m: one expert)."""
+    [E, rows, cols] (a 2-D m: one expert); words in wgmma order take grouped_wg.cu's kernel."""
     codes, scale = m.codes, m.scale
     rows, cols = m.shape[-2:]
-    stacked = codes.ndim == 3
+    stacked, wg = codes.ndim == 3, words.shape[-1] == 4
     width = rows // 2 if kind == "gate_up" else rows
-    band = block_rows(m.fmt, variant) // (2 if kind == "gate_up" else 1)
+    band = (WG_ROWS if wg else block_rows(m.fmt, variant)) // (2 if kind == "gate_up" else 1)
     grid = (-(-width // band), tiles.shape[0])
     args = (ptr(words), np.int64(words.shape[1]), ptr(order), i32(k_div), ptr(wts), ptr(tiles),
             ptr(n_tiles), ptr(codes), ptr(scale), np.int64(codes.strides[0] if stacked else 0),
             np.int64(scale.strides[0] if stacked else 0), i32(rows), i32(cols),
             i32(scale.shape[-1]), i32(_shift(m)), i32(parts), f32(limit), ptr(out),
             np.int64(out.shape[1]))
+    if wg:  # the tile's used m16 tiles pick the instruction's N: no mt or variant
+        assert m.fmt == "fp4" and not variant and mt <= MAX_MT
+        launch("grouped_wg", f"{kind}_fp4_wg", grid, (THREADS,), args, shared=WG_SHARED)
+        return out
     assert not variant or (m.fmt == "fp4" and mt in VARIANTS[variant][2])
     name = f"{kind}_{m.fmt}_m{mt}" + (f"_{variant}" if variant else "")
     launch("grouped", name, grid, (THREADS,), args, shared=shared_bytes(m.fmt, mt, variant))
@@ -269,22 +342,24 @@ def fits(m, cols: int) -> bool:
             and m.shape[-1] % 32 == 0 and m.shape[-2] % 2 == 0 and scales_fit(m))
 
 
-def _ops(xp):
-    """The launchers on CuPy, their twins on NumPy."""
+def _ops(xp, wg: bool = False):
+    """The launchers on CuPy, their twins on NumPy; wg: words in wgmma order."""
     if xp is np:
-        return (split_words_numpy, expert_tiles_numpy, gate_up_numpy, gemm_numpy,
-                slot_sum_numpy)
-    return split_words, expert_tiles, gate_up, gemm, slot_sum
+        split = split_words_wg_numpy if wg else split_words_numpy
+        return split, expert_tiles_numpy, gate_up_numpy, gemm_numpy, slot_sum_numpy
+    return split_words_wg if wg else split_words, expert_tiles, gate_up, gemm, slot_sum
 
 
 def routed(xp, gate_up_m, down_m, x, ids, weights, limit: float, parts: int = 2,
-           skips: bool = False):
+           skips: bool = False, wg: bool | None = None):
     """sum_k weights[:, k] * expert_{ids[:, k]}(x) for x [S, D] with packed experts gate/up
     [E, 2I, D] and down [E, D, I]: the rows grouped by expert on the device, one gate/up and
     one down launch over all of them, picks summed per token in a fixed order. With `skips`,
     a pick whose id is E (no expert of these stacks: it lives in another memory) adds
-    nothing."""
-    split, tiles_of, up_op, down_op, sum_op = _ops(xp)
+    nothing. wg: the wgmma kernels (default: where wgmma_ready takes both stacks)."""
+    if wg is None:
+        wg = xp is not np and wgmma_ready(gate_up_m) and wgmma_ready(down_m)
+    split, tiles_of, up_op, down_op, sum_op = _ops(xp, wg)
     S, k = ids.shape
     R, E, D = S * k, gate_up_m.shape[0], x.shape[1]
     inter = down_m.shape[-1]
@@ -298,12 +373,13 @@ def routed(xp, gate_up_m, down_m, x, ids, weights, limit: float, parts: int = 2,
     x = xp.ascontiguousarray(x, dtype=xp.float32)
     wts = xp.ascontiguousarray(weights.reshape(-1), dtype=xp.float32)
     act = xp.empty((R, inter), xp.float32)  # skipped picks' rows: split, never multiplied
-    up_op(gate_up_m, split(x, new_words(xp, S, D), parts), order, k, wts, tiles, n_tiles, mt,
+    variant = "" if wg else variant
+    up_op(gate_up_m, split(x, new_words(xp, S, D, wg), parts), order, k, wts, tiles, n_tiles, mt,
           act, limit, parts, variant)
     # rows of skipped picks are in no tile, so only they need the zeros
     rows = (xp.zeros if skips else xp.empty)((R, D), xp.float32)
-    down_op(down_m, split(act, new_words(xp, R, inter), parts), order, tiles, n_tiles, mt, rows,
-            parts, variant)
+    down_op(down_m, split(act, new_words(xp, R, inter, wg), parts), order, tiles, n_tiles, mt,
+            rows, parts, variant)
     return sum_op(rows, k, xp.empty((S, D), xp.float32))
 
 
