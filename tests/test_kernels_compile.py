@@ -27,8 +27,8 @@ def test_every_family_has_a_source():
 def test_kernel_compiles_for_sm90(source: Path, tmp_path: Path):
     cubin = tmp_path / (source.stem + ".cubin")
     proc = subprocess.run(
-        ["nvcc", f"-arch={ARCH.get(source.stem, ('sm_90',))[0]}", "--cubin", "-std=c++17", "-I", str(KERNEL_DIR), "-Xptxas",
-         "-warn-spills", "-o", str(cubin), str(source)],
+        ["nvcc", f"-arch={ARCH.get(source.stem, ('sm_90',))[0]}", "--cubin", "-std=c++17",
+         "-I", str(KERNEL_DIR), "-Xptxas", "-warn-spills", "-o", str(cubin), str(source)],
         capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert cubin.stat().st_size > 0
