@@ -21,14 +21,19 @@ def rel_err(a, b) -> float:
 
 
 @pytest.mark.parametrize("parts", [1, 2])
-def test_split_kernel_equals_its_twin(parts):
+@pytest.mark.parametrize("shape", [(3, 77, 130), (3, 77, 128), (300, 1, 4096), (1, 5, 4)],
+                         ids=["scalar", "quads", "rows", "one-quad"])
+def test_split_kernel_equals_its_twin(parts, shape):
+    """Both kernels (a group size not a multiple of 4: one value a thread; else quads), in
+    linear's [rows, 1, K] layout and chunk attention's one group."""
     import cupy
 
     from ds4.kernels.split import split_bf16, split_bf16_numpy
 
-    x = np.random.default_rng(0).standard_normal((3, 77, 130)).astype(np.float32)
-    got = split_bf16(cupy.asarray(x), cupy.empty((3, 77 * parts, 130), cupy.uint16))
-    want = split_bf16_numpy(x, np.empty((3, 77 * parts, 130), np.uint16))
+    G, R, K = shape
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    got = split_bf16(cupy.asarray(x), cupy.empty((G, R * parts, K), cupy.uint16))
+    want = split_bf16_numpy(x, np.empty((G, R * parts, K), np.uint16))
     np.testing.assert_array_equal(cupy.asnumpy(got), want)
 
 
