@@ -356,12 +356,14 @@ def routed(xp, gate_up_m, down_m, x, ids, weights, limit: float, parts: int = 2,
     [E, 2I, D] and down [E, D, I]: the rows grouped by expert on the device, one gate/up and
     one down launch over all of them, picks summed per token in a fixed order. With `skips`,
     a pick whose id is E (no expert of these stacks: it lives in another memory) adds
-    nothing. wg: the wgmma kernels (default: where wgmma_ready takes both stacks)."""
-    if wg is None:
-        wg = xp is not np and wgmma_ready(gate_up_m) and wgmma_ready(down_m)
-    split, tiles_of, up_op, down_op, sum_op = _ops(xp, wg)
+    nothing. wg: the wgmma kernels (default: where wgmma_ready takes both stacks and tiles
+    of 64 rows are picked; with fewer rows an expert, mma.sync's narrower tiles win)."""
     S, k = ids.shape
     R, E, D = S * k, gate_up_m.shape[0], x.shape[1]
+    if wg is None:
+        wg = (xp is not np and pick_mt(R, E) == MAX_MT and wgmma_ready(gate_up_m)
+              and wgmma_ready(down_m))
+    split, tiles_of, up_op, down_op, sum_op = _ops(xp, wg)
     inter = down_m.shape[-1]
     flat = ids.reshape(-1)
     order = (np.argsort(flat, kind="stable") if xp is np else xp.argsort(flat)).astype(xp.int32)
