@@ -36,6 +36,7 @@ PAIRS = ((0, 4, 1, 5), (2, 6, 3, 7))  # columns (of 8) of a unit's words, per ha
 # stage (8 k-steps x hi, lo x 2), weight rows per block, dynamic shared memory (3 stages of 64
 # tokens' words and the block's FP4 codes); DS4_WGMMA=0 keeps to the mma.sync kernels
 WG_PIECES, WG_ROWS = 32, 512
+WG_MIN_MT = 3  # routed() takes them from pick_mt 3 (chunk 1280+ at full size: measured faster)
 WG_SHARED = 3 * (8 * 2 * 2 * 64 * 16 + WG_ROWS * 64)
 WGMMA = os.environ.get("DS4_WGMMA", "1") != "0"
 
@@ -357,11 +358,11 @@ def routed(xp, gate_up_m, down_m, x, ids, weights, limit: float, parts: int = 2,
     one down launch over all of them, picks summed per token in a fixed order. With `skips`,
     a pick whose id is E (no expert of these stacks: it lives in another memory) adds
     nothing. wg: the wgmma kernels (default: where wgmma_ready takes both stacks and tiles
-    of 64 rows are picked; with fewer rows an expert, mma.sync's narrower tiles win)."""
+    of 48+ rows are picked; with fewer rows an expert, mma.sync's narrower tiles win)."""
     S, k = ids.shape
     R, E, D = S * k, gate_up_m.shape[0], x.shape[1]
     if wg is None:
-        wg = (xp is not np and pick_mt(R, E) == MAX_MT and wgmma_ready(gate_up_m)
+        wg = (xp is not np and pick_mt(R, E) >= WG_MIN_MT and wgmma_ready(gate_up_m)
               and wgmma_ready(down_m))
     split, tiles_of, up_op, down_op, sum_op = _ops(xp, wg)
     inter = down_m.shape[-1]
