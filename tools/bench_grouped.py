@@ -10,6 +10,7 @@ popularity exp(s g_e), g_e ~ N(0, 1), as trained routers are uneven (s = 1: the 
 gets ~11x the mean rows, and 349 tiles of 64 rows hold what 260 hold uniformly).
 
     PYTHONPATH=. python3 tools/bench_grouped.py [--chunks 512,2048] [--skew 1] [--json out.json]
+    PYTHONPATH=. python3 tools/bench_grouped.py --crossover 768,1024,1536,2048 [--skew 1]
 """
 
 from __future__ import annotations
@@ -173,6 +174,19 @@ def measure(cp, gate_up, down, S: int, rates: dict, skew: float = 0.0) -> dict:
     return row
 
 
+def crossover(cp, chunks: list[int], skew: float) -> None:
+    """The routed stage at each chunk on grouped.cu's mma.sync kernels and on grouped_wg.cu's
+    wgmma ones (what grouped.WG_MIN_MT is set from)."""
+    gate_up, down = fp4_stack(cp, 2 * INTER, HIDDEN), fp4_stack(cp, HIDDEN, INTER)
+    for S in chunks:
+        x, ids, w, _ = chunk(cp, S, S, skew)
+        ms = {wg: 1e3 * timed(cp, lambda: grouped.routed(cp, gate_up, down, x, ids, w, LIMIT,
+                                                         wg=wg), repeat=10)
+              for wg in (False, True)}
+        print(f"skew {skew} chunk {S} (m16 tiles {grouped.pick_mt(S * TOP_K, EXPERTS)}): "
+              f"mma.sync {ms[False]:.2f} ms, wgmma {ms[True]:.2f} ms", flush=True)
+
+
 def main() -> None:
     """Print one row per chunk size (and write them as JSON with --json)."""
     import cupy as cp
@@ -181,7 +195,12 @@ def main() -> None:
     p.add_argument("--chunks", default="512,2048")
     p.add_argument("--skew", type=float, default=0.0, help="uneven expert popularity")
     p.add_argument("--json", default=None)
+    p.add_argument("--crossover", default=None, metavar="CHUNKS",
+                   help="only time the routed stage on mma.sync and on wgmma at these chunks")
     a = p.parse_args()
+    if a.crossover:
+        crossover(cp, [int(s) for s in a.crossover.split(",")], a.skew)
+        return
     os.environ.setdefault("DS4_GEMM", "bf16x2")
     rates = ceilings(cp)
     print(f"copy {rates['copy_bytes_per_s'] / 1e12:.2f} TB/s, fp16 GEMM "
