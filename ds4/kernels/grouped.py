@@ -1,4 +1,5 @@
-"""Grouped expert GEMMs on packed weights (ds4/kernels/grouped.cu), launchers and NumPy twins.
+"""Grouped expert GEMMs on packed weights (ds4/kernels/grouped.cu, and grouped_wg.cu on
+wgmma where the device is compute capability 9.0), launchers and NumPy twins.
 
 Prefill's routed experts in five launches per layer, whatever the number of experts hit: the
 activations as bf16 hi/lo words (split_words), a tile table of the rows grouped by expert
@@ -92,13 +93,20 @@ def _unit(j: int, h: int, hl: int, t: int) -> int:
     return ((j * 2 + h) * 2 + hl) * 4 + t
 
 
-def split_words_numpy(x, words, parts: int = 2):
-    """NumPy twin of split_words."""
+def _hi_lo(x, parts: int):
+    """bf16 words of x [rows, cols] padded with zeros to whole stages: (hi, lo), lo zeros when
+    parts == 1 (what the split kernels write, in column order)."""
     rows, cols = x.shape
     padded = np.zeros((rows, stages(cols) * BK), np.float32)
     padded[:, :cols] = x
     hi = to_bf16(padded)
-    lo = to_bf16(padded - widen(hi)) if parts == 2 else np.zeros_like(hi)
+    return hi, (to_bf16(padded - widen(hi)) if parts == 2 else np.zeros_like(hi))
+
+
+def split_words_numpy(x, words, parts: int = 2):
+    """NumPy twin of split_words."""
+    rows = x.shape[0]
+    hi, lo = _hi_lo(x, parts)
     out = words.reshape(rows, -1, UNITS, 2)
     for j in range(4):
         for h in range(2):
@@ -168,11 +176,8 @@ def split_words_wg(x, words, parts: int = 2):
 
 def split_words_wg_numpy(x, words, parts: int = 2):
     """NumPy twin of split_words_wg."""
-    rows, cols = x.shape
-    padded = np.zeros((rows, stages(cols) * BK), np.float32)
-    padded[:, :cols] = x
-    hi = to_bf16(padded)
-    lo = to_bf16(padded - widen(hi)) if parts == 2 else np.zeros_like(hi)
+    rows = x.shape[0]
+    hi, lo = _hi_lo(x, parts)
     out = words.reshape(rows, -1, 8, 2, 8)  # [row, stage, step, hl, word of two values]
     for hl, w in enumerate((hi, lo)):
         v = w.reshape(rows, -1, BK)[:, :, WG_COLUMNS].astype(np.uint32)
