@@ -79,11 +79,17 @@ def max_tiles(rows: int, experts: int, bm: int) -> int:
 def split_words(x, words, parts: int = 2):
     """words [rows, stages * UNITS, 2] (uint32) of x [rows, cols] fp32: hi (and lo) bf16 words
     in the fragments' order, zeros past cols."""
+    assert x.shape[1] % 8 == 0
+    return _split(("grouped", "split_words"), x, words, parts)
+
+
+def _split(kernel: tuple[str, str], x, words, parts: int):
+    """Launch a split kernel (family, name): one thread per (row, stage, k-step pair)."""
     rows, cols = x.shape
-    assert cols % 8 == 0 and x.flags.c_contiguous and x.dtype == np.float32
+    assert x.flags.c_contiguous and x.dtype == np.float32
     n = rows * stages(cols) * 16
     blocks = max(1, min(-(-n // THREADS), 132 * 32))
-    launch("grouped", "split_words", (blocks,), (THREADS,),
+    launch(*kernel, (blocks,), (THREADS,),
            (ptr(x), np.int64(cols), i32(rows), i32(cols), i32(stages(cols)), i32(parts),
             ptr(words)))
     return words
@@ -164,14 +170,7 @@ WG_COLUMNS = _wg_columns()
 def split_words_wg(x, words, parts: int = 2):
     """words [rows, stages * WG_PIECES, 4] (uint32) of x [rows, cols] fp32 in wgmma order: hi
     (and lo) bf16 words, zeros past cols."""
-    rows, cols = x.shape
-    assert x.flags.c_contiguous and x.dtype == np.float32
-    n = rows * stages(cols) * 16
-    blocks = max(1, min(-(-n // THREADS), 132 * 32))
-    launch("grouped_wg", "split_words_wg", (blocks,), (THREADS,),
-           (ptr(x), np.int64(cols), i32(rows), i32(cols), i32(stages(cols)), i32(parts),
-            ptr(words)))
-    return words
+    return _split(("grouped_wg", "split_words_wg"), x, words, parts)
 
 
 def split_words_wg_numpy(x, words, parts: int = 2):
