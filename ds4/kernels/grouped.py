@@ -365,22 +365,23 @@ def routed(xp, gate_up_m, down_m, x, ids, weights, limit: float, parts: int = 2,
     of 48+ rows are picked; with fewer rows an expert, mma.sync's narrower tiles win)."""
     S, k = ids.shape
     R, E, D = S * k, gate_up_m.shape[0], x.shape[1]
+    base = pick_mt(R, E)
     if wg is None:
-        wg = (xp is not np and pick_mt(R, E) >= WG_MIN_MT and wgmma_ready(gate_up_m)
+        wg = (xp is not np and base >= WG_MIN_MT and wgmma_ready(gate_up_m)
               and wgmma_ready(down_m))
     split, tiles_of, up_op, down_op, sum_op = _ops(xp, wg)
     inter = down_m.shape[-1]
     flat = ids.reshape(-1)
     order = (np.argsort(flat, kind="stable") if xp is np else xp.argsort(flat)).astype(xp.int32)
     counts = expert_counts(xp, flat, E)  # picks of id E (skipped) sort last
-    mt, variant = TUNED.get((gate_up_m.fmt, pick_mt(R, E)), (pick_mt(R, E), ""))
+    # TUNED holds mma.sync shapes; wgmma takes the tiles as picked, its N from their rows
+    mt, variant = (base, "") if wg else TUNED.get((gate_up_m.fmt, base), (base, ""))
     tiles = xp.zeros((max_tiles(R, E, 16 * mt), 4), xp.int32)
     n_tiles = xp.zeros(1, xp.int32)
     tiles_of(counts, 16 * mt, tiles, n_tiles)
     x = xp.ascontiguousarray(x, dtype=xp.float32)
     wts = xp.ascontiguousarray(weights.reshape(-1), dtype=xp.float32)
     act = xp.empty((R, inter), xp.float32)  # skipped picks' rows: split, never multiplied
-    variant = "" if wg else variant
     up_op(gate_up_m, split(x, new_words(xp, S, D, wg), parts), order, k, wts, tiles, n_tiles, mt,
           act, limit, parts, variant)
     # rows of skipped picks are in no tile, so only they need the zeros
