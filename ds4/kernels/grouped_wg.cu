@@ -81,26 +81,38 @@ __device__ __forceinline__ int lane_row(int i) {
     return (warp >> 2) * 256 + (i >> 1) * 64 + (warp & 3) * 16 + g + (i & 1) * 8;
 }
 
+// Where a block's stages come from: the tile's activation words and the expert's weight rows.
 template <bool GATE_UP>
-__device__ __forceinline__ void load_stage(u8* buf, const uint4* words, long long w_ld,
-                                           const int* a_rows, int tile_rows, const Weights& W,
-                                           int expert, int n0, int st) {
-    for (int i = threadIdx.x; i < BM * 32; i += 256) {
+struct Source {
+    const uint4* words;
+    long long w_ld;
+    const int* a_rows;
+    int tile_rows;
+    Weights W;
+    int expert, n0;
+
+    // Piece m (0..7) of stage st's copies into buf: this thread's m-th activation piece and
+    // m-th weight chunk (a stage is 8 pieces a thread, so a k-step can issue one).
+    __device__ __forceinline__ void load_piece(u8* buf, int st, int m) const {
+        int i = threadIdx.x + 256 * m;
         int r = i >> 5, p = i & 31;  // piece p = (s * 2 + hl) * 2 + q
         bool ok = r < tile_rows;
         const uint4* src = words + (ok ? a_rows[r] : 0) * w_ld + st * 32 + p;
         copy16(buf + ((p >> 1) * 2 * BM + (p & 1) * BM + r) * 16, src, ok);
-    }
-    u8* sw = buf + A_BYTES;
-    const u8* base = W.codes + expert * W.e_stride;
-    for (int i = threadIdx.x; i < BN * 4; i += 256) {
         int n = i >> 2, c = i & 3;
         int row = weight_row<GATE_UP>(n, n0, W.rows / (GATE_UP ? 2 : 1));
         int col = st * BK + c * 32;
-        bool ok = row >= 0 && row < W.rows && col < W.cols;
-        copy16(sw + n * 64 + c * 16, base + (ok ? (long long)row * (W.cols / 2) + col / 2 : 0), ok);
+        bool in = row >= 0 && row < W.rows && col < W.cols;
+        const u8* base = W.codes + expert * W.e_stride;
+        copy16(buf + A_BYTES + n * 64 + c * 16,
+               base + (in ? (long long)row * (W.cols / 2) + col / 2 : 0), in);
     }
-}
+
+    __device__ __forceinline__ void load_stage(u8* buf, int st) const {
+#pragma unroll 1
+        for (int m = 0; m < 8; m++) load_piece(buf, st, m);
+    }
+};
 
 template <bool GATE_UP>
 __device__ __forceinline__ void load_scales(const Weights& W, int expert, int n0, int st,
@@ -163,10 +175,13 @@ __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync
 template <int K>
 __device__ __forceinline__ void wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(K) : "memory"); }
 
-// acc[tile][N / 2] += the stage's 8 k-steps (hi, then lo) for N = 16 * USED tokens.
-template <int USED>
-__device__ __forceinline__ void stage_wgmma(const u8* buf, const u32* scales, int parts,
-                                            float (*acc)[8 * USED]) {
+// acc[tile][N / 2] += the stage's 8 k-steps (hi, then lo) for N = 16 * USED tokens. Each
+// k-step, once its wgmmas are issued, issues a piece of stage `ahead`'s copies into `next`
+// (when ahead >= 0), so the copies' address work runs beside the tensor cores.
+template <int USED, int PARTS, bool GATE_UP>
+__device__ __forceinline__ void stage_wgmma(const u8* buf, const u32* scales,
+                                            float (*acc)[8 * USED], const Source<GATE_UP>& src,
+                                            u8* next, int ahead) {
     const u8* sw = buf + A_BYTES;
     int t = threadIdx.x & 3;
     u32 q[8][4];
@@ -196,12 +211,13 @@ __device__ __forceinline__ void stage_wgmma(const u8* buf, const u32* scales, in
         fence();
 #pragma unroll
         for (int hl = 0; hl < 2; hl++) {
-            if (hl == 1 && parts == 1) break;
+            if (hl == 1 && PARTS == 1) break;
             u64 desc = desc_of(buf + (s * 2 + hl) * 2 * BM * 16);
 #pragma unroll
             for (int tile = 0; tile < 4; tile++) wgmma<16 * USED>(acc[tile], as[tile], desc);
         }
         commit();
+        if (ahead >= 0) src.load_piece(next, ahead, s);
         wait<1>();  // the step before this one is done: its A registers may be rewritten
     }
     wait<0>();  // the stage's smem is free for the next load
@@ -233,43 +249,44 @@ __device__ __forceinline__ void store(float (*acc)[8 * USED], int row0, int tile
 }
 
 template <int USED, bool GATE_UP>
-__device__ __forceinline__ void run(const uint4* words, long long w_ld, const int* a_rows,
-                                    int tile_rows, const Weights& W, int expert, int n0,
-                                    int parts, int row0, const int* order, const float* wts,
-                                    float limit, float* out, long long out_ld) {
+__device__ __forceinline__ void run(const Source<GATE_UP>& src, int parts, int row0,
+                                    const int* order, const float* wts, float limit, float* out,
+                                    long long out_ld) {
     extern __shared__ __align__(128) u8 smem[];
     float acc[4][8 * USED];
 #pragma unroll
     for (int i = 0; i < 4; i++)
 #pragma unroll
         for (int e = 0; e < 8 * USED; e++) acc[i][e] = 0.f;
+    const Weights& W = src.W;
     const int stages = (W.cols + BK - 1) / BK;
     constexpr int STAGES = 3;
-#pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
-        if (s < stages)
-            load_stage<GATE_UP>(smem + s * STAGE, words, w_ld, a_rows, tile_rows, W, expert, n0, s);
+        if (s < stages) src.load_stage(smem + s * STAGE, s);
         copy_commit();
     }
     u32 scales[2];
-    load_scales<GATE_UP>(W, expert, n0, 0, scales);
+    load_scales<GATE_UP>(W, src.expert, src.n0, 0, scales);
     for (int st = 0; st < stages; st++) {
         copy_wait<STAGES - 2>();
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async -> wgmma
-        __syncthreads();
+        __syncthreads();  // also: every warpgroup's wgmmas on the buffer refilled below are done
         int next = st + STAGES - 1;
-        if (next < stages)
-            load_stage<GATE_UP>(smem + (next % STAGES) * STAGE, words, w_ld, a_rows, tile_rows,
-                                W, expert, n0, next);
-        copy_commit();
         u32 ahead[2];
-        load_scales<GATE_UP>(W, expert, n0, min(st + 1, stages - 1), ahead);
-        stage_wgmma<USED>(smem + (st % STAGES) * STAGE, scales, parts, acc);
+        load_scales<GATE_UP>(W, src.expert, src.n0, min(st + 1, stages - 1), ahead);
+        u8* buf = smem + (st % STAGES) * STAGE;
+        u8* into = smem + (next % STAGES) * STAGE;
+        int fill = next < stages ? next : -1;
+        if (parts == 2)  // a branch outside the wgmma sequence: inside, ptxas waits at it
+            stage_wgmma<USED, 2>(buf, scales, acc, src, into, fill);
+        else
+            stage_wgmma<USED, 1>(buf, scales, acc, src, into, fill);
+        copy_commit();
         scales[0] = ahead[0];
         scales[1] = ahead[1];
     }
     int n_out = GATE_UP ? W.rows / 2 : W.rows;
-    store<USED, GATE_UP>(acc, row0, tile_rows, n0, n_out, order, wts, limit, out, out_ld);
+    store<USED, GATE_UP>(acc, row0, src.tile_rows, src.n0, n_out, order, wts, limit, out, out_ld);
 }
 
 template <bool GATE_UP>
@@ -288,8 +305,8 @@ __device__ void grouped(const uint4* __restrict__ words, long long w_ld,
         a_rows[i] = GATE_UP && order ? order[r] / k_div : r;
     }
     __syncthreads();
-#define RUN(U) run<U, GATE_UP>(words, w_ld, a_rows, tile_rows, W, tile.x, n0, parts, row0, \
-                               order, wts, limit, out, out_ld)
+    const Source<GATE_UP> src{words, w_ld, a_rows, tile_rows, W, tile.x, n0};
+#define RUN(U) run<U, GATE_UP>(src, parts, row0, order, wts, limit, out, out_ld)
     switch (tile.w > 0 ? min(tile.w, 4) : 4) {
     case 1: RUN(1); break;
     case 2: RUN(2); break;
