@@ -37,7 +37,7 @@ PAIRS = ((0, 4, 1, 5), (2, 6, 3, 7))  # columns (of 8) of a unit's words, per ha
 # stage (8 k-steps x hi, lo x 2), weight rows per block, dynamic shared memory (3 stages of 64
 # tokens' words and the block's FP4 codes); DS4_WGMMA=0 keeps to the mma.sync kernels
 WG_PIECES, WG_ROWS = 32, 512
-WG_MIN_MT = 3  # routed() takes them from pick_mt 3 (chunk 1280+ at full size: measured faster)
+WG_MIN_MT = 2  # routed() takes them from pick_mt 2 (chunk 768+ at full size: measured faster)
 WG_SHARED = 3 * (8 * 2 * 2 * 64 * 16 + WG_ROWS * 64)
 WGMMA = os.environ.get("DS4_WGMMA", "1") != "0"
 
