@@ -97,7 +97,9 @@ struct Source {
         int i = threadIdx.x + 256 * m;
         int r = i >> 5, p = i & 31;  // piece p = (s * 2 + hl) * 2 + q
         bool ok = r < tile_rows;
-        const uint4* src = words + (ok ? a_rows[r] : 0) * w_ld + st * 32 + p;
+        // int offsets (a chunk's words and an expert's rows are far below 2^31): long long
+        // ones cost gemm_fp4_wg the registers it spilled
+        const uint4* src = words + (ok ? a_rows[r] * (int)w_ld : 0) + st * 32 + p;
         copy16(buf + ((p >> 1) * 2 * BM + (p & 1) * BM + r) * 16, src, ok);
         int n = i >> 2, c = i & 3;
         int row = weight_row<GATE_UP>(n, n0, W.rows / (GATE_UP ? 2 : 1));
@@ -105,7 +107,7 @@ struct Source {
         bool in = row >= 0 && row < W.rows && col < W.cols;
         const u8* base = W.codes + expert * W.e_stride;
         copy16(buf + A_BYTES + n * 64 + c * 16,
-               base + (in ? (long long)row * (W.cols / 2) + col / 2 : 0), in);
+               base + (in ? row * (W.cols / 2) + col / 2 : 0), in);
     }
 
     __device__ __forceinline__ void load_stage(u8* buf, int st) const {
