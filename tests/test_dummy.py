@@ -236,6 +236,23 @@ def test_the_full_flash_bench_runs_on_a_shrunken_config(tmp_path: Path) -> None:
         shrunken_flash())))  # k picks x 4 layers at that share
 
 
+def test_the_whole_model_prefill_profile_runs_on_a_shrunken_config(tmp_path: Path) -> None:
+    """tools/profile_prefill.py --whole (where a long prompt's prefill goes) runs end to end on
+    NumPy over a model split between the memories, and its tables name the functions."""
+    model = write_config(tmp_path / "flash", shrunken_flash())
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "profile_prefill.py"),
+                           "--backend", "numpy", "--config", str(model / "config.json"),
+                           "--whole", "40", "--chunk", "16",
+                           "--gpu-memory-gib", f"{half_budget_gib(shrunken_flash()):.9f}"],
+                          capture_output=True, text=True, env=ENV, check=False, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "host experts read in place" in out and "whole model, 40 tokens" in out
+    first, prompt = out.split("first 16 tokens, chunk 16: ")[1].split("prompt 40 tokens,")
+    assert "Model._layer" in first and "select_entries" in prompt  # CSA layers' indexer
+    assert int(first.split("Model._layer")[1].split()[0]) == 4  # one call a layer
+
+
 def test_the_server_refuses_a_shipped_name_without_dummy_and_dummy_with_streaming() -> None:
     server = [sys.executable, "-m", "ds4.cli.server", "--port", "0", "--backend", "numpy",
               "--model", "deepseek-v4-flash"]

@@ -12,6 +12,13 @@ called). The events measure the GPU's timeline, so a function whose kernels wait
 shows that wait too: the own times add up to the layer's.
 
     python3 tools/profile_prefill.py [--layers sliding,csa,hca] [--chunk 2048] [--before 1]
+
+`--whole TOKENS` profiles the whole dummy model instead (the shipped deepseek-v4-flash, or
+`--config`, under bench_flash_full's budget): spans over every layer, for the first `--chunk`
+tokens of a prompt, the same chunk with the host experts read in place (no staging: the wall
+time only), and a TOKENS-token prompt, whose later chunks attend to a longer context:
+
+    python3 tools/profile_prefill.py --whole 16384 --chunk 2048
 """
 
 from __future__ import annotations
@@ -157,11 +164,18 @@ def main(argv=None) -> int:
                     help="layers run in front of the profiled one (0: a lone layer)")
     ap.add_argument("--small", action="store_true", help="tiny dimensions (CPU checks)")
     ap.add_argument("--backend", choices=("cupy", "numpy"), default="cupy")
+    ap.add_argument("--whole", type=int, default=0, metavar="TOKENS",
+                    help="profile the whole dummy model over a prompt of TOKENS")
+    ap.add_argument("--config", help="--whole: a config.json (default: deepseek-v4-flash)")
+    ap.add_argument("--gpu-memory-gib", type=float, default=None, help="--whole: the budget")
     args = ap.parse_args(argv)
     xp = importlib.import_module(args.backend)
     spans = Spans(xp)
     undo = install(spans)  # wrapped once for every layer kind, put back at the end
     try:
+        if args.whole:
+            whole(spans, args)
+            return 0
         for kind in args.layers.split(","):
             spans.done.clear()
             total, table = profile(spans, xp, kind, args.chunk, args.small, args.before)
@@ -170,6 +184,36 @@ def main(argv=None) -> int:
         for owner, name, original in reversed(undo):
             setattr(owner, name, original)
     return 0
+
+
+def whole(spans: Spans, args) -> None:
+    """The whole model's spans over its first chunk and over a --whole-token prompt."""
+    import bench_flash_full as full
+
+    from ds4.model import moe
+
+    argv = ["--backend", args.backend, "--contexts", str(args.whole), "--decode-tokens", "1",
+            "--ttft-tokens", str(args.whole), "--prefill-chunk", str(args.chunk)]
+    argv += ["--config", args.config] if args.config else []
+    argv += ["--gpu-memory-gib", str(args.gpu_memory_gib)] if args.gpu_memory_gib else []
+    engine = full.open_engine(full.parser().parse_args(argv))
+    cp = engine.backend.xp if engine.backend.is_gpu else None
+    runs = (("warm-up", args.chunk, True), ("no staging", args.chunk, False),
+            ("first", args.chunk, True), ("prompt", args.whole, True))
+    for seed, (label, tokens, stage) in enumerate(runs):
+        session, ids = engine.new_session(args.whole + 2), full.prompt(engine, tokens, seed)
+        moe.STAGE_HOST, spans.on = stage, label in ("first", "prompt")
+        spans.done.clear()
+        try:
+            seconds = full.sync_time(cp, lambda: session.sync(ids))
+        finally:
+            moe.STAGE_HOST, spans.on = True, False
+        if label == "no staging":
+            print(f"whole model, host experts read in place: {seconds * 1e3:.0f} ms for "
+                  f"{tokens} tokens ({tokens / seconds:.0f} tok/s)")
+        elif label != "warm-up":
+            print(f"whole model, {tokens} tokens: {tokens / seconds:.0f} tok/s")
+            report(f"{label} {tokens} tokens,", args.chunk, seconds, spans.table())
 
 
 def profile(spans: Spans, xp, kind: str, chunk: int, small: bool,
