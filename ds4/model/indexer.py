@@ -43,8 +43,9 @@ def select_entries(xp, lw, cfg, layer_state, h, qlat, positions, start: int, rop
 def top_entries(xp, total, positions, ratio: int, topk: int):
     """[S, topk] ids of each row's topk highest scores among its first (position + 1) // ratio
     entries (ties: the lower index), ascending, then -1. On the GPU one radix-select block a
-    query (the decode graph's kernel): a stable argsort of every row cost a CSA layer ~11 ms a
-    2048-token chunk at 16k context, more than its attention (docs/PERF.md)."""
+    query (the decode graph's kernel): with a stable argsort of every row instead, the indexer
+    held ~11 ms of a CSA layer's 2048-token chunk on average over a 16k prompt, more than the
+    attention (docs/PERF.md)."""
     count = total.shape[1]
     if xp.__name__ != "numpy":
         from ds4.kernels import sampling
