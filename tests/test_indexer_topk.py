@@ -1,6 +1,7 @@
-"""The indexer's top-k pick (ds4/model/indexer.py: top_entries): what each query attends to in a
-CSA layer's prefill. NumPy's stable sort is the reference; the GPU's radix-select kernel (the
-decode graph's) must give the very same ids."""
+"""The indexer's prefill scores and top-k pick (ds4/model/indexer.py: index_scores, top_entries):
+what each query attends to in a CSA layer's prefill. NumPy's stable sort is the reference; the
+GPU's radix-select kernel (the decode graph's) must give the very same ids, and its one-pass
+head sum NumPy's scores within fp32 summation noise."""
 
 from __future__ import annotations
 
@@ -53,3 +54,23 @@ def test_gpu_picks_equal_numpy(count, topk):
     want = top_entries(np, total, positions, ratio, topk)
     got = top_entries(cupy, cupy.asarray(total), cupy.asarray(positions), ratio, topk)
     np.testing.assert_array_equal(cupy.asnumpy(got), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")
+@pytest.mark.parametrize("rows,heads,count", [(5, 64, 300), (3, 4, 1), (2, 64, 4096)])
+def test_gpu_head_sum_equals_its_twin(rows, heads, count):
+    """relu, scale and the weighted head sum in one pass equal the array operations (2e-6 of
+    the largest score: the heads are summed in another order)."""
+    import cupy
+
+    from ds4.kernels.indexer import indexer_head_sum, indexer_head_sum_numpy
+
+    rng = np.random.default_rng(count)
+    dots = rng.standard_normal((rows, heads, count)).astype(np.float32)
+    w = rng.standard_normal((rows, heads)).astype(np.float32)
+    want = indexer_head_sum_numpy(dots, w, 128 ** -0.5, np.empty((rows, count), np.float32))
+    got = indexer_head_sum(cupy.asarray(dots), cupy.asarray(w), 128 ** -0.5,
+                           cupy.empty((rows, count), cupy.float32))
+    np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=0,
+                               atol=2e-6 * float(np.abs(want).max()))

@@ -71,5 +71,12 @@ def index_scores(xp, weight, cfg, h, qlat, keys, rope, cos_q, sin_q, qat=None):
     if qat is not None:
         q = qat(q)
     head_w = linear(xp, h, weight("scorer.weights_proj.weight")) * heads ** -0.5
-    scores = xp.maximum(xp.matmul(q, keys.T), 0.0) * dim ** -0.5  # [S, heads, count]
+    dots = xp.matmul(q, keys.T)  # [S, heads, count]
+    if xp.__name__ != "numpy":  # relu, scale and head sum in one pass over the products
+        from ds4.kernels.indexer import indexer_head_sum
+
+        return indexer_head_sum(xp.ascontiguousarray(dots, dtype=xp.float32),
+                                xp.ascontiguousarray(head_w, dtype=xp.float32),
+                                dim ** -0.5, xp.empty((S, keys.shape[0]), xp.float32))
+    scores = xp.maximum(dots, 0.0) * dim ** -0.5
     return xp.matmul(head_w[:, None, :], scores)[:, 0, :]
