@@ -150,7 +150,7 @@ def test_placed_prefill_runs_each_memory_through_the_grouped_kernels(small_model
     x = rng.standard_normal((S, cfg.hidden_size)).astype(np.float32)
     ids = np.stack([rng.permutation(bank.count)[:k] for _ in range(S)]).astype(np.int32)
     weights = rng.uniform(0.1, 1.0, (S, k)).astype(np.float32)
-    assert _placed_kernels_fit(bank, x)
+    assert _placed_kernels_fit(bank, x.shape[1])
     got = _routed_placed(np, cfg, bank, x, ids, weights)
     want = _routed_many(np, cfg, bank, x, ids, weights, ids)
     scale = np.abs(want).max()
@@ -164,6 +164,12 @@ def test_placed_prefill_runs_each_memory_through_the_grouped_kernels(small_model
     staged = _routed_placed(np, cfg, bank, x, ids, weights, stage=True)
     assert len(copies) == 1 and copies[0][0][0].codes is not bank.placed_stacks[0].host[0]
     np.testing.assert_array_equal(staged, got)
+    # copies made before the layer's attention (moe.stage_ahead's) are used, not made again
+    copies.clear()
+    ahead = stage(np, *bank.placed_stacks)
+    again = _routed_placed(np, cfg, bank, x, ids, weights, stage=True, ahead=ahead)
+    assert copies == []
+    np.testing.assert_array_equal(again, got)
 
 
 def test_the_weight_budget_is_the_flag_or_the_free_memory_less_the_reserve() -> None:

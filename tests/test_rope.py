@@ -122,3 +122,32 @@ def test_the_gpu_kernel_rotates_far_positions_as_float64_does():
                     cupy.asarray(yarn_reference(PLAIN, 64)), 64)
     want = rotate_reference(x[:, None, :], FAR, PLAIN, 64)[:, 0]
     np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=0, atol=2e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")
+@pytest.mark.parametrize("shape,view", [((37, 96), None), ((37, 5, 96), None),
+                                        ((37, 5, 128), (slice(None), slice(1, 4), slice(0, 96))),
+                                        ((37, 1, 96), None)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_prefill_rotation_in_one_launch_keeps_the_array_ops_bits(shape, view, inverse,
+                                                                 monkeypatch):
+    """Rope.rotate on the GPU (one rope_rows launch) gives the bits of its array operations,
+    also on a strided view of a wider array, and leaves the channels outside the view alone."""
+    import cupy
+
+    from ds4.model import rope as rope_module
+
+    rope = Rope(cupy, PLAIN, 64)
+    pos = cupy.asarray(np.arange(1000, 1037) * 977)
+    cos, sin = rope.cos_sin(pos)
+    base = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+    out, real = {}, rope_module._one_launch
+    for one_launch in (True, False):
+        monkeypatch.setattr(rope_module, "_one_launch",
+                            lambda x, c, keep=one_launch: keep and real(x, c))
+        x = cupy.asarray(base)
+        rope.rotate(x if view is None else x[view], cos, sin, inverse)
+        out[one_launch] = cupy.asnumpy(x)
+    np.testing.assert_array_equal(out[True], out[False])
+    assert not np.array_equal(out[True], base)

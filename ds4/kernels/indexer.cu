@@ -95,3 +95,24 @@ extern "C" __global__ void indexer_scores_m(const float* __restrict__ q,
     scores_of(q + (size_t)b * heads * hd, wts + (size_t)b * heads, (const float*)key_ptrs[b],
               positions + b, ratio, scores + (size_t)b * scores_stride, heads, hd, wscale);
 }
+
+// Prefill's head sum over a chunk's products (ds4/model/indexer.py, index_scores): out[t, s] =
+// sum_h w[t, h] * (relu(dots[t, h, s]) * scale), heads in order, for dots [rows, heads, count]
+// from one GEMM. One pass over the products instead of three (relu, scale, then a batched
+// GEMV), each a full read and most a full write of the [rows, heads, count] block.
+extern "C" __global__ void indexer_head_sum(const float* __restrict__ dots,
+                                            const float* __restrict__ w, float scale, int heads,
+                                            int count, float* __restrict__ out) {
+    wait_inputs();  // (pdl.py)
+    extern __shared__ float wt[];  // this row's head weights
+    int t = blockIdx.y;
+    for (int h = threadIdx.x; h < heads; h += blockDim.x) wt[h] = w[(size_t)t * heads + h];
+    __syncthreads();
+    int s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= count) return;
+    const float* d = dots + (size_t)t * heads * count + s;
+    float total = 0.f;
+    for (int h = 0; h < heads; h++)
+        total = __fmaf_rn(wt[h], __fmul_rn(fmaxf(d[(size_t)h * count], 0.f), scale), total);
+    out[(size_t)t * count + s] = total;
+}

@@ -29,6 +29,22 @@ def indexer_scores_numpy(q, wts, keys, pos, ratio: int, scores):
     return scores
 
 
+def indexer_head_sum(dots, w, scale: float, out):
+    """out[t, s] = sum_h w[t, h] * relu(dots[t, h, s]) * scale for dots [rows, heads, count] and
+    w [rows, heads] (fp32, contiguous): prefill's scores from its GEMM's products."""
+    rows, heads, count = dots.shape
+    args = (ptr(dots), ptr(w), f32(scale), i32(heads), i32(count), ptr(out))
+    launch("indexer", "indexer_head_sum", ((count + 255) // 256, rows), (256,), args, 4 * heads)
+    return out
+
+
+def indexer_head_sum_numpy(dots, w, scale: float, out):
+    """NumPy twin of indexer_head_sum (the model code's NumPy arithmetic)."""
+    scores = np.maximum(dots, 0.0) * np.float32(scale)
+    out[...] = np.matmul(w[:, None, :], scores)[:, 0, :]
+    return out
+
+
 def indexer_scores_m(q, wts, table, layer: int, slot: int, rows: int, ratio: int, scores):
     """indexer_scores for each member b of a batch graph: q [B, heads, hd], wts [B, heads],
     scores [B, >= rows]; member b's keys (at most `rows` of them) from the member table."""

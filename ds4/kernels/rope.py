@@ -19,6 +19,19 @@ def rope_tail(x, pos, freqs, rope_dim: int, rows_per_pos: int = 1, pos_offset: i
     return x
 
 
+def rope_rows(x, cos, sin, rope_dim: int, sign: float = 1.0):
+    """Rotate the trailing rope_dim channels of x [rows, width] or [rows, mid, width] (fp32,
+    channels contiguous, any row and mid strides) in place by cos/sin [rows, rope_dim/2] (fp32,
+    contiguous): rotate_numpy's arithmetic and bits in one launch."""
+    x3 = x if x.ndim == 3 else x[:, None, :]
+    rows, mid, width = x3.shape
+    total = rows * mid * (rope_dim // 2)
+    args = (ptr(x), np.int64(x3.strides[0] // 4), np.int64(x3.strides[1] // 4), i32(rows),
+            i32(mid), i32(width), i32(rope_dim), ptr(cos), ptr(sin), f32(sign))
+    launch("rope", "rope_rows", (max(1, min((total + 255) // 256, 1 << 16)),), (256,), args)
+    return x
+
+
 def rope_angles_numpy(positions, freqs):
     """fp32 cos and sin of the float64 angles positions x freqs, as the kernels form them."""
     angle = np.asarray(positions, dtype=np.float64)[:, None] * np.asarray(freqs, np.float64)

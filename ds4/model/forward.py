@@ -14,7 +14,7 @@ from ds4.model.config import ModelConfig
 from ds4.model.graph_decode import kernel_decoder_for
 from ds4.model.hyper_connection import hc_collapse, hc_expand, hc_weights, hyper_head, rms_norm
 from ds4.model.linear import linear
-from ds4.model.moe import moe
+from ds4.model.moe import moe, stage_ahead
 from ds4.model.rope import Rope
 from ds4.model.scratch import Scratch
 from ds4.model.state import SessionState
@@ -134,6 +134,7 @@ class Model:
         xp, cfg = self.xp, self.cfg
         lw = self.weights.layer(i)
         eps = cfg.rms_norm_eps
+        ahead = stage_ahead(xp, cfg, lw, len(step.token_ids))  # host experts' copy, if staged
         pre, post, comb = self._hc(lw, "attn_hc", X)
         u = hc_collapse(xp, pre, X)
         h = rms_norm(xp, u, lw["input_layernorm.weight"], eps)
@@ -142,7 +143,7 @@ class Model:
         u = hc_collapse(xp, pre, X)
         h = rms_norm(xp, u, lw["post_attention_layernorm.weight"], eps)
         hashed = cfg.mlp_layer_types[i] == "hash_moe"
-        f = moe(xp, cfg, lw, h, step.token_ids, hashed, self.backend.to_numpy)
+        f = moe(xp, cfg, lw, h, step.token_ids, hashed, self.backend.to_numpy, ahead)
         return hc_expand(xp, X, f, post, comb)
 
     def _hc(self, lw, name: str, X):

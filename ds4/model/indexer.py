@@ -10,7 +10,8 @@ SCORE_BLOCK = 1 << 26  # floats in one [queries, heads, entries] block of indexe
 
 def select_entries(xp, lw, cfg, layer_state, h, qlat, positions, start: int, rope, cos_q, sin_q,
                    qat=None):
-    """Top-k entry ids [S, k] per query (score desc, then lower index; -1 = nothing there).
+    """Top-k entry ids [S, k] per query: the k highest scores among the entries the query may
+    see (ties: the lower index), in ascending index order, then -1 (nothing there).
 
     Also appends this chunk's closed windows to the indexer's compressed keys. `qat` is the
     optional Hadamard + FP4 simulation applied to keys and queries after RoPE.
@@ -29,17 +30,37 @@ def select_entries(xp, lw, cfg, layer_state, h, qlat, positions, start: int, rop
     keys = comp.rows[:count]
     # bound the [queries, heads, entries] score block: long prompts score a slice of
     # queries at a time
-    block = max(1, SCORE_BLOCK // (cfg.index_n_heads * count))
+    block = max(1, min(SCORE_BLOCK // (cfg.index_n_heads * count), 1 << 15))  # <= grid z
     picks = []
     for b in range(0, h.shape[0], block):
         q_slice = slice(b, b + block)
         total = index_scores(xp, weight, cfg, h[q_slice], qlat[q_slice], keys, rope, cos_q[q_slice],
                              sin_q[q_slice], qat)
-        seen = usable[q_slice, None]
-        total = xp.where(xp.arange(count)[None, :] >= seen, -xp.inf, total)
-        order = xp.argsort(-total, axis=-1, kind="stable")[:, :topk]
-        picks.append(xp.where(order < seen, order, -1))
+        picks.append(top_entries(xp, total, positions[q_slice], m, topk))
     return picks[0] if len(picks) == 1 else xp.concatenate(picks)
+
+
+def top_entries(xp, total, positions, ratio: int, topk: int):
+    """[S, topk] ids of each row's topk highest scores among its first (position + 1) // ratio
+    entries (ties: the lower index), ascending, then -1. On the GPU one radix-select block a
+    query (the decode graph's kernel): with a stable argsort of every row instead, the indexer
+    held ~11 ms of a CSA layer's 2048-token chunk on average over a 16k prompt, more than the
+    attention (docs/PERF.md)."""
+    count = total.shape[1]
+    if xp.__name__ != "numpy":
+        from ds4.kernels import sampling
+
+        rows = total.shape[0]
+        sel = xp.empty((rows, topk), xp.int32)
+        taken = xp.empty(rows, xp.int32)
+        sampling.topk_select(xp.ascontiguousarray(total, dtype=xp.float32), topk, sel, taken,
+                             pos=xp.ascontiguousarray(positions, dtype=xp.int32), ratio=ratio)
+        return xp.where(xp.arange(topk)[None, :] < taken[:, None], sel, -1)
+    seen = ((positions + 1) // ratio)[:, None]
+    total = xp.where(xp.arange(count)[None, :] >= seen, -xp.inf, total)
+    order = xp.argsort(-total, axis=-1, kind="stable")[:, :topk]
+    order = xp.sort(xp.where(order < seen, order, count), axis=-1)  # unseen ids sort last
+    return xp.where(order < count, order, -1)
 
 
 def index_scores(xp, weight, cfg, h, qlat, keys, rope, cos_q, sin_q, qat=None):
@@ -50,5 +71,12 @@ def index_scores(xp, weight, cfg, h, qlat, keys, rope, cos_q, sin_q, qat=None):
     if qat is not None:
         q = qat(q)
     head_w = linear(xp, h, weight("scorer.weights_proj.weight")) * heads ** -0.5
-    scores = xp.maximum(xp.matmul(q, keys.T), 0.0) * dim ** -0.5  # [S, heads, count]
+    dots = xp.matmul(q, keys.T)  # [S, heads, count]
+    if xp.__name__ != "numpy":  # relu, scale and head sum in one pass over the products
+        from ds4.kernels.indexer import indexer_head_sum
+
+        return indexer_head_sum(xp.ascontiguousarray(dots, dtype=xp.float32),
+                                xp.ascontiguousarray(head_w, dtype=xp.float32),
+                                dim ** -0.5, xp.empty((S, keys.shape[0]), xp.float32))
+    scores = xp.maximum(dots, 0.0) * dim ** -0.5
     return xp.matmul(head_w[:, None, :], scores)[:, 0, :]

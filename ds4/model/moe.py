@@ -43,13 +43,13 @@ def swiglu(xp, gate, up, limit: float):
     return gate * sigmoid(xp, gate) * up
 
 
-def moe(xp, cfg, lw, x, token_ids, hashed: bool, to_host):
-    """f = sum_k w_k expert_k(x) + shared(x) for x [S, D]."""
+def moe(xp, cfg, lw, x, token_ids, hashed: bool, to_host, ahead=None):
+    """f = sum_k w_k expert_k(x) + shared(x) for x [S, D]; `ahead`: stage_ahead's copies."""
     ids, weights = route(xp, cfg, lw, x, token_ids, hashed)
     if getattr(lw.experts, "group", None) is not None:  # expert parallel: ds4/model/expert_group
         routed = lw.experts.routed(xp, cfg, x, ids, weights, to_host)
     else:
-        routed = _routed(xp, cfg, lw.experts, x, ids, weights, to_host)
+        routed = _routed(xp, cfg, lw.experts, x, ids, weights, to_host, ahead)
     if "mlp.shared_experts.gate_proj.weight" not in lw:
         return routed
     gate = linear(xp, x, lw["mlp.shared_experts.gate_proj.weight"])
@@ -58,12 +58,12 @@ def moe(xp, cfg, lw, x, token_ids, hashed: bool, to_host):
     return routed + linear(xp, shared, lw["mlp.shared_experts.down_proj.weight"])
 
 
-def _routed(xp, cfg, bank, x, ids, weights, to_host):
+def _routed(xp, cfg, bank, x, ids, weights, to_host, ahead=None):
     """sum_k weights[:, k] * expert_{ids[:, k]}(x) for x [S, D] over one bank."""
     if x.shape[0] == 1:
         return _routed_one(xp, cfg, bank, x[0], ids[0], weights[0])[None, :]
     if xp is not np and bank.resident:
-        return _routed_grouped(xp, cfg, bank, x, ids, weights, to_host)
+        return _routed_grouped(xp, cfg, bank, x, ids, weights, to_host, ahead)
     return _routed_many(xp, cfg, bank, x, ids, weights, to_host(ids))
 
 
@@ -72,7 +72,7 @@ def routed_local(xp, cfg, bank, x, ids, weights, to_host):
     negative id is a pick another rank holds, which adds nothing here (the grouped kernels
     skip it; the other paths give it expert 0 with weight 0)."""
     here = ids >= 0
-    if xp is not np and bank.resident and _grouped_kernels_fit(bank, x):
+    if xp is not np and bank.resident and _grouped_kernels_fit(bank, x.shape[1]):
         from ds4.kernels import grouped
 
         gate_up, down = bank.stacked
@@ -106,16 +106,16 @@ def _routed_many(xp, cfg, bank, x, ids, weights, host_ids: np.ndarray):
     return out
 
 
-def _routed_grouped(xp, cfg, bank, x, ids, weights, to_host):
+def _routed_grouped(xp, cfg, bank, x, ids, weights, to_host, ahead=None):
     """Prefill: (token, pick) rows sorted by expert, one gate/up and one down GEMM
     per expert hit."""
-    if _grouped_kernels_fit(bank, x):
+    if _grouped_kernels_fit(bank, x.shape[1]):
         from ds4.kernels import grouped
 
         gate_up, down = bank.stacked
         return grouped.routed(xp, gate_up, down, x, ids, weights, cfg.swiglu_limit, parts())
-    if _placed_kernels_fit(bank, x):
-        return _routed_placed(xp, cfg, bank, x, ids, weights)
+    if _placed_kernels_fit(bank, x.shape[1]):
+        return _routed_placed(xp, cfg, bank, x, ids, weights, ahead=ahead)
     S, k = ids.shape
     inter = cfg.moe_intermediate_size
     flat = ids.reshape(-1)
@@ -134,7 +134,7 @@ def _routed_grouped(xp, cfg, bank, x, ids, weights, to_host):
     return out.reshape(S, k, -1).sum(axis=1)
 
 
-def _grouped_kernels_fit(bank, x) -> bool:
+def _grouped_kernels_fit(bank, hidden: int) -> bool:
     """True when packed experts go through the grouped kernels, which read their codes in place
     (no widened slab per expert, no host round trip for the counts)."""
     if not (GROUPED_KERNELS and getattr(bank, "packed", False)):
@@ -143,10 +143,10 @@ def _grouped_kernels_fit(bank, x) -> bool:
 
     gate_up, down = bank.stacked
     return (isinstance(gate_up, PackedMatrix) and isinstance(down, PackedMatrix)
-            and fits(gate_up, x.shape[1]) and fits(down, gate_up.shape[-2] // 2))
+            and fits(gate_up, hidden) and fits(down, gate_up.shape[-2] // 2))
 
 
-def _placed_kernels_fit(bank, x) -> bool:
+def _placed_kernels_fit(bank, hidden: int) -> bool:
     """True when a bank split over device and mapped host memory (ds4/model/placement.py) can
     run its two halves through the grouped kernels."""
     stacks = getattr(bank, "placed_stacks", ())  # banks of other kinds (tests' stubs) have none
@@ -158,7 +158,7 @@ def _placed_kernels_fit(bank, x) -> bool:
     same = (np.array_equal(gate_up.resident, down.resident)
             and np.array_equal(gate_up.slot, down.slot))
     return same and all(fits(m, cols) for memory in ("device", "host")
-                        for m, cols in _halves(gate_up, down, memory, x.shape[1]))
+                        for m, cols in _halves(gate_up, down, memory, hidden))
 
 
 def _halves(gate_up, down, memory: str, hidden: int) -> list:
@@ -175,20 +175,23 @@ def _halves(gate_up, down, memory: str, hidden: int) -> list:
     return out
 
 
-def _routed_placed(xp, cfg, bank, x, ids, weights, stage: bool | None = None):
+def _routed_placed(xp, cfg, bank, x, ids, weights, stage: bool | None = None, ahead=None):
     """Prefill of a placed bank: the picks of resident experts through the grouped kernels
     over the device stacks, then those of host experts; a pick of the other memory gets the
     id one past its stack (skipped). A chunk with many picks first copies the host experts
-    to the device on a copy stream while the resident picks run (`stage_host`); a short one,
-    or one without room for the copy, reads them in place over PCIe. `stage` overrides that
-    choice (tests: NumPy stages by a plain copy)."""
+    to the device on a copy stream while the resident picks run (`stage_host`, or `ahead`:
+    stage_ahead's result, begun before the layer's attention); a short one, or one without
+    room for the copy, reads them in place over PCIe. `stage` overrides that choice (tests:
+    NumPy stages by a plain copy)."""
     from ds4.kernels import grouped
 
     gate_up, down = bank.placed_stacks
     resident, slot = gate_up.resident, gate_up.slot
     if stage is None:  # NumPy has one memory already; a few picks read a few experts
-        stage = STAGE_HOST and xp is not np and ids.size >= STAGE_PICKS * resident.size
-    staged = stage_host(xp, gate_up, down) if stage and not resident.all() else None
+        stage = _stages(xp, resident, ids.size)
+    staged = ahead
+    if staged is None and stage and not resident.all():
+        staged = stage_host(xp, gate_up, down)
     out = None
     for memory, here in (("device", resident), ("host", ~resident)):
         if not here.any():
@@ -212,6 +215,29 @@ STAGE_HOST = True  # prefill copies a layer's host experts to the device first (
 # the experts they need in place instead of copying all of them (~296 MB a layer at full size)
 STAGE_PICKS = 4
 _COPY_STREAMS: dict = {}  # device id -> the stream staging copies run on
+
+
+def _stages(xp, resident, picks: int) -> bool:
+    """Whether a chunk of `picks` (token, expert) picks copies the host experts first."""
+    return STAGE_HOST and xp is not np and picks >= STAGE_PICKS * resident.size
+
+
+def stage_ahead(xp, cfg, lw, tokens: int):
+    """The layer's host experts' staged copies (stage_host), begun now, before the layer's
+    attention, when its MoE will stage them: the copy (~5 ms a layer at full size) then runs
+    beside the attention as well as the resident experts, whose ~4 ms it outlasted when it
+    began at the MoE (docs/PERF.md). None: no staging here, or no room for it yet (the MoE
+    tries again once the attention's scratch is freed)."""
+    bank, hidden = lw.experts, cfg.hidden_size
+    if (xp is np or tokens < 2 or getattr(bank, "group", None) is not None
+            or not getattr(bank, "resident", False) or _grouped_kernels_fit(bank, hidden)
+            or not _placed_kernels_fit(bank, hidden)):
+        return None  # the paths of _routed that do not reach _routed_placed
+    gate_up, down = bank.placed_stacks
+    resident = gate_up.resident
+    if resident.all() or not _stages(xp, resident, tokens * cfg.num_experts_per_tok):
+        return None
+    return stage_host(xp, gate_up, down)
 
 
 def stage_host(xp, gate_up, down):

@@ -61,6 +61,11 @@ class Rope:
         slice is read and written (an eighth of a V4 head), which is why the model code
         rotates the arrays it has just made instead of copying them whole.
         """
+        if self.xp is not np and _one_launch(x, cos):  # ~8 array ops and their temporaries
+            from ds4.kernels.rope import rope_rows
+
+            cos, sin = (self.xp.ascontiguousarray(t, dtype=np.float32) for t in (cos, sin))
+            return rope_rows(x, cos, sin, self.rope_dim, -1.0 if inverse else 1.0)
         if inverse:
             sin = -sin
         shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (cos.shape[1],)
@@ -71,3 +76,10 @@ class Rope:
         a[...] = even
         b[...] = odd
         return x
+
+
+def _one_launch(x, cos) -> bool:
+    """Whether rope_rows takes x: fp32 [S, width] or [S, mid, width] with contiguous channels and
+    non-negative strides, one table row a row of x."""
+    return (x.dtype == np.float32 and x.ndim in (2, 3) and x.strides[-1] == 4
+            and min(x.strides) >= 0 and cos.ndim == 2 and cos.shape[0] == x.shape[0] > 0)
