@@ -74,3 +74,45 @@ def test_gpu_head_sum_equals_its_twin(rows, heads, count):
                            cupy.empty((rows, count), cupy.float32))
     np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=0,
                                atol=2e-6 * float(np.abs(want).max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")
+@pytest.mark.parametrize("rows,heads,count", [(7, 64, 300), (2, 4, 1), (33, 64, 4096)])
+def test_gpu_fp4_dots_equal_the_fp32_products(rows, heads, count):
+    """Prefill's indexer products of FP4-simulated queries and keys as one bf16 GEMM equal the
+    fp32 matmul's (every product exact in both; 1e-6 of the largest: the sums' order)."""
+    import cupy
+
+    from ds4.model import quant
+    from ds4.model.indexer import fp4_dots
+
+    rng = np.random.default_rng(count)
+    matrix = quant.hadamard(128)
+    q = quant.indexer_fp4_simulation(
+        np, (rng.standard_normal((rows, heads, 128)) * 3).astype(np.float32), matrix)
+    keys = quant.indexer_fp4_simulation(
+        np, rng.standard_normal((count, 128)).astype(np.float32), matrix)
+    want = np.matmul(q.astype(np.float64), keys.T.astype(np.float64))
+    got = cupy.asnumpy(fp4_dots(cupy, cupy.asarray(q), cupy.asarray(keys)))
+    assert got.shape == (rows, heads, count)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * float(np.abs(want).max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")
+def test_gpu_indexer_rounding_takes_the_kernel_and_keeps_nearly_every_value():
+    """The prefill QAT on CuPy (hadamard_fp4 over [tokens, heads, dim]) equals NumPy's matmul
+    and array rounding but for values within float noise of an FP4 boundary."""
+    import cupy
+
+    from ds4.model import quant
+
+    rng = np.random.default_rng(3)
+    rows = (rng.standard_normal((50, 64, 128)) * rng.uniform(0.01, 20, (50, 64, 1)))
+    rows = rows.astype(np.float32)
+    want = quant.indexer_fp4_simulation(np, rows, quant.hadamard(128))
+    got = quant.indexer_fp4_simulation(cupy, cupy.asarray(rows), cupy.asarray(quant.hadamard(128)))
+    assert got.shape == rows.shape
+    close = np.isclose(cupy.asnumpy(got), want, atol=1e-5 * np.abs(want).max())
+    assert close.mean() > 0.999, close.mean()

@@ -71,7 +71,10 @@ def index_scores(xp, weight, cfg, h, qlat, keys, rope, cos_q, sin_q, qat=None):
     if qat is not None:
         q = qat(q)
     head_w = linear(xp, h, weight("scorer.weights_proj.weight")) * heads ** -0.5
-    dots = xp.matmul(q, keys.T)  # [S, heads, count]
+    if qat is not None and xp.__name__ != "numpy":
+        dots = fp4_dots(xp, q, keys)
+    else:
+        dots = xp.matmul(q, keys.T)  # [S, heads, count]
     if xp.__name__ != "numpy":  # relu, scale and head sum in one pass over the products
         from ds4.kernels.indexer import indexer_head_sum
 
@@ -80,3 +83,23 @@ def index_scores(xp, weight, cfg, h, qlat, keys, rope, cos_q, sin_q, qat=None):
                                 dim ** -0.5, xp.empty((S, keys.shape[0]), xp.float32))
     scores = xp.maximum(dots, 0.0) * dim ** -0.5
     return xp.matmul(head_w[:, None, :], scores)[:, 0, :]
+
+
+def fp4_dots(cp, q, keys):
+    """q [S, heads, dim] times keys [count, dim] transposed, both FP4-simulated (an E2M1 value
+    times a power of two: exact in bf16), as one bf16 GEMM on tensor cores with fp32 sums.
+    Every product is exact as in fp32; only the sums' order differs. The fp32 matmul held most
+    of the indexer's own time at depth (docs/PERF.md)."""
+    from ds4.kernels.split import split_bf16
+    from ds4.model.linear import ZERO, _gemm
+
+    S, heads, dim = q.shape
+    count = keys.shape[0]
+
+    def words(rows):  # one bf16 word a value (parts 1): the rounding is exact here
+        rows = cp.ascontiguousarray(rows, dtype=cp.float32).reshape(-1, 1, dim)
+        return split_bf16(rows, cp.empty(rows.shape, cp.uint16))
+
+    y = cp.empty((S, heads, count), cp.float32)
+    _gemm(cp, words(keys), 0, words(q), dim, 0, y, count, 0, (count, S * heads, dim, 1), ZERO)
+    return y

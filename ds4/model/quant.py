@@ -79,7 +79,20 @@ def kv_fp8_simulation(xp, rows, rope_dim: int):
 
 
 def indexer_fp4_simulation(xp, rows, hadamard_matrix):
-    """Official indexer QAT: Hadamard rotation, then FP4 round trip in 32-blocks."""
+    """Official indexer QAT: Hadamard rotation, then FP4 round trip in 32-blocks.
+
+    On CuPy one kernel does both (the decode graph's hadamard_fp4, a fast Walsh-Hadamard
+    transform of the same Sylvester matrix): the matmul and ~15 array passes over a prefill
+    chunk's [tokens, heads, dim] queries held 0.33 s of a 16k prompt (docs/PERF.md). Its sums
+    run in another order, so a value within float noise of an FP4 boundary may round the
+    other way, as between the decode graph and NumPy already."""
+    width = rows.shape[-1]
+    if xp is not np and width == hadamard_matrix.shape[0] and width <= 1024:
+        from ds4.kernels.quant import hadamard_fp4
+
+        out = xp.array(rows, dtype=xp.float32, order="C")
+        hadamard_fp4(out.reshape(-1, width), None)
+        return out
     rotated = rows @ hadamard_matrix
     block = 32 if rows.shape[-1] % 32 == 0 else rows.shape[-1]
     return fp4_round_blocks(xp, rotated, block)
