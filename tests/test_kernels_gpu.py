@@ -263,6 +263,30 @@ def test_moe_route_of_a_batch_is_each_members_own(cp, rng, hashed):
     assert len({tuple(row) for row in g_idx}) == B  # each row routed by its own logits
 
 
+@pytest.mark.parametrize("hashed", [False, True])
+def test_prefill_route_on_the_gpu_equals_numpys(cp, rng, hashed):
+    """The model's route() of a prefill chunk on CuPy (one moe_route launch for every token)
+    picks NumPy's experts, in its order, with its weights (1e-6 relative)."""
+    from types import SimpleNamespace
+
+    from ds4.model.moe import route
+
+    S, E, D, top_k = 300, 256, 64, 6
+    cfg = SimpleNamespace(scoring_func="sqrtsoftplus", num_experts_per_tok=top_k,
+                          routed_scaling_factor=1.5, norm_topk_prob=True)
+    # small integers times eighths: the router's logits are exact on both backends, so only
+    # the softplus' last bit may differ
+    lw = {"mlp.gate.weight": (rng.integers(-8, 9, (E, D)) / 8).astype(np.float32),
+          "mlp.gate.e_score_correction_bias": randn(rng, E, scale=0.1),
+          "mlp.gate.tid2eid": rng.integers(0, E, (50, top_k))}
+    x, tokens = rng.integers(-3, 4, (S, D)).astype(np.float32), rng.integers(0, 50, S)
+    n_ids, n_w = route(np, cfg, lw, x, tokens, hashed)
+    g_ids, g_w = route(cp, cfg, {k: cp.asarray(v) for k, v in lw.items()}, cp.asarray(x),
+                       cp.asarray(tokens), hashed)
+    assert np.array_equal(cp.asnumpy(g_ids), n_ids)
+    assert rel_err(cp.asnumpy(g_w), n_w) < 1e-6
+
+
 @pytest.mark.parametrize("hashed,bf16", [(False, True), (True, True), (False, False)])
 def test_moe(cp, rng, hashed, bf16):
     from ds4.kernels import moe, to_bf16

@@ -23,7 +23,10 @@ def router_scores(xp, cfg, logits):
 
 def route(xp, cfg, lw, x, token_ids, hashed: bool):
     """(expert ids [S, k], weights [S, k]); ties pick the lower expert id."""
-    scores = router_scores(xp, cfg, linear(xp, x, lw["mlp.gate.weight"]))
+    logits = linear(xp, x, lw["mlp.gate.weight"])
+    if xp is not np and cfg.scoring_func == "sqrtsoftplus" and _routes_in_one_launch(logits):
+        return _route_kernel(xp, cfg, lw, logits, token_ids, hashed)
+    scores = router_scores(xp, cfg, logits)
     if hashed:
         ids = lw["mlp.gate.tid2eid"][token_ids]
     else:
@@ -33,6 +36,30 @@ def route(xp, cfg, lw, x, token_ids, hashed: bool):
     if cfg.norm_topk_prob or cfg.scoring_func != "softmax":
         weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
     return ids, weights * cfg.routed_scaling_factor
+
+
+def _routes_in_one_launch(logits) -> bool:
+    """Whether the decode graph's router kernel takes these rows: one block a token of at most
+    1024 experts, tokens on the grid's z axis."""
+    return logits.shape[-1] <= 1024 and logits.shape[0] <= 65535
+
+
+def _route_kernel(cp, cfg, lw, logits, token_ids, hashed: bool):
+    """route() on CuPy through the decode graph's moe_route, every token in one launch: the
+    stable argsort of [S, experts] and the array passes around it held ~0.27 ms of a 2048-token
+    chunk's layer (docs/PERF.md). The same picks and weights up to the softplus' last bit."""
+    from ds4.kernels.moe import moe_route
+
+    S, k = logits.shape[0], cfg.num_experts_per_tok
+    ids, weights = cp.empty((S, k), cp.int32), cp.empty((S, k), cp.float32)
+    table, bias = None, None
+    if hashed:  # the chunk's own rows of the hash table; token t reads row t
+        table = cp.ascontiguousarray(lw["mlp.gate.tid2eid"][token_ids][:, :k], dtype=cp.int32)
+    else:
+        bias = cp.ascontiguousarray(lw["mlp.gate.e_score_correction_bias"], dtype=cp.float32)
+    moe_route(cp.ascontiguousarray(logits, dtype=cp.float32), bias, table,
+              cp.arange(S, dtype=cp.int32), k, cfg.routed_scaling_factor, ids, weights)
+    return ids.astype(cp.int64), weights
 
 
 def swiglu(xp, gate, up, limit: float):
