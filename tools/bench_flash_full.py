@@ -213,7 +213,23 @@ def run(args) -> dict:
                                        for c in args.contexts]
     res["ttft"] = ttft(engine, cp, args.ttft_tokens, ctx_size)
     res["floor"] = byte_floor(engine, args.hbm_gbs, args.pcie_gbs)
+    if cp is not None:
+        res["device_memory"] = device_memory(cp, engine, res["memory"])
     return res
+
+
+def device_memory(cp, engine: Engine, memory: dict) -> dict:
+    """GiB on the device after the run: CuPy's pool (it keeps every block it grew to, so its
+    total is the high-water mark of weights + sessions + scratch + temporaries), what the
+    weights hold of it, and what the device still has free: how far the scratch reserve of
+    the weight budget (ds4.model.placement.scratch_estimate) overshoots."""
+    pool, gib = cp.get_default_memory_pool(), float(1 << 30)
+    weights = (memory["weight_bytes"] - memory.get("host_expert_bytes", 0)
+               - memory.get("host_tensor_bytes", 0))
+    return {"pool_gib": pool.total_bytes() / gib, "weights_gib": weights / gib,
+            "beside_weights_gib": (pool.total_bytes() - weights) / gib,
+            "scratch_gib": engine.model.scratch.nbytes / gib,
+            "free_gib": cp.cuda.runtime.memGetInfo()[0] / gib}
 
 
 def report(res: dict) -> None:
@@ -239,6 +255,12 @@ def report(res: dict) -> None:
     for d in res["decode"] + res.get("decode_after_replace", []):
         print(f"decode at context {d['context']}: {d['tok_s']:.1f} tok/s "
               f"({d['ms_per_token']:.2f} ms/token, finite logits: {d['finite']})")
+    if "device_memory" in res:
+        m = res["device_memory"]
+        print(f"device memory after the run: CuPy's pool grew to {m['pool_gib']:.2f} GiB "
+              f"({m['weights_gib']:.2f} GiB weights, {m['beside_weights_gib']:.2f} GiB sessions, "
+              f"scratch and temporaries; the named scratch {m['scratch_gib']:.2f}); "
+              f"{m['free_gib']:.2f} GiB free")
     t = res["ttft"]
     print(f"prefill at chunk {t['chunk']}: {t['prefill_tok_s']:.0f} tok/s; "
           f"TTFT of {t['tokens']} tokens: {t['ttft_s']:.2f} s")
