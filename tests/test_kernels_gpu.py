@@ -79,22 +79,6 @@ def test_rms_norm_and_rope(cp, rng):
     assert np.array_equal(g[:, :448], x[:, :448])  # channels before the rope slice untouched
 
 
-@pytest.mark.parametrize("rows,n", [(1000, 512), (9, 2048), (3, 64), (5, 4096), (7, 100)])
-@pytest.mark.parametrize("weighted", [True, False])
-def test_rms_norm_rows_warp_a_row_equals_the_twin(cp, rng, rows, n, weighted):
-    """Prefill's norm: a warp a row (n % 4 == 0, n <= 2048; a row count that leaves a block's
-    warps idle), else the block kernel (4096; 100 floats, not 16-byte pieces); in place too."""
-    from ds4.kernels import norm
-
-    x, w = randn(rng, rows, n), randn(rng, n) if weighted else None
-    g, n_ = both(cp, norm.rms_norm_rows, norm.rms_norm_numpy, x, w, np.full_like(x, np.nan),
-                 out_index=2)
-    assert np.isfinite(g).all() and rel_err(g, n_) < RTOL
-    dev = cp.asarray(x)
-    norm.rms_norm_rows(dev, None if w is None else cp.asarray(w), dev)  # out aliases x
-    assert rel_err(cp.asnumpy(dev), n_) < RTOL
-
-
 def test_hyper_connection(cp, rng):
     from ds4.kernels import hyper_connection as hc
     from ds4.kernels import to_bf16

@@ -15,22 +15,6 @@ def rms_norm(x, w, out, eps: float = 1e-6):
     return out
 
 
-WARP_ROW_MAX = 4 * 32 * 16  # floats of a row rms_norm_warp takes (WARP_PIECES in the .cu)
-
-
-def rms_norm_rows(x, w, out, eps: float = 1e-6):
-    """rms_norm for many short rows: one warp a row where the rows are 16-byte pieces of at most
-    WARP_ROW_MAX floats (prefill's norms), else one block a row (rms_norm)."""
-    rows, n = x.shape
-    arrays = [a for a in (x, w, out) if a is not None]
-    if n % 4 or n > WARP_ROW_MAX or any(a.data.ptr % 16 for a in arrays) or rows == 0:
-        return rms_norm(x, w, out, eps)
-    warps = 8
-    launch("norm", "rms_norm_warp", (-(-rows // warps),), (32 * warps,),
-           (ptr(x), ptr(w), ptr(out), i32(rows), i32(n), f32(eps)))
-    return out
-
-
 def rms_norm_numpy(x, w, out, eps: float = 1e-6):
     """NumPy twin of rms_norm."""
     x = np.asarray(x, dtype=np.float32)

@@ -26,10 +26,10 @@ def _sum_squares(cp):
 def rms_norm(xp, x, w, eps: float):
     """x * rsqrt(mean(x^2) + eps) * w over the last axis (w None: unweighted)."""
     if xp is not np:  # one pass in one kernel instead of five over the array
-        from ds4.kernels.norm import rms_norm_rows
+        from ds4.kernels.norm import rms_norm as rms_norm_kernel
 
         rows = xp.ascontiguousarray(x, dtype=xp.float32).reshape(-1, x.shape[-1])
-        return rms_norm_rows(rows, w, xp.empty_like(rows), eps).reshape(x.shape)
+        return rms_norm_kernel(rows, w, xp.empty_like(rows), eps).reshape(x.shape)
     y = x * rms_scale(xp, x, eps)
     return y if w is None else y * w
 
