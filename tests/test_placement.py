@@ -61,7 +61,7 @@ def test_a_placed_model_gives_the_all_resident_logits(small_model: Path) -> None
     # the experts overflow, so the embedding went to host memory first (one row a token)
     embed = resident.model.weights["model.embed_tokens.weight"]
     assert report["host_tensor_bytes"] == embed.nbytes
-    assert report["weight_bytes"] - report["host_tensor_bytes"] <= budget * 2**30
+    assert report["weight_bytes"] <= budget * 2**30  # (the device's share only)
     assert "host_tensor_bytes" not in resident.memory_report()
     experts = sum(bank.nbytes for bank in resident.model.weights.experts)
     assert report["host_expert_bytes"] == experts // 2

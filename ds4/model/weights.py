@@ -45,9 +45,11 @@ class Weights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of resident weights (tied tensors counted once)."""
+        """Bytes of resident weights (tied tensors counted once; the embedding not where it
+        went to host memory, as host experts are not)."""
         seen = {id(t): int(t.nbytes) for t in self.tensors.values()}
-        return sum(seen.values()) + sum(bank.nbytes for bank in self.experts)
+        return (sum(seen.values()) - self.host_tensor_nbytes
+                + sum(bank.nbytes for bank in self.experts))
 
     @property
     def host_nbytes(self) -> int:
