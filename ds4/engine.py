@@ -15,13 +15,14 @@ from ds4.backend import cuda_available as cuda_available
 from ds4.backend import get_backend
 from ds4.builtin_model import default_model_dir as default_model_dir
 from ds4.builtin_model import make_tiny as make_tiny
+from ds4.model.budget import weight_budget
 from ds4.model.config import ModelConfig
 from ds4.model.dummy import CONFIG_DIR, LOAD_FORMATS, dummy_weights, model_path
 from ds4.model.expert_group import owned
 from ds4.model.expert_worker import open_group
 from ds4.model.forward import Model
 from ds4.model.mtp import MtpBlock, dummy_mtp, load_mtp, mtp_bytes
-from ds4.model.placement import ReplacementRule, weight_budget
+from ds4.model.placement import ReplacementRule
 from ds4.model.state import state_bytes
 from ds4.model.weights import load_weights, weight_block
 from ds4.session import ContextOverflow as ContextOverflow
@@ -187,6 +188,8 @@ class Engine:
             report["weight_bytes"] += sum(group.worker_bytes)
             report["gpus"] = group.gpus
             report["expert_bytes_per_gpu"] = [own, *group.worker_bytes]
+        if weights.host_tensor_nbytes:
+            report["host_tensor_bytes"] = weights.host_tensor_nbytes  # the embedding
         if weights.placement is not None:
             report["host_expert_bytes"] = weights.host_nbytes
             report["expert_placement"] = weights.placement.split().describe()

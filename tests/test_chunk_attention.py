@@ -103,7 +103,7 @@ def test_twin_sees_only_causal_window_rows():
 gpu = pytest.mark.skipif(not cuda_available(), reason="needs CuPy and a CUDA device")
 
 
-def kernel(c: dict, parts: int = 2):
+def kernel(c: dict, parts: int = 2, exact: int = 0):
     import cupy
 
     from ds4.kernels.chunk_attention import chunk_attention
@@ -111,7 +111,8 @@ def kernel(c: dict, parts: int = 2):
     dev = {k: cupy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in c.items()}
     words = cupy.empty(words_size(dev["keys"], dev["rows"], parts), cupy.uint16)
     out = chunk_attention(dev["q"], dev["keys"], dev["rows"], dev["picks"], dev["ratio"],
-                          dev["start"], dev["sinks"], cupy.empty_like(dev["q"]), words, parts)
+                          dev["start"], dev["sinks"], cupy.empty_like(dev["q"]), words, parts,
+                          exact)
     return cupy.asnumpy(out)
 
 
@@ -136,6 +137,45 @@ def test_kernel_equals_its_twin(dims, S, start, mode):
     assert np.isfinite(got).all()
     assert rel_err(got, want) < 3e-5
     np.testing.assert_allclose(got, want, rtol=0, atol=3e-4 * float(np.abs(want).max()))
+
+
+def fp8_keys(c: dict, rope: int = 64) -> dict:
+    """The case with its keys and rows FP8-rounded as the official KV is (the dims before the
+    last `rope` ones: exact in bf16)."""
+    from ds4.model.quant import kv_fp8_simulation
+
+    for name in ("keys", "rows"):
+        if c[name] is not None:
+            c[name] = kv_fp8_simulation(np, c[name], rope)
+    return c
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode", ["sliding", "all", "picked"])
+@pytest.mark.parametrize("dims,S,start", [(FLASH, 300, 2000), (FLASH, 200, 0),
+                                          ({**TINY, "width": 128}, 90, 300)])
+def test_lo_words_skipped_where_fp8_keys_make_them_zero(dims, S, start, mode):
+    """With FP8-rounded keys and rows the kernel that stages and multiplies lo words only for
+    the RoPE dims gives the very bits of the one that takes every dim's, and its twin's sums."""
+    d = dims["width"]
+    plain = case(dims, S, start, mode, seed=S + start + 1)
+    # unrounded keys: their lo words matter, so the split kernel must differ (it skips them)
+    assert not np.array_equal(kernel(plain, exact=d - 64), kernel(plain))
+    c = fp8_keys(plain)
+    got, full = kernel(c, exact=d - 64), kernel(c)
+    np.testing.assert_array_equal(got, full)
+    assert rel_err(got, twin(c)) < 3e-5
+
+
+def test_lo_tails_only_where_built():
+    """The split build is chosen only for a built (head dim, tail) with hi + lo words."""
+    from ds4.kernels.chunk_attention import kernel_name
+
+    assert kernel_name(512, 2, 448) == "chunk_attention_d512_x2_r64"
+    assert kernel_name(512, 2, 0) == kernel_name(512, 2, 512 - 128) == "chunk_attention_d512_x2"
+    assert kernel_name(512, 1, 448) == "chunk_attention_d512_x1"
+    assert kernel_name(64, 2, 0) == "chunk_attention_d64_x2"
 
 
 @pytest.mark.gpu

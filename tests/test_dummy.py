@@ -60,10 +60,13 @@ def write_config(directory: Path, config: dict) -> Path:
 
 
 def half_budget_gib(config: dict) -> float:
-    """A --gpu-memory-gib that holds every dense tensor and about half of the experts."""
+    """A --gpu-memory-gib that holds every dense tensor and about half of the experts (the
+    embedding goes to host memory when experts do, unless the head is tied to it)."""
     weights = dummy_weights(ModelConfig.from_dict(config), np)
     experts = sum(bank.nbytes for bank in weights.experts)
-    return (weights.nbytes - experts / 2) / 2**30
+    embed = weights["model.embed_tokens.weight"]
+    moved = 0 if weights["lm_head.weight"] is embed else embed.nbytes
+    return (weights.nbytes - moved - experts / 2) / 2**30
 
 
 def logits_of(engine: Engine, prompt=PROMPT, steps=(5, 6)) -> np.ndarray:

@@ -58,7 +58,11 @@ def test_a_placed_model_gives_the_all_resident_logits(small_model: Path) -> None
     placed = Engine.open(small_model, backend="numpy", load_format="dummy", seed=2,
                          gpu_memory_gib=budget)
     report = placed.memory_report()
-    assert report["weight_bytes"] <= budget * 2**30
+    # the experts overflow, so the embedding went to host memory first (one row a token)
+    embed = resident.model.weights["model.embed_tokens.weight"]
+    assert report["host_tensor_bytes"] == embed.nbytes
+    assert report["weight_bytes"] <= budget * 2**30  # (the device's share only)
+    assert "host_tensor_bytes" not in resident.memory_report()
     experts = sum(bank.nbytes for bank in resident.model.weights.experts)
     assert report["host_expert_bytes"] == experts // 2
     assert "host experts per layer: 4,4,4,4,4,4" in report["expert_placement"]
@@ -86,9 +90,11 @@ def test_a_real_packed_checkpoint_places_its_experts_too(tmp_path: Path) -> None
     packed = write_official(default_model_dir(), tmp_path / "official", block=(32, 32))
     whole = Engine.open(packed, backend="numpy")
     experts = sum(bank.nbytes for bank in whole.model.weights.experts)
-    budget = (whole.memory_report()["weight_bytes"] - experts / 2) / 2**30
+    embed = whole.model.weights["model.embed_tokens.weight"].nbytes  # host-side once they spill
+    budget = (whole.memory_report()["weight_bytes"] - embed - experts / 2) / 2**30
     placed = Engine.open(packed, backend="numpy", gpu_memory_gib=budget)
     assert placed.memory_report()["host_expert_bytes"] > 0
+    assert placed.memory_report()["host_tensor_bytes"] == embed
     np.testing.assert_array_equal(logits_of(placed, prompt=[0, 100, 5000, 70000]),
                                   logits_of(whole, prompt=[0, 100, 5000, 70000]))
 
@@ -173,7 +179,7 @@ def test_placed_prefill_runs_each_memory_through_the_grouped_kernels(small_model
 
 
 def test_the_weight_budget_is_the_flag_or_the_free_memory_less_the_reserve() -> None:
-    from ds4.model.placement import GIB, device_budget
+    from ds4.model.budget import GIB, device_budget
 
     assert device_budget(100 * GIB, 30 * GIB, None) == 70 * GIB
     assert device_budget(20 * GIB, 30 * GIB, None) == 0  # never negative
@@ -185,8 +191,8 @@ def test_the_default_budget_leaves_room_for_the_sessions_and_the_scratch() -> No
     `parallel` sessions of `ctx` tokens and the scratch; a budget <= 0 is refused."""
     from types import SimpleNamespace
 
+    from ds4.model.budget import GIB, scratch_estimate, weight_budget
     from ds4.model.config import ModelConfig
-    from ds4.model.placement import GIB, scratch_estimate, weight_budget
     from ds4.model.state import state_bytes
 
     cfg = ModelConfig.from_dir(default_model_dir())

@@ -54,6 +54,11 @@ def test_half_the_experts_in_host_memory_give_the_resident_logits(model: Path) -
     assert placed.model.weights.placement is not None
     assert "host experts per layer: 4,4,4,4,4,4" in placed.memory_report()["expert_placement"]
     assert placed.model.kernel_decoder is not None  # the decode CUDA graph runs them
+    import cupy  # the embedding went to mapped host memory first; prefill and graph read it there
+
+    embed = placed.model.weights["model.embed_tokens.weight"]
+    assert cupy.cuda.runtime.pointerGetAttributes(embed.data.ptr).type == 1  # host
+    assert placed.memory_report()["host_tensor_bytes"] == embed.nbytes
     a, b = resident.new_session(256), placed.new_session(256)
     np.testing.assert_allclose(b.sync(PROMPT), a.sync(PROMPT), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(*step_pairs(b, a, STEPS), rtol=0, atol=5e-4)

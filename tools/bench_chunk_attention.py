@@ -7,8 +7,12 @@ DS4_GEMM=bf16) and of the model code's query-block softmax
 (ds4/model/attention.py:attend_keys, what prefill ran before), and the FLOP floor: the useful
 FLOPs (4 * heads * head_dim per visible key and query, fp32-equivalent: no hi/lo terms) at the
 fp16 GEMM rate measured in the same run. Compressor and indexer are outside both timings.
+`--fp8` rounds the keys and rows as the official KV is (FP8 before the RoPE dims), and the
+kernel then takes lo words for the RoPE dims only (what prefill runs for official checkpoints);
+run it beside a plain run to see what that saves.
 
     PYTHONPATH=. python3 tools/bench_chunk_attention.py --chunks 512,2048 --ctx 4096,32768
+    PYTHONPATH=. python3 tools/bench_chunk_attention.py --chunks 2048 --ctx 16384 --fp8
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ def unit_rows(cp, shape):
     return x / cp.sqrt((x * x).mean(axis=-1, keepdims=True))
 
 
-def layer_inputs(cp, kind: str, chunk: int, ctx: int) -> dict:
-    """q, keys, rows and picks of a chunk ending at position ctx (start = ctx - chunk)."""
+def layer_inputs(cp, kind: str, chunk: int, ctx: int, fp8: bool = False) -> dict:
+    """q, keys, rows and picks of a chunk ending at position ctx (start = ctx - chunk); fp8:
+    keys and rows FP8-rounded before the RoPE dims."""
     H, d, W, k = (FLASH[n] for n in ("num_attention_heads", "head_dim", "sliding_window",
                                      "index_topk"))
     start, ratio = ctx - chunk, KINDS[kind]
@@ -43,6 +48,14 @@ def layer_inputs(cp, kind: str, chunk: int, ctx: int) -> dict:
     if kind == "csa":  # k picks per query among its usable rows (repeats do not change the cost)
         usable = (cp.arange(start, ctx) + 1) // ratio
         c["picks"] = (cp.random.random((chunk, k)) * usable[:, None]).astype(cp.int64)
+    if fp8:
+        from ds4.model.quant import kv_fp8_simulation
+
+        rope = FLASH["qk_rope_head_dim"]
+        for name in ("keys", "rows"):
+            if c[name] is not None:
+                c[name] = kv_fp8_simulation(cp, c[name], rope)
+        c["exact"] = d - rope
     return c
 
 
@@ -73,7 +86,7 @@ def runners(cp, c: dict):
         return attend_keys(cp, *args[:5], step, c["sinks"])
 
     def kernel():
-        return chunk_attention(*args, c["sinks"], out, words, 2)
+        return chunk_attention(*args, c["sinks"], out, words, 2, c.get("exact", 0))
 
     def kernel_bf16():
         return chunk_attention(*args, c["sinks"], out, words, 1)
@@ -85,14 +98,15 @@ def rel_err(cp, a, b) -> float:
     return float(cp.linalg.norm(a - b) / cp.linalg.norm(b))
 
 
-def bench(cp, kinds: list[str], chunks: list[int], contexts: list[int], rate: float) -> list:
+def bench(cp, kinds: list[str], chunks: list[int], contexts: list[int], rate: float,
+          fp8: bool = False) -> list:
     """One row per (kind, context, chunk): seconds of both paths, floor, kernel error."""
     rows = []
     d, H = FLASH["head_dim"], FLASH["num_attention_heads"]
     for kind in kinds:
         for ctx in contexts:
             for chunk in chunks:
-                c = layer_inputs(cp, kind, chunk, ctx)
+                c = layer_inputs(cp, kind, chunk, ctx, fp8)
                 old, new, bf16 = runners(cp, c)
                 flops = 4.0 * H * d * visible_keys(kind, chunk, ctx)
                 want = old()
@@ -128,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", default="sliding,csa,hca")
     ap.add_argument("--chunks", default="512,2048")
     ap.add_argument("--ctx", default="4096,32768")
+    ap.add_argument("--fp8", action="store_true",
+                    help="FP8-rounded keys; the kernel with lo words for the RoPE dims only")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     import cupy as cp
@@ -135,7 +151,7 @@ def main(argv=None) -> int:
     rate = ceilings(cp)["gemm_flop_per_s"]
     cp.get_default_memory_pool().free_all_blocks()
     rows = bench(cp, args.layers.split(","), [int(c) for c in args.chunks.split(",")],
-                 [int(c) for c in args.ctx.split(",")], rate)
+                 [int(c) for c in args.ctx.split(",")], rate, args.fp8)
     report(rows, rate)
     if args.json:
         with open(args.json, "w") as f:

@@ -106,7 +106,7 @@ def byte_floor(engine: Engine, hbm_gbs: float, pcie_gbs: float,
     resident_experts = sum(bank.nbytes for bank in weights.experts)
     embed = weights["model.embed_tokens.weight"]
     row = int(embed.nbytes) // cfg.vocab_size  # a step reads one embedding row
-    dense = weights.nbytes - resident_experts - int(embed.nbytes) + row
+    dense = weights.nbytes + weights.host_tensor_nbytes - resident_experts - int(embed.nbytes) + row
     if weights["lm_head.weight"] is embed:
         dense += int(embed.nbytes)
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -224,8 +224,7 @@ def device_memory(cp, engine: Engine, memory: dict) -> dict:
     weights hold of it, and what the device still has free: how far the scratch reserve of
     the weight budget (ds4.model.placement.scratch_estimate) overshoots."""
     pool, gib = cp.get_default_memory_pool(), float(1 << 30)
-    weights = (memory["weight_bytes"] - memory.get("host_expert_bytes", 0)
-               - memory.get("host_tensor_bytes", 0))
+    weights = memory["weight_bytes"]  # (the device's share: host experts and embedding not)
     return {"pool_gib": pool.total_bytes() / gib, "weights_gib": weights / gib,
             "beside_weights_gib": (pool.total_bytes() - weights) / gib,
             "scratch_gib": engine.model.scratch.nbytes / gib,

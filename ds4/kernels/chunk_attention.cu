@@ -14,7 +14,10 @@
 // |r| <= 2^-16 |x|); each product takes hi*hi + hi*lo + lo*hi with fp32 accumulation, so scores
 // and outputs keep fp32-class accuracy (the keys' words come from ds4/kernels/split.cu). With
 // P = 1 word per value (DS4_GEMM=bf16) every operand is rounded once: a third of the products
-// and half the staged bytes, ~3e-3 relative.
+// and half the staged bytes, ~3e-3 relative. R < D: only the last R dims of a key have lo
+// words; the first D - R are exact in bf16 (the official FP8 KV rounding leaves 4 significant
+// bits there), so their lo words are zero: they are neither staged nor multiplied, and every
+// sum is the same (a product with a zero word adds exactly nothing).
 //   scores: warp (m, kq) holds heads 16m..16m+15 of the query as A fragments in registers for
 //           its quarter of the head dims, and sums q . k over that quarter for the 32 keys; the
 //           four quarters meet in shared memory;
@@ -51,13 +54,14 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned int* a, unsign
 }
 
 // hi*hi + hi*lo + lo*hi: the product of two split operands to ~2^-16 relative (P = 2), or
-// hi*hi alone (P = 1).
+// hi*hi alone (P = 1); b_lo false: b's lo words are zero, so hi*lo adds nothing and is skipped.
 template <int P>
 __device__ __forceinline__ void mma_split(float* c, const unsigned int* ah, const unsigned int* al,
-                                          const unsigned int* bh, const unsigned int* bl) {
+                                          const unsigned int* bh, const unsigned int* bl,
+                                          bool b_lo = true) {
     if (P == 2) {
         mma_bf16(c, al, bh[0], bh[1]);
-        mma_bf16(c, ah, bl[0], bl[1]);
+        if (b_lo) mma_bf16(c, ah, bl[0], bl[1]);
     }
     mma_bf16(c, ah, bh[0], bh[1]);
 }
@@ -141,20 +145,24 @@ __device__ __forceinline__ KeyRow key_row(const Keys& k, const Query& q, int j) 
     return r;
 }
 
-// Stages keys [j0, j0 + TILE) of query q (P word rows per key: hi, then lo) into
-// ks [P][TILE][D + 8]. Lane l finds key j0 + l once; the copies take its row by a shuffle.
-template <int D, int P>
+// Stages keys [j0, j0 + TILE) of query q (hi word rows, then for P = 2 the lo words of the
+// last R dims) into ks [P][TILE][D + 8]. Lane l finds key j0 + l once; the copies take its row
+// by a shuffle.
+template <int D, int P, int R>
 __device__ __forceinline__ void stage_tile(const Keys& k, const Query& q, int j0,
                                            unsigned short* ks) {
     constexpr int CHUNKS = D / 8;  // 16-byte pieces of one word row
-    constexpr int PER_THREAD = TILE * P * CHUNKS / THREADS;
+    constexpr int PIECES = CHUNKS + (P - 1) * R / 8;  // pieces of one key: hi row + lo part
+    constexpr int PER_THREAD = TILE * PIECES / THREADS;
+    static_assert(TILE * PIECES % THREADS == 0 && R % 64 == 0 && R <= D, "tile pieces");
     KeyRow mine = key_row<D>(k, q, j0 + (threadIdx.x & 31));
     unsigned long long mine_hi = (unsigned long long)mine.hi;
 #pragma unroll 4
     for (int u = 0; u < PER_THREAD; u++) {
         int c = threadIdx.x + u * THREADS;
-        int key = c / (P * CHUNKS), rem = c % (P * CHUNKS);
-        int part = rem / CHUNKS, piece = rem % CHUNKS;
+        int key = c / PIECES, rem = c % PIECES;
+        int part = rem < CHUNKS ? 0 : 1;
+        int piece = part ? rem - CHUNKS + (D - R) / 8 : rem;
         const unsigned short* hi = (const unsigned short*)__shfl_sync(0xffffffffu, mine_hi, key);
         long long rows = __shfl_sync(0xffffffffu, mine.rows, key);
         const unsigned short* src = hi ? hi + part * rows + piece * 8 : k.raw;
@@ -207,7 +215,7 @@ __device__ __forceinline__ void load_query(const Smem<D, P>& sm, int mt, int kq,
 }
 
 // Partial scores of warp (mt, kq) for the tile's 32 keys -> sm.partial[kq].
-template <int D, int P>
+template <int D, int P, int R>
 __device__ __forceinline__ void tile_scores(Smem<D, P>& sm, int stage, int mt, int kq,
                                             unsigned int (*qh)[4], unsigned int (*ql)[4]) {
     constexpr int KS = D / 64;
@@ -216,14 +224,15 @@ __device__ __forceinline__ void tile_scores(Smem<D, P>& sm, int stage, int mt, i
 #pragma unroll
     for (int ks = 0; ks < KS; ks++) {
         int col = kq * (D / 4) + ks * 16 + ((lane >> 3) & 1) * 8;
+        bool lo = kq * (D / 4) + ks * 16 >= D - R;  // the keys' lo words are there (warp-wide)
 #pragma unroll
         for (int np = 0; np < 2; np++) {  // two n8 key tiles per ldmatrix.x4
             int key = np * 16 + (lane & 7) + (lane >> 4) * 8;
-            unsigned int bh[4], bl[4];
+            unsigned int bh[4], bl[4] = {};
             ldmatrix_x4(bh, &sm.keys[stage][0][key][col]);
-            if (P == 2) ldmatrix_x4(bl, &sm.keys[stage][P - 1][key][col]);
-            mma_split<P>(s[2 * np], qh[ks], ql[ks], bh, bl);
-            mma_split<P>(s[2 * np + 1], qh[ks], ql[ks], bh + 2, bl + 2);
+            if (P == 2 && lo) ldmatrix_x4(bl, &sm.keys[stage][P - 1][key][col]);
+            mma_split<P>(s[2 * np], qh[ks], ql[ks], bh, bl, lo);
+            mma_split<P>(s[2 * np + 1], qh[ks], ql[ks], bh + 2, bl + 2, lo);
         }
     }
 #pragma unroll
@@ -270,7 +279,7 @@ __device__ __forceinline__ void tile_softmax(Smem<D, P>& sm, unsigned int presen
 }
 
 // o of warp (mt, dq) = alpha o + p V over the tile (V = the staged keys).
-template <int D, int P>
+template <int D, int P, int R>
 __device__ __forceinline__ void tile_values(Smem<D, P>& sm, int stage, int mt, int dq,
                                             float (*o)[4]) {
     constexpr int NT = D / 32;  // n8 dim tiles of a quarter
@@ -290,11 +299,12 @@ __device__ __forceinline__ void tile_values(Smem<D, P>& sm, int stage, int mt, i
 #pragma unroll
         for (int np = 0; np < NT / 2; np++) {  // two n8 dim tiles per ldmatrix.x4.trans
             int dim = dq * (D / 4) + np * 16 + (lane >> 4) * 8;
-            unsigned int vh[4], vl[4];
+            bool lo = dq * (D / 4) + np * 16 >= D - R;  // (warp-wide)
+            unsigned int vh[4], vl[4] = {};
             ldmatrix_x4_trans(vh, &sm.keys[stage][0][key][dim]);
-            if (P == 2) ldmatrix_x4_trans(vl, &sm.keys[stage][P - 1][key][dim]);
-            mma_split<P>(o[2 * np], ph, pl, vh, vl);
-            mma_split<P>(o[2 * np + 1], ph, pl, vh + 2, vl + 2);
+            if (P == 2 && lo) ldmatrix_x4_trans(vl, &sm.keys[stage][P - 1][key][dim]);
+            mma_split<P>(o[2 * np], ph, pl, vh, vl, lo);
+            mma_split<P>(o[2 * np + 1], ph, pl, vh + 2, vl + 2, lo);
         }
     }
 }
@@ -324,7 +334,7 @@ __device__ __forceinline__ int tiles_of(const Query& q) {
 // memory sizeof(Smem<D, P>). Block x takes queries x, x + G, ... as one stream of tiles: the
 // next tile (or the next query's first tile and its q rows) loads while this one is used, so a
 // query's start costs no exposed load.
-template <int D, int P>
+template <int D, int P, int R>
 __device__ void chunk_attention(const float* __restrict__ q, Keys k,
                                 const float* __restrict__ sinks, float* __restrict__ out, int H,
                                 float scale) {
@@ -335,7 +345,7 @@ __device__ void chunk_attention(const float* __restrict__ q, Keys k,
     Query qr = query_of(k, blockIdx.x);
     int tile = 0, stage = 0;
     stage_query<D, P>(sm, q, qr.i, H, h0);
-    stage_tile<D, P>(k, qr, 0, &sm.keys[0][0][0][0]);
+    stage_tile<D, P, R>(k, qr, 0, &sm.keys[0][0][0][0]);
     unsigned int qh[D / 64][4], ql[D / 64][4];
     float o[D / 32][4] = {};
     while (true) {
@@ -353,15 +363,15 @@ __device__ void chunk_attention(const float* __restrict__ q, Keys k,
         Query nq = last ? query_of(k, qr.i + gridDim.x) : qr;
         int next = last ? 0 : tile + 1;
         bool more = nq.i < k.chunk;
-        if (more) stage_tile<D, P>(k, nq, next * TILE, &sm.keys[stage ^ 1][0][0][0]);
+        if (more) stage_tile<D, P, R>(k, nq, next * TILE, &sm.keys[stage ^ 1][0][0][0]);
         unsigned int present = __ballot_sync(
             0xffffffffu, key_row<D>(k, qr, tile * TILE + (threadIdx.x & 31)).hi != nullptr);
-        tile_scores<D, P>(sm, stage, mt, quarter, qh, ql);
+        tile_scores<D, P, R>(sm, stage, mt, quarter, qh, ql);
         __syncthreads();  // every warp has its q fragments: sm.q may take the next query's
         if (more && next == 0) stage_query<D, P>(sm, q, nq.i, H, h0);
         tile_softmax<D, P>(sm, present, scale);
         __syncthreads();
-        tile_values<D, P>(sm, stage, mt, quarter, o);
+        tile_values<D, P, R>(sm, stage, mt, quarter, o);
         if (last) {
             store_output<D, P>(sm, out, qr.i, H, h0, mt, quarter, o);
 #pragma unroll
@@ -374,21 +384,26 @@ __device__ void chunk_attention(const float* __restrict__ q, Keys k,
     }
 }
 
-#define CHUNK_ATTENTION(D, P)                                                                  \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1) chunk_attention_d##D##_x##P(      \
+// chunk_attention_d{D}_x{P}: every dim with lo words; ..._r{R}: only the last R dims (the
+// rest exact in bf16: FP8-rounded KV rows).
+#define CHUNK_ATTENTION(D, P, R, NAME)                                                         \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                             \
         const float* __restrict__ q, const unsigned short* raw, const unsigned short* comp,     \
         const int* picks, int pick_width, int count, int ratio, int start, int window,         \
         int chunk, const float* __restrict__ sinks, float* __restrict__ out, int H,            \
         float scale) {                                                                         \
         Keys k = {raw, comp, picks, pick_width, count, ratio, start, window, chunk};           \
-        chunk_attention<D, P>(q, k, sinks, out, H, scale);                                     \
+        chunk_attention<D, P, R>(q, k, sinks, out, H, scale);                                  \
     }
 
-CHUNK_ATTENTION(64, 1)
-CHUNK_ATTENTION(64, 2)
-CHUNK_ATTENTION(128, 1)
-CHUNK_ATTENTION(128, 2)
-CHUNK_ATTENTION(256, 1)
-CHUNK_ATTENTION(256, 2)
-CHUNK_ATTENTION(512, 1)
-CHUNK_ATTENTION(512, 2)
+CHUNK_ATTENTION(64, 1, 64, chunk_attention_d64_x1)
+CHUNK_ATTENTION(64, 2, 64, chunk_attention_d64_x2)
+CHUNK_ATTENTION(128, 1, 128, chunk_attention_d128_x1)
+CHUNK_ATTENTION(128, 2, 128, chunk_attention_d128_x2)
+CHUNK_ATTENTION(128, 2, 64, chunk_attention_d128_x2_r64)
+CHUNK_ATTENTION(256, 1, 256, chunk_attention_d256_x1)
+CHUNK_ATTENTION(256, 2, 256, chunk_attention_d256_x2)
+CHUNK_ATTENTION(256, 2, 64, chunk_attention_d256_x2_r64)
+CHUNK_ATTENTION(512, 1, 512, chunk_attention_d512_x1)
+CHUNK_ATTENTION(512, 2, 512, chunk_attention_d512_x2)
+CHUNK_ATTENTION(512, 2, 64, chunk_attention_d512_x2_r64)

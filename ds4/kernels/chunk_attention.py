@@ -15,6 +15,7 @@ from ds4.kernels import f32, i32, launch, ptr
 from ds4.kernels.split import split_bf16
 
 WIDTHS = (64, 128, 256, 512)  # head dims the kernel is built for
+LO_TAILS = {128: 64, 256: 64, 512: 64}  # head dim -> the only lo-word tail built below it
 HEADS_PER_BLOCK = 32  # heads of one block (HEADS in the .cu)
 TILE = 32  # keys staged at a time (TILE in the .cu)
 THREADS = 256
@@ -42,12 +43,15 @@ def shared_bytes(width: int, parts: int) -> int:
 
 
 def chunk_attention(q, keys, rows, picks, ratio: int, start: int, sinks, out, words,
-                    parts: int = 2):
+                    parts: int = 2, exact: int = 0):
     """out [S, H, d] (fp32, still roped) of q [S, H, d] against the window and compressed rows.
 
     keys [W + S, d]; rows [count, d] or None; picks [S, k] (int) or None = every usable row;
     words: a uint16 scratch of words_size(keys, rows, parts) values (the keys' and rows' hi
     (+ lo) words); parts 2: hi + lo products (fp32-class), 1: one bf16 rounding (DS4_GEMM=bf16).
+    exact: leading dims of every key and row that bf16 holds exactly (FP8-rounded KV: the dims
+    before RoPE's), whose lo words are zero; where a kernel is built for that split it stages
+    and multiplies only the other dims' lo words (the same sums: those products are zeros).
     """
     import cupy
 
@@ -64,9 +68,17 @@ def chunk_attention(q, keys, rows, picks, ratio: int, start: int, sinks, out, wo
             ptr(out), i32(H), f32(d ** -0.5))
     head_blocks = -(-H // HEADS_PER_BLOCK)
     grid = (min(S, max(1, _multiprocessors() // head_blocks)), head_blocks)  # one block an SM
-    launch("chunk_attention", f"chunk_attention_d{d}_x{parts}", grid, (THREADS,), args,
+    launch("chunk_attention", kernel_name(d, parts, exact), grid, (THREADS,), args,
            shared=shared_bytes(d, parts))
     return out
+
+
+def kernel_name(width: int, parts: int, exact: int) -> str:
+    """The build for this head dim and word count, with lo words only past `exact` dims where
+    one is built for that tail (else every dim's)."""
+    name = f"chunk_attention_d{width}_x{parts}"
+    tail = width - exact
+    return f"{name}_r{tail}" if parts == 2 and LO_TAILS.get(width) == tail else name
 
 
 @functools.cache

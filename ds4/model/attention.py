@@ -68,8 +68,9 @@ def _attend(xp, ctx, lw, layer_state, h, qlat, q, kv, step):
     if xp is not np and step.dense_window and kernel_fits(ctx.cfg.head_dim):  # one fused kernel
         size = words_size(keys, rows, parts())
         words = ctx.scratch.view("attention_words", (size,), xp.uint16)
+        exact = ctx.cfg.head_dim - ctx.cfg.qk_rope_head_dim if ctx.kv_fp8 is not None else 0
         return chunk_attention(q, keys, rows, picks, ratio, step.start, lw["self_attn.sinks"],
-                               xp.empty_like(q), words, parts())
+                               xp.empty_like(q), words, parts(), exact)  # FP8 dims: no lo words
     return attend_keys(xp, q, keys, rows, picks, ratio, step, lw["self_attn.sinks"])
 
 

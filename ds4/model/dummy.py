@@ -30,6 +30,7 @@ from ds4.model.placement import (
     HostMemory,
     PlacedStack,
     choose_resident,
+    embedding_to_host,
 )
 from ds4.model.weights import (
     Weights,
@@ -230,9 +231,11 @@ def dummy_weights(cfg: ModelConfig, xp, seed: int = 0, budget: int | None = None
         return Weights(tensors, dummy_experts(cfg, xp, seed, experts), {}, fp8)
     dense = sum(int(t.nbytes) for name, t in tensors.items() if name in shapes)
     L, E = cfg.num_hidden_layers, cfg.n_routed_experts
-    resident = np.ones((L, E), dtype=bool)
+    resident, moved = np.ones((L, E), dtype=bool), 0
     if budget is not None:
-        resident = choose_resident(budget - dense, expert_bytes(cfg), np.zeros((L, E)))
+        if fmt is not None:  # (bf16 experts cannot overflow: the embedding stays then)
+            moved = embedding_to_host(xp, tensors, budget - dense - L * E * expert_bytes(cfg))
+        resident = choose_resident(budget - dense + moved, expert_bytes(cfg), np.zeros((L, E)))
     if fmt is None:
         if not resident.all():
             raise WeightsError("BF16 experts cannot be placed in host memory; the budget "
@@ -241,6 +244,7 @@ def dummy_weights(cfg: ModelConfig, xp, seed: int = 0, budget: int | None = None
     else:
         banks = _packed_banks(xp, cfg, fmt, seed, resident)
     weights = Weights(tensors, banks, {}, fp8)
+    weights.host_tensor_nbytes = moved
     if xp is not np:  # the draws' temporaries: back to the device for sessions and scratch
         xp.get_default_memory_pool().free_all_blocks()
     if not resident.all():

@@ -53,47 +53,6 @@ def choose_within_layers(quota, counts) -> np.ndarray:
     return mask
 
 
-def device_budget(free_bytes: int, reserve_bytes: int, limit_gib: float | None) -> int:
-    """Bytes the weights may take on the device: --gpu-memory-gib when given, else the free
-    memory less what the sessions and the scratch will need."""
-    if limit_gib is not None:
-        return int(limit_gib * GIB)
-    return max(0, int(free_bytes) - int(reserve_bytes))
-
-
-def scratch_estimate(cfg, prefill_chunk: int) -> int:
-    """Bytes the engine's scratch may grow to for prefill chunks of this size: residual
-    streams, queries, attention scores, expert activations, logits, plus 1 GiB of slack
-    (CUDA graphs, cuBLAS workspaces, widened expert slabs, and the layer's host experts that
-    prefill stages on the device: ~0.3 GB for V4-Flash on one H200; without room for them
-    prefill reads the host experts in place)."""
-    C, D, H, d = prefill_chunk, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-    k, inter = cfg.num_experts_per_tok, cfg.moe_intermediate_size
-    per_token = (6 * cfg.hc_mult * D + 4 * H * d + 2 * H * (cfg.sliding_window + C)
-                 + 2 * k * (2 * inter + D)) * 4
-    return C * per_token + 2 * cfg.vocab_size * 4 + GIB
-
-
-def weight_budget(backend, cfg, gpu_memory_gib: float | None, parallel: int, ctx: int,
-                  prefill_chunk: int) -> int | None:
-    """Device bytes the weights may take: --gpu-memory-gib, else (GPU) the free memory less
-    `parallel` sessions of `ctx` tokens and the scratch; None (no limit) on NumPy."""
-    if gpu_memory_gib is not None:
-        if gpu_memory_gib <= 0:
-            raise ValueError(f"gpu_memory_gib must be > 0, got {gpu_memory_gib}")
-        return device_budget(0, 0, gpu_memory_gib)
-    if not backend.is_gpu:
-        return None
-    from ds4.model.state import state_bytes
-
-    per_token, fixed = state_bytes(cfg)
-    sessions = parallel * (fixed + per_token * ctx)
-    # blocks CuPy's pool holds but no array uses are free for the weights too
-    free = backend.xp.cuda.runtime.memGetInfo()[0] + \
-        backend.xp.get_default_memory_pool().free_bytes()
-    return device_budget(free, int(sessions) + scratch_estimate(cfg, prefill_chunk), None)
-
-
 class HostMemory:
     """Pinned host memory mapped into the device's address space (CuPy), or plain RAM (NumPy).
 
@@ -121,6 +80,29 @@ class HostMemory:
         host = getattr(self, "_host", None)
         if host is not None:
             self.xp.cuda.runtime.freeHost(host)
+
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def embedding_to_host(xp, tensors: dict, room: int) -> int:
+    """Moves the token embedding into mapped host memory when the weights overflow the device
+    (room < 0: the budget less the dense tensors and every expert); its bytes moved (0: none).
+
+    A step reads one embedding row a token (8 KB for V4-Flash; a 2048-token prefill chunk 16
+    MB), while every GiB of device memory holds ~80 more experts, each of which a step would
+    otherwise read over PCIe with probability k / E a layer: ~0.5 ms a token on one H200
+    (docs/PERF.md). A head tied to the embedding stays: the head reads all of it."""
+    embed = tensors.get(EMBEDDING)
+    if (room >= 0 or embed is None or tensors.get("lm_head.weight") is embed
+            or embed.dtype != np.uint16):  # (fp32 rows would be widened back onto the device)
+        return 0
+    if xp is np:  # the budget's arithmetic as on the GPU; host memory is where it already is
+        return int(embed.nbytes)
+    host = HostMemory(xp, int(embed.nbytes)).view(0, embed.shape, embed.dtype)
+    host[...] = embed
+    tensors[EMBEDDING] = host
+    return int(embed.nbytes)
 
 
 def _aligned(n: int) -> int:

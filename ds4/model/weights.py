@@ -34,6 +34,7 @@ class Weights:
         self.mtp = mtp  # official `mtp.*` tensors, mapped; ds4.model.mtp loads them on request
         self.low_precision = low_precision
         self.placement = None  # an ExpertPlacement when some experts live in host memory
+        self.host_tensor_nbytes = 0  # bytes of named tensors in mapped host memory (embedding)
 
     def __getitem__(self, name: str):
         return self.tensors[name]
@@ -44,9 +45,11 @@ class Weights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of resident weights (tied tensors counted once)."""
+        """Bytes of resident weights (tied tensors counted once; the embedding not where it
+        went to host memory, as host experts are not)."""
         seen = {id(t): int(t.nbytes) for t in self.tensors.values()}
-        return sum(seen.values()) + sum(bank.nbytes for bank in self.experts)
+        return (sum(seen.values()) - self.host_tensor_nbytes
+                + sum(bank.nbytes for bank in self.experts))
 
     @property
     def host_nbytes(self) -> int:
@@ -121,7 +124,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
         banks = [_share_bank(xp, pair, ids) for pair, ids in zip(expert_sources, experts)]
         progress.close()
         return Weights(tensors, banks, mtp, packed)
-    mask = _resident_mask(cfg, expert_sources, budget, tensors, resident_experts)
+    mask, moved = _resident_mask(xp, cfg, expert_sources, budget, tensors, resident_experts)
     host = _host_memory(xp, expert_sources, mask)
     experts, offset = [], 0
     for (gate_up, down), keep in zip(expert_sources, mask):
@@ -134,6 +137,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, xp, resident_experts: 
         progress.update(sum(_source_bytes(s) for s in gate_up + down) if resident_experts else 0)
     progress.close()
     weights = Weights(tensors, experts, mtp, packed)
+    weights.host_tensor_nbytes = moved
     if not mask.all():
         from ds4.model.placement import ExpertPlacement
 
@@ -173,15 +177,16 @@ def official_bank(xp, stored: dict, cfg: ModelConfig, layer: int,
     return ExpertBank(xp, gate_up, down, True, isinstance(gate_up[0][0], PackedMatrix))
 
 
-def _resident_mask(cfg: ModelConfig, sources: list, budget: int | None, tensors: dict,
-                   resident_experts: bool) -> np.ndarray:
-    """Which experts stay in device memory: all without a budget, else the choice of
-    ds4.model.placement under the budget left after the dense tensors."""
-    from ds4.model.placement import choose_resident
+def _resident_mask(xp, cfg: ModelConfig, sources: list, budget: int | None, tensors: dict,
+                   resident_experts: bool) -> tuple[np.ndarray, int]:
+    """(which experts stay in device memory, bytes of tensors moved to host memory): all
+    without a budget, else the choice of ds4.model.placement under the budget left after the
+    dense tensors (the embedding moved to host memory first where the experts overflow)."""
+    from ds4.model.placement import choose_resident, embedding_to_host
 
     L, E = cfg.num_hidden_layers, cfg.n_routed_experts
     if budget is None or not resident_experts:
-        return np.ones((L, E), dtype=bool)
+        return np.ones((L, E), dtype=bool), 0
     dense = sum({id(t): int(t.nbytes) for t in tensors.values()}.values())
     if not all(isinstance(gate_up[0][0], PackedMatrix) for gate_up, _ in sources):
         held = dense + sum(_source_bytes(s) for pair in sources for part in pair for s in part)
@@ -189,9 +194,10 @@ def _resident_mask(cfg: ModelConfig, sources: list, budget: int | None, tensors:
             raise WeightsError(f"the weights need {held / 2**30:.1f} GiB of device memory and "
                                f"the budget is {budget / 2**30:.1f} GiB; only packed (FP8 / FP4) "
                                "experts can be placed in host memory")
-        return np.ones((L, E), dtype=bool)
+        return np.ones((L, E), dtype=bool), 0
     per_expert = sum(concat_rows(s).nbytes for s in (sources[0][0][0], sources[0][1][0]))
-    return choose_resident(budget - dense, per_expert, np.zeros((L, E)))
+    moved = embedding_to_host(xp, tensors, budget - dense - L * E * per_expert)
+    return choose_resident(budget - dense + moved, per_expert, np.zeros((L, E))), moved
 
 
 def _host_memory(xp, sources: list, mask: np.ndarray):
