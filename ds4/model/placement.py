@@ -95,7 +95,7 @@ def embedding_to_host(xp, tensors: dict, room: int) -> int:
     (docs/PERF.md). A head tied to the embedding stays: the head reads all of it."""
     embed = tensors.get(EMBEDDING)
     if (room >= 0 or embed is None or tensors.get("lm_head.weight") is embed
-            or embed.dtype != np.uint16):  # (fp32 rows would be widened back onto the device)
+            or getattr(embed, "dtype", None) != np.uint16):  # (fp32 rows would be widened back)
         return 0
     if xp is np:  # the budget's arithmetic as on the GPU; host memory is where it already is
         return int(embed.nbytes)
