@@ -103,15 +103,12 @@ def _weights(values: np.ndarray, peak) -> np.ndarray:
 
 
 def _by_rank(scaled: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """`ids` ordered by descending logit, then ascending id: one sort of int64 keys (the
-    logit's order-preserving bits, then the id), ~5x faster than a two-key lexsort over a
-    129280-token vocabulary, which top_p needs whenever the best 1024 tokens hold too little
-    mass (a flat distribution, a high temperature)."""
-    neg = -scaled[ids] + np.float32(0)  # + 0: -0.0 ranks with 0.0
-    neg = np.where(np.isnan(neg), np.float32(np.nan), neg)  # every NaN last, as lexsort's
-    bits = neg.view(np.int32).astype(np.int64)
-    bits = np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: reversed magnitude
-    return np.sort((bits << 32) | ids.astype(np.int64)) & 0xFFFFFFFF
+    """`ids` ordered by descending logit, then ascending id: one sort of rank keys, ~5x faster
+    than a two-key lexsort over a 129280-token vocabulary, which top_p needs whenever the best
+    1024 tokens hold too little mass (a flat distribution, a high temperature)."""
+    from ds4.kernels.sampling import KEY_IDS, rank_keys
+
+    return np.sort(rank_keys(scaled[ids], ids)) & KEY_IDS
 
 
 def _best(scaled: np.ndarray, n: int) -> np.ndarray:

@@ -1,5 +1,5 @@
 """The indexer's prefill scores and top-k pick (ds4/model/indexer.py: index_scores, top_entries):
-what each query attends to in a CSA layer's prefill. NumPy's stable sort is the reference; the
+what each query attends to in a CSA layer's prefill. A brute-force sort is the reference; the
 GPU's radix-select kernel (the decode graph's) must give the very same ids, and its one-pass
 head sum NumPy's scores within fp32 summation noise."""
 

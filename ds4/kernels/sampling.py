@@ -65,6 +65,21 @@ def topk_select(x, k: int, sel, sel_count, pos=None, ratio: int = 1, n: int | No
     return sel
 
 
+def rank_keys(values, ids):
+    """int64 keys whose ascending order is descending value, then ascending id (ids < 2^32):
+    the value's order-preserving bits above the id. One sort, or a partition for the best k,
+    of these keys replaces a two-key lexsort or a stable argsort at a fraction of the time
+    (host top_p, the NumPy indexer). -0.0 ranks with 0.0; every NaN last."""
+    neg = -np.asarray(values, dtype=np.float32) + np.float32(0)
+    neg = np.where(np.isnan(neg), np.float32(np.nan), neg)
+    bits = neg.view(np.int32).astype(np.int64)
+    bits = np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: reversed magnitude
+    return (bits << 32) | np.asarray(ids, dtype=np.int64)
+
+
+KEY_IDS = 0xFFFFFFFF  # a rank key's id bits
+
+
 def topk_select_numpy(x, k: int, sel, sel_count, pos=None, ratio: int = 1, n: int | None = None):
     """NumPy twin of topk_select."""
     if np.ndim(x) == 2:
