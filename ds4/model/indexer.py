@@ -76,16 +76,19 @@ def index_scores(xp, weight, cfg, h, qlat, keys, rope, cos_q, sin_q, qat=None):
     if qat is not None:
         q = qat(q)
     head_w = linear(xp, h, weight("scorer.weights_proj.weight")) * heads ** -0.5
-    if qat is not None and xp.__name__ != "numpy":
+    count = keys.shape[0]
+    if xp.__name__ == "numpy":  # one GEMM: a [heads, dim] product a query was ~5x slower
+        dots = (q.reshape(S * heads, dim) @ keys.T).reshape(S, heads, count)
+    elif qat is not None:
         dots = fp4_dots(xp, q, keys)
-    else:  # [S, heads, count] as one GEMM (a [heads, dim] product a query was ~5x slower)
-        dots = (q.reshape(S * heads, dim) @ keys.T).reshape(S, heads, keys.shape[0])
+    else:
+        dots = xp.matmul(q, keys.T)  # [S, heads, count]
     if xp.__name__ != "numpy":  # relu, scale and head sum in one pass over the products
         from ds4.kernels.indexer import indexer_head_sum
 
         return indexer_head_sum(xp.ascontiguousarray(dots, dtype=xp.float32),
                                 xp.ascontiguousarray(head_w, dtype=xp.float32),
-                                dim ** -0.5, xp.empty((S, keys.shape[0]), xp.float32))
+                                dim ** -0.5, xp.empty((S, count), xp.float32))
     scores = xp.maximum(dots, 0.0, out=dots)  # in place: [S, heads, count] is the largest
     scores *= xp.float32(dim ** -0.5)            # array of a long prompt's chunk
     return xp.matmul(head_w[:, None, :], scores)[:, 0, :]
