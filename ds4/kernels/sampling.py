@@ -70,11 +70,17 @@ def rank_keys(values, ids):
     the value's order-preserving bits above the id. One sort, or a partition for the best k,
     of these keys replaces a two-key lexsort or a stable argsort at a fraction of the time
     (host top_p, the NumPy indexer). -0.0 ranks with 0.0; every NaN last."""
-    neg = -np.asarray(values, dtype=np.float32) + np.float32(0)
-    neg = np.where(np.isnan(neg), np.float32(np.nan), neg)
-    bits = neg.view(np.int32).astype(np.int64)
-    bits = np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: reversed magnitude
-    return (bits << 32) | np.asarray(ids, dtype=np.int64)
+    neg = np.negative(values, dtype=np.float32)
+    neg += np.float32(0)
+    nan = np.isnan(neg)
+    if nan.any():
+        neg[nan] = np.float32(np.nan)  # one NaN, the positive one: it sorts last
+    bits = neg.view(np.int32)  # (in place from here: neg is this call's own)
+    bits ^= (bits >> 31) & np.int32(0x7FFFFFFF)  # negative floats: reversed magnitude
+    keys = bits.astype(np.int64)
+    keys <<= 32
+    keys |= np.asarray(ids, dtype=np.int64)
+    return keys
 
 
 KEY_IDS = 0xFFFFFFFF  # a rank key's id bits
