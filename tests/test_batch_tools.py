@@ -115,3 +115,13 @@ def test_profile_prefill_accounts_for_the_whole_chunk_and_unwraps(capsys):
         assert abs(own - total) < 0.1 * total  # the wrapped calls cover the run
         assert int(rows["Model._layer"][0]) == 1 and "routed" not in rows  # NumPy: no kernels
         assert ("select_entries" in rows) == has_indexer
+
+
+def test_bench_cpu_prints_prefill_against_its_floor_and_sampled_decode(capsys):
+    bench = load_tool("bench_cpu")
+    assert bench.main(["--prompt", "300", "--chunk", "64", "--streams", "2", "--tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    prefill = next(ln for ln in out.splitlines() if ln.startswith("prefill of 300 tokens"))
+    assert float(prefill.split("(")[-1].rstrip("x)")) > 1.0  # slower than its FLOP floor
+    decode = next(ln for ln in out.splitlines() if ln.startswith("decode, 2 streams"))
+    assert float(decode.split(": ")[1].split(" ms")[0]) > 0
