@@ -53,6 +53,17 @@ def test_hyper_connection_comb_is_doubly_stochastic():
     assert not np.allclose(comb, comb.transpose(0, 2, 1))  # direction matters (docs/MODEL.md)
 
 
+@pytest.mark.parametrize("n", [1, 3, 4, 7, 8])
+def test_sinkhorn_sums_of_a_long_chunk_keep_numpys_bits(n):
+    """A 2048-token chunk's small sums go through explicit adds: the bits of NumPy's own sum."""
+    from ds4.model.hyper_connection import _sum_keep
+
+    rng = np.random.default_rng(n)
+    comb = (rng.random((2048, n, n)) * 10.0 ** rng.uniform(-4, 4, (2048, n, n))).astype(np.float32)
+    for axis in (-1, -2):
+        np.testing.assert_array_equal(_sum_keep(np, comb, axis), comb.sum(axis=axis, keepdims=True))
+
+
 @pytest.mark.parametrize("ratio,overlap", [(4, True), (8, False)])
 def test_the_pool_kernels_twin_pools_as_the_model_code(ratio, overlap):
     """compressor_pool_windows_numpy (the GPU kernel's twin) gives the model's pooled rows for
