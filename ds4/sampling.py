@@ -87,7 +87,10 @@ def _pick(scaled: np.ndarray, opts: SamplingOptions, u: float) -> int:
     n, peak = scaled.size, scaled.max()
     k = min(opts.top_k, TOP_K_CAP) if opts.top_k > 0 else n
     top_p = _top_p(opts)
-    ids = _top_k_top_p(scaled, k, top_p, peak) if k < n or top_p < 1.0 else None
+    if opts.min_p > 0 and k >= n and top_p < 1.0:
+        ids = _top_p_within_min_p(scaled, top_p, peak, peak + _log_min_p(opts))
+    else:
+        ids = _top_k_top_p(scaled, k, top_p, peak) if k < n or top_p < 1.0 else None
     if opts.min_p > 0:  # p >= min_p * p_max, in log space
         floor = peak + _log_min_p(opts)
         ids = np.flatnonzero(scaled >= floor) if ids is None else ids[scaled[ids] >= floor]
@@ -95,6 +98,16 @@ def _pick(scaled: np.ndarray, opts: SamplingOptions, u: float) -> int:
     cdf = np.cumsum(_weights(scaled[ids], peak))
     pick = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     return int(ids[min(pick, ids.size - 1)])
+
+
+def _top_p_within_min_p(scaled: np.ndarray, top_p: float, peak, floor) -> np.ndarray:
+    """top_p over the whole vocabulary, ranking only min_p's survivors: both filters keep a
+    prefix of the ranked tokens, so together they keep the shorter one, and the cumulative
+    mass over min_p's prefix is the very cdf a full ranking computes (the same sums in the
+    same order). A flat distribution no longer ranks all of its 129280 tokens a draw."""
+    ranked = _by_rank(scaled, np.flatnonzero(scaled >= floor))
+    cdf = np.cumsum(_weights(scaled[ranked], peak)) / _weights(scaled, peak).sum()
+    return ranked[: int(np.searchsorted(cdf, top_p, side="left")) + 1]
 
 
 def _weights(values: np.ndarray, peak) -> np.ndarray:

@@ -234,3 +234,23 @@ def test_top_p_over_a_flat_vocabulary_keeps_the_best_ranked_prefix() -> None:
     cut = int(np.searchsorted(np.cumsum(w) / w.sum(), 0.5, side="left")) + 1
     assert kept.size > 1024
     np.testing.assert_array_equal(kept, ranked[:cut])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_p_with_min_p_keeps_what_both_filters_keep(seed: int) -> None:
+    """Over the whole vocabulary top_p then min_p rank only min_p's survivors: the kept set is
+    the one the full ranking and the min_p filter give, on flat and peaked distributions."""
+    from ds4.sampling import _log_min_p, _top_k_top_p, _top_p_within_min_p
+
+    rng = np.random.default_rng(seed)
+    for spread in (0.3, 1.0, 10.0):
+        x = (rng.standard_normal(129280) * spread).astype(np.float32)
+        if seed % 2:
+            x = np.round(x, 1)  # ties at both filters' edges
+        scaled = x - x.max()
+        for top_p, min_p in ((0.9, 0.05), (0.5, 0.001), (0.99, 0.5)):
+            floor = np.float32(0) + _log_min_p(SamplingOptions(min_p=min_p))
+            want = _top_k_top_p(scaled, scaled.size, top_p, np.float32(0))
+            want = np.sort(want[scaled[want] >= floor])
+            got = np.sort(_top_p_within_min_p(scaled, top_p, np.float32(0), floor))
+            np.testing.assert_array_equal(got, want)
