@@ -87,13 +87,13 @@ def _pick(scaled: np.ndarray, opts: SamplingOptions, u: float) -> int:
     n, peak = scaled.size, scaled.max()
     k = min(opts.top_k, TOP_K_CAP) if opts.top_k > 0 else n
     top_p = _top_p(opts)
-    if opts.min_p > 0 and k >= n and top_p < 1.0:
-        ids = _top_p_within_min_p(scaled, top_p, peak, peak + _log_min_p(opts))
+    floor = peak + _log_min_p(opts) if opts.min_p > 0 else None  # p >= min_p * p_max, as logs
+    if floor is not None and k >= n and top_p < 1.0:  # (min_p applied inside)
+        ids = _top_p_within_min_p(scaled, top_p, peak, floor)
     else:
         ids = _top_k_top_p(scaled, k, top_p, peak) if k < n or top_p < 1.0 else None
-    if opts.min_p > 0:  # p >= min_p * p_max, in log space
-        floor = peak + _log_min_p(opts)
-        ids = np.flatnonzero(scaled >= floor) if ids is None else ids[scaled[ids] >= floor]
+        if floor is not None:
+            ids = np.flatnonzero(scaled >= floor) if ids is None else ids[scaled[ids] >= floor]
     ids = np.arange(n) if ids is None else np.sort(ids)
     cdf = np.cumsum(_weights(scaled[ids], peak))
     pick = int(np.searchsorted(cdf, u * cdf[-1], side="right"))

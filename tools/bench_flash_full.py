@@ -222,7 +222,7 @@ def device_memory(cp, engine: Engine, memory: dict) -> dict:
     """GiB on the device after the run: CuPy's pool (it keeps every block it grew to, so its
     total is the high-water mark of weights + sessions + scratch + temporaries), what the
     weights hold of it, and what the device still has free: how far the scratch reserve of
-    the weight budget (ds4.model.placement.scratch_estimate) overshoots."""
+    the weight budget (ds4.model.budget.scratch_estimate) overshoots."""
     pool, gib = cp.get_default_memory_pool(), float(1 << 30)
     weights = memory["weight_bytes"]  # (the device's share: host experts and embedding not)
     return {"pool_gib": pool.total_bytes() / gib, "weights_gib": weights / gib,

@@ -30,7 +30,7 @@ from ds4.model.placement import (
     HostMemory,
     PlacedStack,
     choose_resident,
-    embedding_to_host,
+    place_experts,
 )
 from ds4.model.weights import (
     Weights,
@@ -232,10 +232,10 @@ def dummy_weights(cfg: ModelConfig, xp, seed: int = 0, budget: int | None = None
     dense = sum(int(t.nbytes) for name, t in tensors.items() if name in shapes)
     L, E = cfg.num_hidden_layers, cfg.n_routed_experts
     resident, moved = np.ones((L, E), dtype=bool), 0
-    if budget is not None:
-        if fmt is not None:  # (bf16 experts cannot overflow: the embedding stays then)
-            moved = embedding_to_host(xp, tensors, budget - dense - L * E * expert_bytes(cfg))
-        resident = choose_resident(budget - dense + moved, expert_bytes(cfg), np.zeros((L, E)))
+    if budget is not None and fmt is not None:
+        resident, moved = place_experts(xp, tensors, budget, dense, expert_bytes(cfg), (L, E))
+    elif budget is not None:  # bf16 experts: all of them, or the error below
+        resident = choose_resident(budget - dense, expert_bytes(cfg), np.zeros((L, E)))
     if fmt is None:
         if not resident.all():
             raise WeightsError("BF16 experts cannot be placed in host memory; the budget "

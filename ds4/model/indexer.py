@@ -63,7 +63,7 @@ def top_entries(xp, total, positions, ratio: int, topk: int):
     keys = rank_keys(total, xp.arange(count)[None, :])  # best first, ties: the lower id
     if topk < count:  # the k best keys in O(count) a row, not a stable argsort of the row
         keys = xp.partition(keys, topk - 1, axis=-1)[:, :topk]
-    order = xp.sort(keys, axis=-1)[:, :topk] & KEY_IDS
+    order = xp.sort(keys, axis=-1) & KEY_IDS
     order = xp.sort(xp.where(order < seen, order, count), axis=-1)  # unseen ids sort last
     return xp.where(order < count, order, -1)
 

@@ -85,6 +85,16 @@ class HostMemory:
 EMBEDDING = "model.embed_tokens.weight"
 
 
+def place_experts(xp, tensors: dict, budget: int, dense: int, expert_bytes: int,
+                  shape: tuple[int, int]) -> tuple[np.ndarray, int]:
+    """(resident mask [L, E], bytes of tensors moved to host memory) of packed experts under
+    `budget` after `dense` bytes of other tensors: the embedding leaves the device first where
+    the experts overflow (embedding_to_host), then the experts that fit stay (both loaders)."""
+    L, E = shape
+    moved = embedding_to_host(xp, tensors, budget - dense - L * E * expert_bytes)
+    return choose_resident(budget - dense + moved, expert_bytes, np.zeros((L, E))), moved
+
+
 def embedding_to_host(xp, tensors: dict, room: int) -> int:
     """Moves the token embedding into mapped host memory when the weights overflow the device
     (room < 0: the budget less the dense tensors and every expert); its bytes moved (0: none).

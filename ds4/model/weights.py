@@ -182,7 +182,7 @@ def _resident_mask(xp, cfg: ModelConfig, sources: list, budget: int | None, tens
     """(which experts stay in device memory, bytes of tensors moved to host memory): all
     without a budget, else the choice of ds4.model.placement under the budget left after the
     dense tensors (the embedding moved to host memory first where the experts overflow)."""
-    from ds4.model.placement import choose_resident, embedding_to_host
+    from ds4.model.placement import place_experts
 
     L, E = cfg.num_hidden_layers, cfg.n_routed_experts
     if budget is None or not resident_experts:
@@ -196,8 +196,7 @@ def _resident_mask(xp, cfg: ModelConfig, sources: list, budget: int | None, tens
                                "experts can be placed in host memory")
         return np.ones((L, E), dtype=bool), 0
     per_expert = sum(concat_rows(s).nbytes for s in (sources[0][0][0], sources[0][1][0]))
-    moved = embedding_to_host(xp, tensors, budget - dense - L * E * per_expert)
-    return choose_resident(budget - dense + moved, per_expert, np.zeros((L, E))), moved
+    return place_experts(xp, tensors, budget, dense, per_expert, (L, E))
 
 
 def _host_memory(xp, sources: list, mask: np.ndarray):
