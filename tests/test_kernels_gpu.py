@@ -263,6 +263,23 @@ def test_moe_route_of_a_batch_is_each_members_own(cp, rng, hashed):
     assert len({tuple(row) for row in g_idx}) == B  # each row routed by its own logits
 
 
+@pytest.mark.parametrize("E", [72, 256, 1000])
+def test_moe_route_breaks_ties_to_the_lower_expert(cp, rng, E):
+    """Experts of equal choice (in one lane's slots and across lanes) go in expert order, as
+    the twin's stable sort; any count of experts up to 1024, and no bias."""
+    from ds4.kernels import moe
+
+    top_k = 8
+    logits = np.round(randn(rng, 3, E), 1)  # many equal values
+    logits[0, [5, 37, 69, E - 1]] = 9.0  # one lane (5, 37, 69) and another (E - 1) tie
+    idx, wts = np.zeros((3, top_k), np.int32), np.zeros((3, top_k), np.float32)
+    args = (logits, None, None, np.zeros(3, np.int32), top_k, 2.5, idx, wts)
+    g_idx, n_idx = both(cp, moe.moe_route, moe.moe_route_numpy, *args, out_index=6)
+    g_w, n_w = both(cp, moe.moe_route, moe.moe_route_numpy, *args, out_index=7)
+    assert np.array_equal(g_idx, n_idx) and rel_err(g_w, n_w) < 1e-6
+    assert list(g_idx[0, :4]) == [5, 37, 69, E - 1]
+
+
 @pytest.mark.parametrize("hashed", [False, True])
 def test_prefill_route_on_the_gpu_equals_numpys(cp, rng, hashed):
     """The model's route() of a prefill chunk on CuPy (one moe_route launch for every token)

@@ -362,15 +362,37 @@ __device__ __forceinline__ void member_leave(unsigned* count, unsigned blocks) {
     }
 }
 
+constexpr int MAX_SLICES = MAX_D / SLICE;
+
+// parts[k * MAX_MIX + r] = the member's partial slots of every slice k < slices, all loads in
+// flight at once (a loop that adds as it loads waits one L2 round trip per few slices).
+__device__ __forceinline__ void load_parts(const float* pb, int slices, float* parts) {
+    constexpr int PER_THREAD = MAX_SLICES * MAX_MIX / UNIT_THREADS;
+    float v[PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; j++) {
+        int i = threadIdx.x + j * UNIT_THREADS;
+        v[j] = i < slices * MAX_MIX ? __ldcg(pb + i) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; j++) parts[threadIdx.x + j * UNIT_THREADS] = v[j];
+    __syncthreads();
+}
+
+// Slot r of the slices' partial sums, added in slice order (every block gets the same bits).
+__device__ __forceinline__ float slice_sum(const float* parts, int slices, int r) {
+    float t = 0.f;
+    for (int k = 0; k < slices; k++) t += parts[k * MAX_MIX + r];
+    return t;
+}
+
 // mixs[r] = the member's mix row r, the slices' partial sums added in slice order and scaled by
 // rsqrt(mean(X^2) + eps) (r < n_mix; every block gets the same values).
 __device__ __forceinline__ void whole_mix(const float* pb, int slices, int n_mix, int width,
-                                          float mix_eps, float* mixs) {
-    if (threadIdx.x < MAX_MIX && (threadIdx.x < n_mix || threadIdx.x == SS_SLOT)) {
-        float t = 0.f;
-        for (int k = 0; k < slices; k++) t += __ldcg(pb + k * MAX_MIX + threadIdx.x);
-        mixs[threadIdx.x] = t;
-    }
+                                          float mix_eps, float* parts, float* mixs) {
+    load_parts(pb, slices, parts);
+    if (threadIdx.x < MAX_MIX && (threadIdx.x < n_mix || threadIdx.x == SS_SLOT))
+        mixs[threadIdx.x] = slice_sum(parts, slices, threadIdx.x);
     __syncthreads();
     float norm = rsqrtf(mixs[SS_SLOT] / width + mix_eps);  // (mix rows sit below SS_SLOT)
     if (threadIdx.x < n_mix) mixs[threadIdx.x] *= norm;
@@ -385,6 +407,7 @@ hc_unit(float* X, const float* __restrict__ y, float* post_comb, const float* __
         int head) {
     __shared__ __align__(16) float xsh[UNIT_STREAMS][SLICE];
     __shared__ float red[MAX_MIX], mixs[MAX_MIX], ssr[32], pre[UNIT_STREAMS], rs;
+    __shared__ float parts[MAX_SLICES * MAX_MIX];  // the member's partial slots, in turn
     size_t b = blockIdx.z;
     int slices = (D + SLICE - 1) / SLICE, s = blockIdx.x, width = n * D, c0 = s * SLICE;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = threadIdx.x, d = c0 + c;
@@ -397,7 +420,7 @@ hc_unit(float* X, const float* __restrict__ y, float* post_comb, const float* __
     post_comb += b * (n + n * n);
     if (s == slices) {  // post and comb once the mix is whole
         member_wait(count, slices, false);
-        whole_mix(pb, slices, n_mix, width, mix_eps, mixs);
+        whole_mix(pb, slices, n_mix, width, mix_eps, parts, mixs);
         __shared__ float wpre[MAX_STREAMS], post[MAX_STREAMS], comb[MAX_STREAMS * MAX_STREAMS];
         if (warp_weights(n)) {
             if (warp == 0) hc_weights_warp(mixs, scale, base, n, iters, eps, wpre, post, comb);
@@ -449,7 +472,7 @@ hc_unit(float* X, const float* __restrict__ y, float* post_comb, const float* __
     if (threadIdx.x < n_mix) pb[s * MAX_MIX + threadIdx.x] = red[threadIdx.x];
     if (threadIdx.x == 0) pb[s * MAX_MIX + SS_SLOT] = ss;
     member_wait(count, slices, true);
-    whole_mix(pb, slices, n_mix, width, mix_eps, mixs);
+    whole_mix(pb, slices, n_mix, width, mix_eps, parts, mixs);
     if (s == 0 && threadIdx.x < n_mix) mix[b * mix_stride + threadIdx.x] = mixs[threadIdx.x];
     if (threadIdx.x < n)  // hc_weights_warp's expression for pre, bit for bit
         pre[threadIdx.x] = sigmoidf(mixs[threadIdx.x] * scale[0] + base[threadIdx.x]) + eps;
@@ -461,11 +484,8 @@ hc_unit(float* X, const float* __restrict__ y, float* post_comb, const float* __
     float uss = block_sum(u * u, ssr);
     if (threadIdx.x == 0) pb[s * MAX_MIX + U_SLOT] = uss;
     member_wait(count, 2 * slices, true);
-    if (threadIdx.x == 0) {
-        float t = 0.f;
-        for (int k = 0; k < slices; k++) t += __ldcg(pb + k * MAX_MIX + U_SLOT);
-        rs = rsqrtf(t / D + norm_eps);
-    }
+    load_parts(pb, slices, parts);  // (whole_mix's reads of parts ended at its last barrier)
+    if (threadIdx.x == 0) rs = rsqrtf(slice_sum(parts, slices, U_SLOT) / D + norm_eps);
     __syncthreads();
     if (mine) h[b * D + d] = u * rs * norm_w[d];
     member_leave(count, slices + (head ? 0 : 1));

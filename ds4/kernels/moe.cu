@@ -4,10 +4,10 @@
 // base + e * expert_stride (HF stacked layout).
 
 #include "common.cuh"
+#include "route.cuh"
 
-// Router: s = sqrt(softplus(logit)); choose top_k by s + bias (bias may be null), or take
-// tid2eid[token] (hash layers, when tid2eid is given); weights w = s[idx] / sum * route_scale.
-// One block of >= n_experts threads (a multiple of 32, at most 1024).
+// Router (route.cuh): one warp per member (blockIdx.z); logits [B, logits_ld], token [B],
+// idx/wts [B, out_ld].
 extern "C" __global__ void moe_route(const float* __restrict__ logits,
                                      const float* __restrict__ bias,
                                      const int* __restrict__ tid2eid,
@@ -15,52 +15,9 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits,
                                      float route_scale, int* idx, float* wts, int logits_ld,
                                      int out_ld) {
     wait_inputs();  // (pdl.py)
-    // member blockIdx.z of a batch: logits [B, logits_ld], token [B], idx/wts [B, out_ld]
-    logits += (size_t)blockIdx.z * logits_ld;
-    token += blockIdx.z;
-    idx += (size_t)blockIdx.z * out_ld;
-    wts += (size_t)blockIdx.z * out_ld;
-    __shared__ float score[1024], choice[1024];
-    __shared__ float bv[32];
-    __shared__ int bi[32], picked[32];
-    int e = threadIdx.x, lane = e & 31, warp = e >> 5, nw = blockDim.x >> 5;
-    if (e < n_experts) {
-        float l = logits[e];
-        float sp = l > 20.f ? l : log1pf(expf(l));
-        score[e] = sqrtf(sp);
-        choice[e] = score[e] + (bias ? bias[e] : 0.f);
-    } else {
-        choice[e] = -INFINITY;
-    }
-    __syncthreads();
-    for (int r = 0; r < top_k; r++) {
-        if (tid2eid) {
-            if (e == 0) picked[r] = tid2eid[(size_t)token[0] * top_k + r];
-            continue;
-        }
-        float v = choice[e];
-        int i = e;
-        warp_argmax(v, i);
-        if (lane == 0) { bv[warp] = v; bi[warp] = i; }
-        __syncthreads();
-        if (e == 0) {
-            v = bv[0]; i = bi[0];
-            for (int w = 1; w < nw; w++)
-                if (bv[w] > v || (bv[w] == v && bi[w] < i)) { v = bv[w]; i = bi[w]; }
-            picked[r] = i;
-            choice[i] = -INFINITY;
-        }
-        __syncthreads();
-    }
-    __syncthreads();
-    if (e == 0) {
-        float total = 0.f;
-        for (int r = 0; r < top_k; r++) total += score[picked[r]];
-        for (int r = 0; r < top_k; r++) {
-            idx[r] = picked[r];
-            wts[r] = score[picked[r]] / (total + 1e-20f) * route_scale;
-        }
-    }
+    size_t z = blockIdx.z;
+    route_member(logits + z * logits_ld, bias, tid2eid, token + z, n_experts, top_k,
+                 route_scale, idx + z * out_ld, wts + z * out_ld, nullptr);
 }
 
 // act[k, j] = silu(min(gate_j . x, limit)) * clamp(up_j . x, -limit, limit) * wts[k] for the

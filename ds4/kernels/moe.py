@@ -8,17 +8,18 @@ from ds4.kernels import f32, i32, launch, ptr, widen
 from ds4.kernels.gemv import weight_kind
 
 WARPS_PER_BLOCK = 8
+ROUTE_SLOTS = 32  # moe.cu: experts a lane of moe_route holds
 
 
 def moe_route(logits, bias, tid2eid, token, top_k: int, route_scale: float, idx, wts):
     """idx/wts of the top_k experts by sqrt(softplus(logits)) (+ bias), or tid2eid[token]; for
     a batch, logits [B, E], token [B], idx/wts [B, >= top_k]: each member's own, one launch."""
     n, batch = logits.shape[-1], 1 if logits.ndim == 1 else logits.shape[0]
-    block = max(32, (n + 31) // 32 * 32)
+    assert n <= 32 * ROUTE_SLOTS and top_k <= 32, "moe_route: at most 1024 experts, top 32"
     args = (ptr(logits), ptr(bias), ptr(tid2eid), ptr(token), i32(n), i32(top_k),
             f32(route_scale), ptr(idx), ptr(wts), i32(_row_ld(logits)), i32(_row_ld(idx)))
     assert _row_ld(idx) == _row_ld(wts)
-    launch("moe", "moe_route", (1, 1, batch), (block,), args)
+    launch("moe", "moe_route", (1, 1, batch), (32,), args)
     return idx
 
 

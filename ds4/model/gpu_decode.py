@@ -45,6 +45,7 @@ from ds4.model.gpu_moe import moe_rows, row_moe_fits, row_moe_scratch, shared_ah
 from ds4.model.state import SessionState
 
 SHARED_AHEAD = True  # the shared expert on a side stream, ahead of the router (docs/PERF.md)
+ROUTE_IN_GROUPING = True  # the route in rows_moe.moe's grouping launch (docs/PERF.md)
 
 SIZES = (1, 2, 4, 8)  # batch sizes with a graph; a batch runs in the smallest that holds it
 MAX_MEMBERS = SIZES[-1]
@@ -417,11 +418,14 @@ class KernelDecoder:
         if self.cp is not np and self.shard is None and SHARED_AHEAD:
             done = shared_ahead(cfg, t, b, B, scratch, self.side_stream)
         matvec_rows(t["mlp.gate.weight"], b["h"], b["router"], B)
-        moe.moe_route(b["router"][:B], t.get("mlp.gate.e_score_correction_bias"),
-                      t.get("mlp.gate.tid2eid"), tokens[:B], cfg.num_experts_per_tok,
-                      cfg.routed_scaling_factor, b["idx"][:B], b["wts"][:B])
+        route = (b["router"], t.get("mlp.gate.e_score_correction_bias"),
+                 t.get("mlp.gate.tid2eid"), tokens, cfg.routed_scaling_factor)
+        fused = ROUTE_IN_GROUPING and scratch is not None and self.shard is None
+        if not fused:  # (fused: rows_moe.moe routes in its grouping launch)
+            moe.moe_route(route[0][:B], *route[1:3], tokens[:B], cfg.num_experts_per_tok,
+                          route[4], b["idx"][:B], b["wts"][:B])
         if self.shard is not None:
             self.shard.layer(i, B, shared=shared_of(t))
             return
         moe_rows(cfg, t, b, self.rows, B, scratch, self.tables[B].live,
-                 done)  # idle members read no routed expert or count
+                 done, route if fused else None)  # idle members read no routed expert or count
