@@ -39,8 +39,8 @@ def test_kernel_compiles_for_sm90(source: Path, tmp_path: Path):
 # Families whose instructions predate Hopper: they must keep building for sm_80 (A100); the
 # programmatic-launch wait compiles to nothing there. rows*, packed and placed need sm_89/90
 # (mul.bf16x2, cvt from e4m3x2).
-PORTABLE = ["attention", "compressor", "gemv", "hyper_connection", "indexer", "moe", "mtp",
-            "norm", "quant", "rope", "sampling", "split"]
+PORTABLE = ["attention", "compressor", "gemv", "hc_unit", "hyper_connection", "indexer", "moe",
+            "mtp", "norm", "quant", "rope", "sampling", "split"]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

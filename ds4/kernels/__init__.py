@@ -144,9 +144,9 @@ def f32(v: float) -> np.float32:
 # Families whose every kernel waits for its inputs as ds4/kernels/pdl.py requires (a CPU test
 # checks the sources), so a graph capture launches them programmatically after the kernel before
 # them; the prefill families (packed, grouped, chunk_attention) launch plainly.
-PDL_FAMILIES = frozenset({"attention", "compressor", "hyper_connection", "indexer", "moe", "norm",
-                          "quant", "rope", "rows", "rows_moe", "sampling", "split", "gemv", "mtp",
-                          "placed"})
+PDL_FAMILIES = frozenset({"attention", "compressor", "hyper_connection", "hc_unit", "indexer",
+                          "moe", "norm", "quant", "rope", "rows", "rows_moe", "sampling", "split",
+                          "gemv", "mtp", "placed"})
 PDL = os.environ.get("DS4_PDL", "1") != "0"  # DS4_PDL=0: plain launches in graphs too
 
 

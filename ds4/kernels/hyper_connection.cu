@@ -2,10 +2,7 @@
 // [streams, D]; mix = (fn @ flatten(X)) * rsqrt(mean(X^2) + eps); pre/post/comb come from mix.
 
 #include "common.cuh"
-
-#define MAX_STREAMS 8
-
-__device__ __forceinline__ float sigmoidf(float v) { return 1.f / (1.f + expf(-v)); }
+#include "hyper_connection.cuh"
 
 // X[i, :] = embed[token] for every stream i: the residual starts as the token embedding.
 template <typename W>
@@ -51,70 +48,6 @@ extern "C" __global__ void hc_mix(const float* __restrict__ fn, const float* __r
     dot = block_sum(dot, shared);
     ss = block_sum(ss, shared);
     if (threadIdx.x == 0) mix[blockIdx.x] = dot * rsqrtf(ss / width + eps);
-}
-
-// pre, post and the Sinkhorn-normalised comb matrix from mix (n = streams). comb[i*n + j].
-__device__ void hc_weights(const float* mix, const float* scale, const float* base, int n,
-                           int iters, float eps, float* pre, float* post, float* comb) {
-    for (int i = 0; i < n; i++) {
-        pre[i] = sigmoidf(mix[i] * scale[0] + base[i]) + eps;
-        post[i] = 2.f * sigmoidf(mix[n + i] * scale[1] + base[n + i]);
-    }
-    for (int i = 0; i < n; i++) {
-        float m = -INFINITY, s = 0.f;
-        for (int j = 0; j < n; j++) {
-            comb[i * n + j] = mix[2 * n + i * n + j] * scale[2] + base[2 * n + i * n + j];
-            m = fmaxf(m, comb[i * n + j]);
-        }
-        for (int j = 0; j < n; j++) s += (comb[i * n + j] = expf(comb[i * n + j] - m));
-        for (int j = 0; j < n; j++) comb[i * n + j] = comb[i * n + j] / s + eps;
-    }
-    for (int it = 0; it < iters; it++) {
-        if (it > 0) {  // rows, then columns; the first pass normalises columns only
-            for (int i = 0; i < n; i++) {
-                float s = 0.f;
-                for (int j = 0; j < n; j++) s += comb[i * n + j];
-                for (int j = 0; j < n; j++) comb[i * n + j] /= (s + eps);
-            }
-        }
-        for (int j = 0; j < n; j++) {
-            float s = 0.f;
-            for (int i = 0; i < n; i++) s += comb[i * n + j];
-            for (int i = 0; i < n; i++) comb[i * n + j] /= (s + eps);
-        }
-    }
-}
-
-// Whether one warp computes a unit's weights (hc_weights_warp): n a power of two, n * n <= 32.
-__device__ __forceinline__ bool warp_weights(int n) { return (n & (n - 1)) == 0 && n * n <= 32; }
-
-// The same weights computed by one warp, lane i*n + j holding comb[i][j] (warp_weights(n)):
-// row sums reduce over lane bits below n, column sums over the bits above. A serial Sinkhorn
-// costs ~20 us of divisions in one thread; this costs ~1 us.
-__device__ void hc_weights_warp(const float* mix, const float* scale, const float* base, int n,
-                                int iters, float eps, float* pre, float* post, float* comb) {
-    int lane = threadIdx.x & 31, nn = n * n;
-    if (lane < n) {
-        pre[lane] = sigmoidf(mix[lane] * scale[0] + base[lane]) + eps;
-        post[lane] = 2.f * sigmoidf(mix[n + lane] * scale[1] + base[n + lane]);
-    }
-    float v = lane < nn ? mix[2 * n + lane] * scale[2] + base[2 * n + lane] : 0.f;
-    float m = v;
-    for (int o = 1; o < n; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float e = expf(v - m), s = e;
-    for (int o = 1; o < n; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    float c = e / s + eps;
-    for (int it = 0; it < iters; it++) {
-        if (it > 0) {  // rows, then columns; the first pass normalises columns only
-            float r = c;
-            for (int o = 1; o < n; o <<= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
-            c = c / (r + eps);
-        }
-        float col = c;
-        for (int o = n; o < nn; o <<= 1) col += __shfl_xor_sync(0xffffffffu, col, o);
-        c = c / (col + eps);
-    }
-    if (lane < nn) comb[lane] = c;
 }
 
 // u = sum_i pre[i] X[i]. Every block derives the (tiny) weights itself; block 0 also stores
@@ -169,27 +102,6 @@ extern "C" __global__ void hc_weights_rows(const float* __restrict__ mix,
         o[n + i] = post[i];
     }
     for (int i = 0; i < n * n; i++) o[2 * n + i] = comb[i];
-}
-
-// X_new[j] = post[j] * y + sum_i comb[i, j] X[i] (the C^T direction) at channel d of one
-// token's streams X [n, D], into xn[j] (registers): all of X[:, d] is read first.
-__device__ __forceinline__ void expand_channel(const float* X, const float* y, const float* post,
-                                               const float* comb, int D, int n, int d,
-                                               float* xn) {
-    float xs[MAX_STREAMS];
-    // Constant trip counts keep xs in registers.
-#pragma unroll
-    for (int i = 0; i < MAX_STREAMS; i++) xs[i] = i < n ? X[(size_t)i * D + d] : 0.f;
-    float yd = y[d];
-#pragma unroll
-    for (int j = 0; j < MAX_STREAMS; j++) {
-        if (j >= n) break;
-        float acc = post[j] * yd;
-#pragma unroll
-        for (int i = 0; i < MAX_STREAMS; i++)
-            if (i < n) acc += comb[i * n + j] * xs[i];
-        xn[j] = acc;
-    }
 }
 
 // expand_channel stored to Xout (which may alias X).
@@ -303,8 +215,6 @@ __device__ void collapse_norm(const float* mix, const float* __restrict__ scale,
     collapse_sum_norm(p, X, norm_w, h, us, red, D, n, norm_eps, threads);
 }
 
-constexpr int MAX_D = 8192;  // channels the collapse keeps in shared memory
-
 // hc_pre and the sub-block's RMSNorm in one block of 1024 threads (D <= MAX_D):
 // u = sum_i pre_i X_i, h = u * rsqrt(mean(u^2) + norm_eps) * norm_w; post/comb as hc_pre.
 extern "C" __global__ void hc_pre_norm(const float* __restrict__ mix,
@@ -318,175 +228,4 @@ extern "C" __global__ void hc_pre_norm(const float* __restrict__ mix,
     size_t b = blockIdx.z;  // member of a batch: every operand [B, ...]
     collapse_norm(mix + b * (2 + n) * n, scale, base, X + b * n * D, norm_w, h + b * D,
                   post_comb + b * (n + n * n), D, n, iters, eps, norm_eps, false, us);
-}
-
-// Decode at an mHC unit boundary, one launch: the previous unit's hc_post (y not null), this
-// unit's hc_mix (into mix) and its pre + RMSNorm (h; post_comb; head: the output head's collapse
-// and RMSNorm, pre only). Block s < slices of member z takes channels [s * SLICE, +SLICE) (n <= 4
-// streams, D a multiple of 4) and keeps their new X in shared memory; the member's blocks meet
-// twice: once every slice's partial mix sums and X^2 are in part (then every block adds the
-// slices in slice order, so all hold the same mix and pre), and once every slice's share of
-// sum(u^2) is (u = sum_i pre_i X_i, each block its own channels); each then writes h for its
-// slice. Block `slices` (not for the head) takes post and comb, with the Sinkhorn, off that path.
-// The meetings spin on a per-member count, so every block of the launch must be resident at
-// once: 256 threads of at most 64 registers are 4 blocks an SM, and (D / SLICE + 1) * 8 members
-// <= 4 * 132 for D <= MAX_D. The last block to leave resets the member's counts.
-constexpr int UNIT_THREADS = 256, SLICE = 128, MAX_MIX = 32;  // MAX_MIX: part slots a slice
-constexpr int UNIT_STREAMS = 4, UNIT_WARPS = UNIT_THREADS / 32, MIX_ROWS = MAX_MIX / UNIT_WARPS;
-constexpr int U_SLOT = MAX_MIX - 2, SS_SLOT = MAX_MIX - 1;  // sum(u^2), sum(X^2); mix rows below
-
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-// The block waits until the member's count reaches target (arrive: after adding its own 1, its
-// writes made visible first).
-__device__ __forceinline__ void member_wait(unsigned* count, unsigned target, bool arrive) {
-    if (arrive) __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        if (arrive) atomicAdd(count, 1u);
-        while (ld_acquire(count) < target) {
-        }
-    }
-    __syncthreads();
-}
-
-// The block reads the counts no more; the last of `blocks` to say so resets both.
-__device__ __forceinline__ void member_leave(unsigned* count, unsigned blocks) {
-    if (threadIdx.x == 0 && atomicAdd(count + 1, 1u) == blocks - 1) {
-        count[0] = 0u;
-        count[1] = 0u;
-    }
-}
-
-constexpr int MAX_SLICES = MAX_D / SLICE;
-
-// parts[k * MAX_MIX + r] = the member's partial slots of every slice k < slices, all loads in
-// flight at once (a loop that adds as it loads waits one L2 round trip per few slices).
-__device__ __forceinline__ void load_parts(const float* pb, int slices, float* parts) {
-    constexpr int PER_THREAD = MAX_SLICES * MAX_MIX / UNIT_THREADS;
-    float v[PER_THREAD];
-#pragma unroll
-    for (int j = 0; j < PER_THREAD; j++) {
-        int i = threadIdx.x + j * UNIT_THREADS;
-        v[j] = i < slices * MAX_MIX ? __ldcg(pb + i) : 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < PER_THREAD; j++) parts[threadIdx.x + j * UNIT_THREADS] = v[j];
-    __syncthreads();
-}
-
-// Slot r of the slices' partial sums, added in slice order (every block gets the same bits).
-__device__ __forceinline__ float slice_sum(const float* parts, int slices, int r) {
-    float t = 0.f;
-    for (int k = 0; k < slices; k++) t += parts[k * MAX_MIX + r];
-    return t;
-}
-
-// mixs[r] = the member's mix row r, the slices' partial sums added in slice order and scaled by
-// rsqrt(mean(X^2) + eps) (r < n_mix; every block gets the same values).
-__device__ __forceinline__ void whole_mix(const float* pb, int slices, int n_mix, int width,
-                                          float mix_eps, float* parts, float* mixs) {
-    load_parts(pb, slices, parts);
-    if (threadIdx.x < MAX_MIX && (threadIdx.x < n_mix || threadIdx.x == SS_SLOT))
-        mixs[threadIdx.x] = slice_sum(parts, slices, threadIdx.x);
-    __syncthreads();
-    float norm = rsqrtf(mixs[SS_SLOT] / width + mix_eps);  // (mix rows sit below SS_SLOT)
-    if (threadIdx.x < n_mix) mixs[threadIdx.x] *= norm;
-    __syncthreads();
-}
-
-extern "C" __global__ void __launch_bounds__(UNIT_THREADS, 4)
-hc_unit(float* X, const float* __restrict__ y, float* post_comb, const float* __restrict__ fn,
-        const float* __restrict__ scale, const float* __restrict__ base,
-        const float* __restrict__ norm_w, float* mix, float* h, float* part, unsigned* done, int D,
-        int n, int n_mix, int mix_stride, int iters, float eps, float mix_eps, float norm_eps,
-        int head) {
-    __shared__ __align__(16) float xsh[UNIT_STREAMS][SLICE];
-    __shared__ float red[MAX_MIX], mixs[MAX_MIX], ssr[32], pre[UNIT_STREAMS], rs;
-    __shared__ float parts[MAX_SLICES * MAX_MIX];  // the member's partial slots, in turn
-    size_t b = blockIdx.z;
-    int slices = (D + SLICE - 1) / SLICE, s = blockIdx.x, width = n * D, c0 = s * SLICE;
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = threadIdx.x, d = c0 + c;
-    if (s < slices && c < n_mix * n)  // this slice's fn rows are weights: into the L2 early
-        prefetch_l2(fn + (size_t)(c / n) * width + (size_t)(c % n) * D + c0,
-                    4u * (unsigned)min(SLICE, D - c0));
-    wait_inputs();  // (pdl.py)
-    unsigned* count = done + 2 * b;
-    float* pb = part + b * slices * MAX_MIX;
-    post_comb += b * (n + n * n);
-    if (s == slices) {  // post and comb once the mix is whole
-        member_wait(count, slices, false);
-        whole_mix(pb, slices, n_mix, width, mix_eps, parts, mixs);
-        __shared__ float wpre[MAX_STREAMS], post[MAX_STREAMS], comb[MAX_STREAMS * MAX_STREAMS];
-        if (warp_weights(n)) {
-            if (warp == 0) hc_weights_warp(mixs, scale, base, n, iters, eps, wpre, post, comb);
-        } else if (threadIdx.x == 0) {
-            hc_weights(mixs, scale, base, n, iters, eps, wpre, post, comb);
-        }
-        __syncthreads();
-        for (int i = threadIdx.x; i < n + n * n; i += UNIT_THREADS)
-            post_comb[i] = i < n ? post[i] : comb[i - n];
-        member_leave(count, slices + 1);
-        return;
-    }
-    X += b * n * D;
-    // the slice's new X (thread c: channel d, all streams) into xsh; X written once all read it
-    float xn[MAX_STREAMS] = {}, ss = 0.f;
-    bool mine = c < SLICE && d < D;
-    if (mine && y) expand_channel(X, y + b * D, post_comb, post_comb + n, D, n, d, xn);
-#pragma unroll
-    for (int i = 0; i < UNIT_STREAMS; i++) {
-        if (mine && !y && i < n) xn[i] = X[(size_t)i * D + d];
-        if (c < SLICE) xsh[i][c] = i < n ? xn[i] : 0.f;
-        ss += xn[i] * xn[i];
-    }
-    ss = block_sum(ss, ssr);  // (its barriers also order the reads before the writes)
-#pragma unroll
-    for (int i = 0; i < UNIT_STREAMS; i++)
-        if (mine && y && i < n) X[(size_t)i * D + d] = xn[i];
-    // partial mix rows: warp w takes rows w, w + 8, .., lane q the channels 4q..4q+3
-    float acc[MIX_ROWS] = {};
-    int dq = c0 + 4 * lane;
-#pragma unroll
-    for (int k = 0; k < MIX_ROWS; k++) {
-        int r = warp + UNIT_WARPS * k;
-        if (r >= n_mix || dq >= D) continue;
-#pragma unroll
-        for (int i = 0; i < UNIT_STREAMS; i++) {
-            if (i >= n) break;
-            float4 f = __ldg((const float4*)(fn + (size_t)r * width + (size_t)i * D + dq));
-            float4 x = *(const float4*)&xsh[i][4 * lane];
-            acc[k] += f.x * x.x + f.y * x.y + f.z * x.z + f.w * x.w;
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < MIX_ROWS; k++) {
-        float t = warp_sum(acc[k]);
-        if (lane == 0) red[warp + UNIT_WARPS * k] = t;
-    }
-    __syncthreads();
-    if (threadIdx.x < n_mix) pb[s * MAX_MIX + threadIdx.x] = red[threadIdx.x];
-    if (threadIdx.x == 0) pb[s * MAX_MIX + SS_SLOT] = ss;
-    member_wait(count, slices, true);
-    whole_mix(pb, slices, n_mix, width, mix_eps, parts, mixs);
-    if (s == 0 && threadIdx.x < n_mix) mix[b * mix_stride + threadIdx.x] = mixs[threadIdx.x];
-    if (threadIdx.x < n)  // hc_weights_warp's expression for pre, bit for bit
-        pre[threadIdx.x] = sigmoidf(mixs[threadIdx.x] * scale[0] + base[threadIdx.x]) + eps;
-    __syncthreads();
-    float u = 0.f;
-#pragma unroll
-    for (int i = 0; i < UNIT_STREAMS; i++)
-        if (mine && i < n) u += pre[i] * xsh[i][c];
-    float uss = block_sum(u * u, ssr);
-    if (threadIdx.x == 0) pb[s * MAX_MIX + U_SLOT] = uss;
-    member_wait(count, 2 * slices, true);
-    load_parts(pb, slices, parts);  // (whole_mix's reads of parts ended at its last barrier)
-    if (threadIdx.x == 0) rs = rsqrtf(slice_sum(parts, slices, U_SLOT) / D + norm_eps);
-    __syncthreads();
-    if (mine) h[b * D + d] = u * rs * norm_w[d];
-    member_leave(count, slices + (head ? 0 : 1));
 }

@@ -1,4 +1,5 @@
-"""Hyper-connection launchers (ds4/kernels/hyper_connection.cu) and their NumPy twins."""
+"""Hyper-connection launchers (ds4/kernels/hyper_connection.cu, the decode unit hc_unit.cu) and
+their NumPy twins."""
 
 from __future__ import annotations
 
@@ -178,7 +179,7 @@ def hc_pre_norm_numpy(mix, scale, base, X, norm_w, h, post_comb, iters: int = 20
     return h
 
 
-MAX_D, SLICE, MAX_MIX, UNIT_STREAMS = 8192, 128, 32, 4  # hyper_connection.cu's constants
+MAX_D, SLICE, MAX_MIX, UNIT_STREAMS = 8192, 128, 32, 4  # hyper_connection.cuh, hc_unit.cu
 UNIT_THREADS = 256
 
 
@@ -216,7 +217,7 @@ def hc_unit(X, y, post_comb, fn, scale, base, norm_w, mix, h, scratch, iters: in
                 ptr(scale), ptr(base), ptr(norm_w), ptr(at(mix)), ptr(at(h)), ptr(at(part)),
                 ptr(at(done)), i32(D), i32(streams), i32(n_mix), i32(mix.shape[-1]),
                 i32(iters), f32(eps), f32(mix_eps), f32(norm_eps), i32(int(head)))
-        launch("hyper_connection", "hc_unit", (blocks, 1, m1 - m0), (UNIT_THREADS,), args)
+        launch("hc_unit", "hc_unit", (blocks, 1, m1 - m0), (UNIT_THREADS,), args)
     return h
 
 
@@ -232,7 +233,7 @@ def member_groups(batch: int, blocks: int, capacity: int) -> list[tuple[int, int
 @functools.cache
 def unit_capacity() -> int:
     """hc_unit blocks the current device holds at once."""
-    return resident_blocks(kernel("hyper_connection", "hc_unit"), UNIT_THREADS)
+    return resident_blocks(kernel("hc_unit", "hc_unit"), UNIT_THREADS)
 
 
 def hc_unit_numpy(X, y, post_comb, fn, scale, base, norm_w, mix, h, scratch, iters: int = 20,
