@@ -176,7 +176,8 @@ def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, 
         return
     gu, k, sops = call.gu, call.k, call.sops
     logits, bias, tid2eid, token, scale = route if route is not None else (None,) * 5
-    assert route is None or (logits.shape[-1] == gu.count and _ld(wts) == k), "route operands"
+    assert route is None or (logits.shape[-1] == gu.count <= 32 * plain_moe.ROUTE_SLOTS
+                             and _ld(wts) == k <= 32), "route operands"
     launch("rows_moe", "rows_moe_group", (1,), (32 * WARPS,),
            (ptr(idx), i32(call.pairs), i32(k), i32(gu.count), ptr(gu.on_host), ptr(live),
             ptr(counts), ptr(act.units), ptr(logits), i32(_ld(logits) if route else 0),
