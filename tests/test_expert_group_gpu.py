@@ -17,6 +17,7 @@ from test_kernels_rows import picks, small_moe
 from ds4.backend import cuda_available
 from ds4.kernels import moe as M
 from ds4.kernels import rows_moe as RM
+from ds4.kernels import rows_moe_twin as RMT
 from ds4.model.expert_group import local_maps, owner_table
 from ds4.model.packed import FP4, FP8, on_device
 
@@ -69,7 +70,7 @@ def test_the_ranks_parts_sum_to_the_whole_moe(fmt, shared_fmt):
                dev[1][cp.asarray(mine)], cp.asarray(local), cp.asarray(wts), cp.asarray(x),
                run, part, batch, inter, 7.0, sh)
         want = np.zeros((batch, hidden), np.float32)
-        RM.moe_numpy(gu[mine], down[mine], local, wts, x, None, want, batch, inter, 7.0,
+        RMT.moe_numpy(gu[mine], down[mine], local, wts, x, None, want, batch, inter, 7.0,
                      shared if rank == 0 else None)
         assert np.allclose(part.get(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
         total += part

@@ -184,10 +184,11 @@ def test_member_table_layout():
 @pytest.fixture
 def row_twins(twins, monkeypatch):
     """The twins, with the shared matrices and experts through ds4/kernels/rows(_moe).py's twins."""
-    from ds4.kernels import rows, rows_moe
+    from ds4.kernels import rows, rows_moe, rows_moe_twin
 
-    for module, name in ((rows, "matvec"), (rows, "matvec_many"), (rows_moe, "moe")):
+    for module, name in ((rows, "matvec"), (rows, "matvec_many")):
         monkeypatch.setattr(module, name, getattr(module, name + "_numpy"))
+    monkeypatch.setattr(rows_moe, "moe", rows_moe_twin.moe_numpy)
     monkeypatch.setattr(gpu_batch, "row_kernels", rows)
     return twins
 

@@ -11,6 +11,7 @@ from ds4.backend import cuda_available
 from ds4.kernels import packed as P
 from ds4.kernels import rows as R
 from ds4.kernels import rows_moe as RM
+from ds4.kernels import rows_moe_twin as RMT
 from ds4.kernels import to_bf16, widen
 from ds4.model.packed import FP4, FP8, PackedMatrix
 
@@ -170,7 +171,7 @@ def test_moe_twin_matches_the_packed_expert_twins():
     idx, wts = picks(rng, batch, k, 8)
     x = rng.standard_normal((batch, hidden), dtype=np.float32)
     y = np.zeros((batch, hidden), np.float32)
-    RM.moe_numpy(gu, down, idx, wts, x, None, y, batch, inter, limit, shared)
+    RMT.moe_numpy(gu, down, idx, wts, x, None, y, batch, inter, limit, shared)
     for b in range(batch):
         act = np.zeros((k, inter), np.float32)
         P.moe_gate_up_fp4_numpy(gu.codes[:, :inter], gu.scale[:, :inter], gu.codes[:, inter:],
@@ -382,7 +383,7 @@ def test_moe_kernel_matches_twin_at_v4_shapes(moe_case):
     for batch in (2, 8):
         y = run_moe(cp, moe_case, idx, wts, x, batch).get()
         want = np.zeros((batch, 4096), np.float32)
-        RM.moe_numpy(gu, down, idx[:batch], wts[:batch], x[:batch], None, want, batch, inter,
+        RMT.moe_numpy(gu, down, idx[:batch], wts[:batch], x[:batch], None, want, batch, inter,
                      10.0, sh)
         assert np.allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max()), batch
 
@@ -433,7 +434,7 @@ def test_small_moe_kernel_matches_twin(fmt, shared_fmt):
     RM.moe(dev[0], dev[1], cp.asarray(idx), cp.asarray(wts), cp.asarray(x), scratch, y, 5, 128,
           7.0, tuple(dev[2:]))
     want = np.zeros((5, 256), np.float32)
-    RM.moe_numpy(gu, down, idx, wts, x, None, want, 5, 128, 7.0, shared)
+    RMT.moe_numpy(gu, down, idx, wts, x, None, want, 5, 128, 7.0, shared)
     assert np.allclose(y.get(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 

@@ -17,6 +17,7 @@ from test_kernels_rows import picks, small_moe, v4_moe
 
 from ds4.backend import cuda_available
 from ds4.kernels import rows_moe as RM
+from ds4.kernels import rows_moe_twin as RMT
 from ds4.model.placement import PlacedStack
 
 gpu_test = pytest.mark.gpu
@@ -37,7 +38,7 @@ def case(seed: int, batch: int, k: int = 3):
 
 def twin(gu, down, shared, idx, wts, x, batch, **kw) -> np.ndarray:
     y = np.full((batch, 128), np.nan, np.float32)
-    RM.moe_numpy(gu, down, idx, wts, x, None, y, batch, 64, LIMIT, shared, **kw)
+    RMT.moe_numpy(gu, down, idx, wts, x, None, y, batch, 64, LIMIT, shared, **kw)
     return y
 
 
@@ -58,11 +59,11 @@ def test_grouping_puts_host_experts_first_and_leaves_idle_members_out():
     idx = np.array([[1, 6, 4], [6, 0, 5], [2, 4, 7], [3, 5, 1]], np.int32)  # 4 members, k = 3
     host = ~RESIDENT  # 1, 4, 5, 7 in host memory
     counts = np.zeros(8, np.int64)
-    units = RM.moe_group_numpy(idx, 12, 3, 8, host, np.array([3], np.int32), counts)
+    units = RMT.moe_group_numpy(idx, 12, 3, 8, host, np.array([3], np.int32), counts)
     # host experts (ascending) then resident ones; member 3's pairs 9..11 are idle
     assert units == [(1, [0]), (4, [2, 7]), (5, [5]), (7, [8]), (0, [4]), (2, [6]), (6, [1, 3])]
     assert counts.tolist() == [1, 1, 1, 0, 2, 1, 2, 1]
-    plain = RM.moe_group_numpy(idx, 12, 3, 8)  # no flags, no live count: every pair, by id
+    plain = RMT.moe_group_numpy(idx, 12, 3, 8)  # no flags, no live count: every pair, by id
     assert [e for e, _ in plain] == list(range(8)) and plain[3] == (3, [9])
 
 
@@ -73,7 +74,7 @@ def test_idle_members_get_the_shared_expert_alone_and_count_nothing():
     got = twin(*placed, shared, idx, wts, x, 4, counts=counts, live=np.array([2], np.int32))
     assert np.array_equal(got[:2], twin(gu, down, shared, idx[:2], wts[:2], x[:2], 2))
     for b in (2, 3):  # the idle rows: no routed part, nothing uninitialised
-        assert np.array_equal(got[b], RM._shared_numpy(shared, x[b:b + 1], LIMIT))
+        assert np.array_equal(got[b], RMT._shared_numpy(shared, x[b:b + 1], LIMIT))
     assert counts.tolist() == np.bincount(idx[:2].ravel(), minlength=8).tolist()
     alone = twin(gu, down, None, idx, wts, x, 4, live=np.array([0], np.int32))
     assert not alone.any()  # no live member, no shared expert: zeros
@@ -137,7 +138,7 @@ def test_placed_kernel_rows_are_the_plain_stacks_bitwise_in_any_batch(v4_placed)
         assert cp.array_equal(y, alone[:batch]), batch
         assert counts.get().tolist() == np.bincount(idx[:batch].ravel(), minlength=256).tolist()
     want = np.zeros((2, 4096), np.float32)
-    RM.moe_numpy(*placed, idx[:2], wts[:2], x[:2], None, want, 2, 2048, 10.0, shared)
+    RMT.moe_numpy(*placed, idx[:2], wts[:2], x[:2], None, want, 2, 2048, 10.0, shared)
     assert np.allclose(alone[:2].get(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
@@ -155,9 +156,9 @@ def test_the_kernels_grouping_equals_its_twin_host_experts_first(v4_placed):
         y, scratch = run(cp, *placed, shared, idx, wts, x, 8, counts=counts,
                          live=cp.asarray([live], cp.int32))
         want_counts = np.zeros(256, np.int64)
-        units = RM.moe_group_numpy(idx, 48, 6, 256, RM.host_flags(placed[0]),
+        units = RMT.moe_group_numpy(idx, 48, 6, 256, RMT.host_flags(placed[0]),
                                    np.array([live]), want_counts)
-        assert RM.units_of(scratch.units) == units, live
+        assert RMT.units_of(scratch.units) == units, live
         assert counts.get().tolist() == want_counts.tolist()
         host = [not placed[0].resident[e] for e, _ in units]
         assert host == sorted(host, reverse=True)  # host experts' units first

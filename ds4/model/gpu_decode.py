@@ -28,6 +28,7 @@ from ds4.kernels import indexer as ix
 from ds4.kernels import moe, quant, sampling
 from ds4.kernels.norm import rms_norm, rms_norm_rope
 from ds4.kernels.rope import rope_tail
+from ds4.kernels.rows_moe import route_args
 from ds4.model import gpu_weights
 from ds4.model.config import CSA, SLIDING
 from ds4.model.gpu_batch import (
@@ -422,8 +423,7 @@ class KernelDecoder:
                  t.get("mlp.gate.tid2eid"), tokens, cfg.routed_scaling_factor)
         fused = ROUTE_IN_GROUPING and scratch is not None and self.shard is None
         if not fused:  # (fused: rows_moe.moe routes in its grouping launch)
-            moe.moe_route(route[0][:B], *route[1:3], tokens[:B], cfg.num_experts_per_tok,
-                          route[4], b["idx"][:B], b["wts"][:B])
+            moe.moe_route(*route_args(route, B, b["idx"], b["wts"]))
         if self.shard is not None:
             self.shard.layer(i, B, shared=shared_of(t))
             return
