@@ -172,7 +172,7 @@ def stage_times(cp, stream, dec, i: int, t: dict, ls) -> dict:
     freqs = dec.freqs["main" if ls.compressor is None else "compress"]
     out = {"h projections": graph_time(cp, stream, lambda: dec.projections[i].run(b["h"], 1)),
            "mhc+norm x2": 2 * graph_time(cp, stream, lambda: dec._block(
-               t, "attn_hc", "input_layernorm.weight", 1)),
+               t, "attn_hc", "input_layernorm.weight", 1, post=True)),
            "attention": graph_time(cp, stream, lambda: dec._attention(i, t, 1)),
            "moe": graph_time(cp, stream, lambda: dec._moe(i, t, 1))}
     if ls.compressor is not None:

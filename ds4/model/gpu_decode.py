@@ -46,7 +46,9 @@ from ds4.model.gpu_moe import moe_rows, row_moe_fits, row_moe_scratch, shared_ah
 from ds4.model.state import SessionState
 
 SHARED_AHEAD = True  # the shared expert on a side stream, ahead of the router (docs/PERF.md)
-ROUTE_IN_GROUPING = True  # the route in rows_moe.moe's grouping launch (docs/PERF.md)
+# The route in rows_moe.moe's grouping launch: off, measured slower than moe_route's own launch
+# (the MoE stage 4-5 us a layer; docs/PERF.md); the tests run both sides.
+ROUTE_IN_GROUPING = False
 
 SIZES = (1, 2, 4, 8)  # batch sizes with a graph; a batch runs in the smallest that holds it
 MAX_MEMBERS = SIZES[-1]
