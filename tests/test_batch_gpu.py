@@ -92,27 +92,6 @@ def test_shared_expert_on_the_side_stream_keeps_every_bit(tmp_path_factory, monk
         assert all(np.array_equal(a, b) for a, b in zip(side, fused))
 
 
-def test_route_in_the_grouping_launch_keeps_every_bit(tmp_path_factory, monkeypatch):
-    # rows_moe.moe routes in its grouping launch (route.cuh's warp per member) instead of
-    # after a moe_route launch of its own: the same picks and weights, so the same logits bit
-    # for bit (graphs of 1 and 4 members), and the decoder launches no moe_route then
-    from ds4.kernels import moe
-    from ds4.model import gpu_decode
-
-    path, real, routes = model_dir("tiny-packed", tmp_path_factory), moe.moe_route, []
-    monkeypatch.setattr(moe, "moe_route", lambda *a: routes.append(1) or real(*a))
-    runs, counts = {}, {}
-    for fused in (True, False):
-        monkeypatch.setattr(gpu_decode, "ROUTE_IN_GROUPING", fused)
-        routes.clear()
-        engine = Engine.open(path, backend="cupy", prefill_chunk=16)
-        steps = twin_runs(engine, (15, 30, 47), 4)
-        runs[fused], counts[fused] = [a + list(t) for a, t in steps], len(routes)
-    assert counts[True] < counts[False]  # (prefill still routes through moe_route)
-    for one, two in zip(runs[True], runs[False]):
-        assert all(np.array_equal(a, b) for a, b in zip(one, two))
-
-
 def test_one_graph_per_size_serves_every_member_set():
     engine = Engine.open(default_model_dir(), backend="cupy", prefill_chunk=16)
     pool = [engine.new_session(128) for _ in range(6)]

@@ -17,7 +17,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits,
     wait_inputs();  // (pdl.py)
     size_t z = blockIdx.z;
     route_member(logits + z * logits_ld, bias, tid2eid, token + z, n_experts, top_k,
-                 route_scale, idx + z * out_ld, wts + z * out_ld, nullptr);
+                 route_scale, idx + z * out_ld, wts + z * out_ld);
 }
 
 // act[k, j] = silu(min(gate_j . x, limit)) * clamp(up_j . x, -limit, limit) * wts[k] for the

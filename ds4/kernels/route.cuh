@@ -1,5 +1,4 @@
-// The router's pick of one token's experts (moe.cu's moe_route, rows_moe.cu's fused route and
-// grouping): s = sqrt(softplus(logit)); the top_k experts by s + bias (bias may be null), or
+// The router's pick of one token's experts (moe.cu's moe_route): s = sqrt(softplus(logit)); the top_k experts by s + bias (bias may be null), or
 // tid2eid[token] (hash layers, when tid2eid is given); weights w = s[idx] / sum * route_scale.
 #pragma once
 
@@ -20,11 +19,11 @@ __device__ __forceinline__ float slot_of(const float (&v)[ROUTE_SLOTS], int j) {
 }
 
 // idx[r], wts[r] for r < top_k of the token whose router logits these are, by the calling
-// warp (also into picked[r] where picked is not null).
+// warp.
 __device__ __forceinline__ void route_member(const float* logits, const float* bias,
                                              const int* tid2eid, const int* token,
                                              int n_experts, int top_k, float route_scale,
-                                             int* idx, float* wts, int* picked) {
+                                             int* idx, float* wts) {
     int lane = threadIdx.x & 31;
     float score[ROUTE_SLOTS], choice[ROUTE_SLOTS];
 #pragma unroll
@@ -63,6 +62,5 @@ __device__ __forceinline__ void route_member(const float* logits, const float* b
     if (lane < top_k) {
         idx[lane] = mine;
         wts[lane] = mine_s / (total + 1e-20f) * route_scale;
-        if (picked) picked[lane] = mine;
     }
 }

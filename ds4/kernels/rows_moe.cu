@@ -3,7 +3,6 @@
 // loop: rows.cuh).
 
 #include "common.cuh"
-#include "route.cuh"
 #include "rows.cuh"
 
 // MoE of B tokens: the (token, slot) pairs p = b * k + j grouped by expert, each distinct expert
@@ -18,24 +17,15 @@
 // and rows_moe_sum adds them in slot order.
 constexpr int UNIT = 10, MAX_PAIRS = 64;
 
-// Routed here too where logits is not null (route.cuh, one warp a member, every member of the
-// batch: idx and wts [pairs / k, k] written as moe_route writes them), one launch instead of two.
-extern "C" __global__ void rows_moe_group(int* idx, int pairs, int k, int n_experts,
-                                          const int* __restrict__ on_host,
-                                          const int* __restrict__ live, int* counts, int* units,
-                                          const float* __restrict__ logits, int logits_ld,
-                                          const float* __restrict__ bias,
-                                          const int* __restrict__ tid2eid,
-                                          const int* __restrict__ token, float route_scale,
-                                          float* wts) {
+extern "C" __global__ void rows_moe_group(const int* __restrict__ idx, int pairs, int k,
+                                          int n_experts, const int* __restrict__ on_host,
+                                          const int* __restrict__ live, int* counts,
+                                          int* units) {
     wait_inputs();  // (pdl.py)
     __shared__ int sidx[MAX_PAIRS], wcount[RW], base;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int m = warp; logits && m < pairs / k; m += RW)
-        route_member(logits + (size_t)m * logits_ld, bias, tid2eid, token + m, n_experts, k,
-                     route_scale, idx + m * k, wts + m * k, sidx + m * k);
     if (live) pairs = min(pairs, max(*live, 0) * k);
-    for (int p = threadIdx.x; !logits && p < pairs; p += blockDim.x) sidx[p] = idx[p];
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) sidx[p] = idx[p];
     if (threadIdx.x == 0) base = 0;
     __syncthreads();
     for (int pass = 0; pass < (on_host ? 2 : 1); pass++)  // host experts, then resident ones

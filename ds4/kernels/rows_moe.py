@@ -145,7 +145,7 @@ def resident_blocks(name: str) -> int:
 
 def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, limit: float,
         shared=None, persistent: bool = False, fuse_shared: bool = True, counts=None,
-        live=None, shared_done=None, route=None) -> None:
+        live=None, shared_done=None) -> None:
     """y[b] = sum_j down_e(swiglu(gate_e x[b], up_e x[b]) * wts[b, j]), e = idx[b, j], + the
     shared expert (gate, up, down) of x[b] (weight 1), for b < batch. gate_up [E, 2*inter, D]
     (gate rows then up rows), down [E, D, inter]: FP4/FP8 PackedMatrix stacks, bf16 words, or
@@ -160,23 +160,15 @@ def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, 
     exit at once); fuse_shared: the shared expert in the routed launches (else launches of
     its own); shared_done: the event shared_ahead returned for this call (its shared expert
     already launched on a side stream: only the routed experts here, then the sum waits for
-    it); route: (logits [>= batch, E], bias, tid2eid, token, route_scale), moe_route's
-    operands, to route here first (idx and wts written as moe_route writes them; on the
-    device in the grouping's launch). None of them changes y."""
+    it). None of them changes y."""
     call = _call(gate_up, down, idx, wts, x, act, batch, inter, limit, shared, persistent)
     if call is None:
-        if route is not None:
-            plain_moe.moe_route(*route_args(route, batch, idx, wts))
         _moe_rows(gate_up, down, idx, wts, x, act, y, batch, inter, limit, shared)
         return
     gu, k, sops = call.gu, call.k, call.sops
-    logits, bias, tid2eid, token, scale = route if route is not None else (None,) * 5
-    assert route is None or (logits.shape[-1] == gu.count <= 32 * plain_moe.ROUTE_SLOTS
-                             and _ld(wts) == k <= 32), "route operands"
     launch("rows_moe", "rows_moe_group", (1,), (32 * WARPS,),
            (ptr(idx), i32(call.pairs), i32(k), i32(gu.count), ptr(gu.on_host), ptr(live),
-            ptr(counts), ptr(act.units), ptr(logits), i32(_ld(logits) if route else 0),
-            ptr(bias), ptr(tid2eid), ptr(token), f32(scale or 0.0), ptr(wts)))
+            ptr(counts), ptr(act.units)))
     parts = _moe_parts(gu.fmt, sops, fuse_shared)
     xs = call.split_ready(parts)
     if shared_done is not None:  # the routed experts alone, reading x split once
@@ -191,13 +183,6 @@ def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, 
     launch("rows_moe", "rows_moe_sum", (-(-n // 256),), (256,),
            (ptr(act.part), ptr(act.spart if sops else None), i32(k), i32(call.dn.rows),
             i32(batch), ptr(live), ptr(idx), ptr(y), np.int64(_ld(y))))
-
-
-def route_args(route: tuple, batch: int, idx, wts) -> tuple:
-    """moe_route's arguments for moe()'s route operands."""
-    logits, bias, tid2eid, token, scale = route
-    return logits[:batch], bias, tid2eid, token[:batch], idx.shape[1], scale, idx[:batch], \
-        wts[:batch]
 
 
 def shared_ahead(gate_up, down, idx, x, act: MoeScratch, batch: int, inter: int, limit: float,

@@ -6,21 +6,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4.kernels import moe as plain_moe
 from ds4.kernels.moe import _swiglu
 from ds4.kernels.rows import _host, _kernel_fmt, dense, rows_numpy
-from ds4.kernels.rows_moe import UNIT, route_args, stack_of
+from ds4.kernels.rows_moe import UNIT, stack_of
 
 
 def moe_numpy(gate_up, down, idx, wts, x, act, y, batch: int, inter: int, limit: float,
-              shared=None, counts=None, live=None, shared_done=None, route=None) -> None:
+              shared=None, counts=None, live=None, shared_done=None) -> None:
     """NumPy twin of moe (act unused; device inputs are copied to the host; counts, when
-    given, a host array; route: idx and wts written first by moe_route's twin): the pairs
+    given, a host array): the pairs
     grouped as rows_moe_group does, each pick's product, then the slot-order sums of moe_sum
     (idle rows: the shared expert alone). shared_done is ignored: the twin always computes
     the shared expert itself."""
-    if route is not None:
-        plain_moe.moe_route_numpy(*route_args(route, batch, idx, wts))
     fmt, dfmt = _stack_fmt(gate_up), _stack_fmt(down)
     idx, wts, x = _host(idx), _host(wts), np.asarray(_host(x), np.float32)
     k = idx.shape[1]

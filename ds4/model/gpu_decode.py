@@ -28,7 +28,6 @@ from ds4.kernels import indexer as ix
 from ds4.kernels import moe, quant, sampling
 from ds4.kernels.norm import rms_norm, rms_norm_rope
 from ds4.kernels.rope import rope_tail
-from ds4.kernels.rows_moe import route_args
 from ds4.model import gpu_weights
 from ds4.model.config import CSA, SLIDING
 from ds4.model.gpu_batch import (
@@ -46,9 +45,6 @@ from ds4.model.gpu_moe import moe_rows, row_moe_fits, row_moe_scratch, shared_ah
 from ds4.model.state import SessionState
 
 SHARED_AHEAD = True  # the shared expert on a side stream, ahead of the router (docs/PERF.md)
-# The route in rows_moe.moe's grouping launch: off, measured slower than moe_route's own launch
-# (the MoE stage 4-5 us a layer; docs/PERF.md); the tests run both sides.
-ROUTE_IN_GROUPING = False
 
 SIZES = (1, 2, 4, 8)  # batch sizes with a graph; a batch runs in the smallest that holds it
 MAX_MEMBERS = SIZES[-1]
@@ -421,13 +417,11 @@ class KernelDecoder:
         if self.cp is not np and self.shard is None and SHARED_AHEAD:
             done = shared_ahead(cfg, t, b, B, scratch, self.side_stream)
         matvec_rows(t["mlp.gate.weight"], b["h"], b["router"], B)
-        route = (b["router"], t.get("mlp.gate.e_score_correction_bias"),
-                 t.get("mlp.gate.tid2eid"), tokens, cfg.routed_scaling_factor)
-        fused = ROUTE_IN_GROUPING and scratch is not None and self.shard is None
-        if not fused:  # (fused: rows_moe.moe routes in its grouping launch)
-            moe.moe_route(*route_args(route, B, b["idx"], b["wts"]))
+        moe.moe_route(b["router"][:B], t.get("mlp.gate.e_score_correction_bias"),
+                      t.get("mlp.gate.tid2eid"), tokens[:B], cfg.num_experts_per_tok,
+                      cfg.routed_scaling_factor, b["idx"][:B], b["wts"][:B])
         if self.shard is not None:
             self.shard.layer(i, B, shared=shared_of(t))
             return
         moe_rows(cfg, t, b, self.rows, B, scratch, self.tables[B].live,
-                 done, route if fused else None)  # idle members read no routed expert or count
+                 done)  # idle members read no routed expert or count

@@ -25,20 +25,18 @@ ROWS_READ_PLACED = False
 
 
 def moe_rows(cfg, t: dict, buf: dict, rows: list, batch: int, scratch=None, live=None,
-             shared_done=None, route=None) -> None:
+             shared_done=None) -> None:
     """buf["y"][b] = routed experts + shared expert of buf["h"][b], routes in buf["idx"/"wts"];
     scratch: rows_moe.moe's buffers where it reads this layer (row_moe_fits), else None; live:
     the member table's live count (device int32 [1]; None: every member is live);
-    shared_done: rows_moe.shared_ahead's event (the shared expert already launched); route:
-    rows_moe.moe's route operands, to route there first (only with scratch)."""
+    shared_done: rows_moe.shared_ahead's event (the shared expert already launched)."""
     counts = t.get("experts.counts")  # placed experts: routing picks for re-placement
-    assert route is None or scratch is not None, "routes are made by moe_route otherwise"
     if scratch is not None:
         shared = shared_of(t)
         rows_moe.moe(t["experts.gate_up"], t["experts.down"], buf["idx"], buf["wts"],
                      buf["h"], scratch, buf["y"], batch, cfg.moe_intermediate_size,
                      cfg.swiglu_limit, shared=shared, counts=counts, live=live,
-                     shared_done=shared_done, route=route)
+                     shared_done=shared_done)
         return
     # the single-token kernels once per member: formats rows_moe.moe does not read
     for b in range(batch):
