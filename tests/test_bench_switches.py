@@ -1,0 +1,25 @@
+"""tools/bench_switches.py on the CPU: it finds the decoder's switches and refuses a name that
+is not one (its timing needs a GPU: the device runs it)."""
+
+from __future__ import annotations
+
+import pytest
+from test_batch_tools import load_tool
+
+
+def test_lists_the_decoders_switches_with_their_defaults(capsys):
+    from ds4.model import gpu_decode
+
+    bench = load_tool("bench_switches")
+    assert bench.main(["--list"]) == 0
+    lines = dict(line.split(" = ") for line in capsys.readouterr().out.splitlines())
+    assert lines["SHARED_AHEAD"] == str(gpu_decode.SHARED_AHEAD)
+    assert all(lines[name] == str(getattr(gpu_decode, name)) for name in lines)
+
+
+@pytest.mark.parametrize("argv", [["--switch", "NO_SUCH_SWITCH"], []])
+def test_a_name_that_is_no_switch_is_an_error(argv, capsys):
+    bench = load_tool("bench_switches")
+    with pytest.raises(SystemExit) as stop:
+        bench.main(argv)
+    assert stop.value.code == 2 and "--switch takes one of" in capsys.readouterr().err

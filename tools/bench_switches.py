@@ -1,0 +1,96 @@
+"""A/B of the kernel decoder's switches (the boolean constants of ds4/model/gpu_decode.py): one
+official-format layer at V4-Flash dimensions per kind, its decode graph per layer-token with a
+switch off and on, alternating in one process (`--rounds` pairs), at each batch size, and the
+ratio on / off. What a switch buys is measured against the path it replaces in the same run.
+
+    cd tools && python3 bench_switches.py --switch SHARED_AHEAD --layers sliding,csa,hca \\
+        --batch 1,8
+    python3 bench_switches.py --list                 # the switches (no GPU needed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from bench_engine import KINDS
+
+
+def switches() -> dict[str, bool]:
+    """The decoder's switches and their defaults: gpu_decode's module-level booleans."""
+    from ds4.model import gpu_decode
+
+    return {name: value for name, value in vars(gpu_decode).items()
+            if name.isupper() and isinstance(value, bool)}
+
+
+def layer_seconds(cp, model, ctx: int, batch: int) -> float:
+    """Median replay seconds of layer 0 for `batch` members at position ctx - 2, through a
+    decoder built now (a switch read at construction takes effect)."""
+    from bench_engine import graph_time
+    from bench_official import filled_state
+
+    from ds4.model.gpu_decode import KernelDecoder
+
+    dec = KernelDecoder.from_model(model)
+    states = [filled_state(cp, model.cfg, ctx) for _ in range(batch)]
+    B = dec.prepare(states, [7 + b for b in range(batch)])
+    dec.run(B)  # compiles and loads every kernel outside capture
+    cp.cuda.Device().synchronize()
+    return graph_time(cp, dec.stream, lambda: dec.run_layer(0, B))
+
+
+def ab(cp, model, name: str, ctx: int, batch: int, rounds: int) -> tuple[float, float]:
+    """Median seconds (off, on) of switch `name`, measured off, on, off, on, ..."""
+    from ds4.model import gpu_decode
+
+    kept, times = getattr(gpu_decode, name), {False: [], True: []}
+    try:
+        for _ in range(rounds):
+            for on in (False, True):
+                setattr(gpu_decode, name, on)
+                times[on].append(layer_seconds(cp, model, ctx, batch))
+                cp.get_default_memory_pool().free_all_blocks()  # (that decoder's buffers)
+    finally:
+        setattr(gpu_decode, name, kept)
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
+def main(argv=None) -> int:
+    """Print one row per layer kind, switch and batch size."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--switch", action="append", default=[], help="a gpu_decode switch (repeat)")
+    ap.add_argument("--layers", default="sliding,csa,hca")
+    ap.add_argument("--batch", default="1,8", help="batch sizes (1, 2, 4, 8)")
+    ap.add_argument("--ctx", type=int, default=4096, help="decode position")
+    ap.add_argument("--rounds", type=int, default=2, help="off/on pairs, alternating")
+    ap.add_argument("--small", action="store_true", help="tiny dims: a smoke test of this tool")
+    ap.add_argument("--list", action="store_true", help="print the switches and their defaults")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    known = switches()
+    if args.list:
+        for name, value in known.items():
+            print(f"{name} = {value}")
+        return 0
+    unknown = [s for s in args.switch if s not in known]
+    if unknown or not args.switch:
+        ap.error(f"--switch takes one of {', '.join(known)} (got {unknown or 'none'})")
+    import cupy as cp
+    from bench_official import layer_model
+
+    print("| layer | switch | batch | off (ms) | on (ms) | on / off |\n|---|---|--:|--:|--:|--:|")
+    for kind in args.layers.split(","):
+        model = layer_model(cp, KINDS[kind], args.small, quantize=False)
+        for batch in (int(b) for b in args.batch.split(",")):
+            for name in args.switch:
+                off, on = ab(cp, model, name, args.ctx, batch, args.rounds)
+                print(f"| {kind} | {name} | {batch} | {off * 1e3:.4f} | {on * 1e3:.4f} | "
+                      f"{on / off:.3f} |", flush=True)
+        del model
+        cp.get_default_memory_pool().free_all_blocks()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
