@@ -1,5 +1,6 @@
-// The router's pick of one token's experts (moe.cu's moe_route): s = sqrt(softplus(logit)); the top_k experts by s + bias (bias may be null), or
-// tid2eid[token] (hash layers, when tid2eid is given); weights w = s[idx] / sum * route_scale.
+// The router's pick of one token's experts (moe.cu's moe_route): s = sqrt(softplus(logit));
+// the top_k experts by s + bias (bias may be null), or tid2eid[token] (hash layers, when
+// tid2eid is given); weights w = s[idx] / sum * route_scale.
 #pragma once
 
 #include "common.cuh"
