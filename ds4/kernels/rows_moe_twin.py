@@ -15,8 +15,8 @@ def moe_numpy(gate_up, down, idx, wts, x, act, y, batch: int, inter: int, limit:
               shared=None, counts=None, live=None, shared_done=None) -> None:
     """NumPy twin of moe (act unused; device inputs are copied to the host; counts, when
     given, a host array): the pairs grouped as rows_moe_group does, each pick's product, then
-    the slot-order sums of moe_sum (idle rows: the shared expert alone). shared_done is ignored: the twin always computes
-    the shared expert itself."""
+    the slot-order sums of moe_sum (idle rows: the shared expert alone). shared_done is
+    ignored: the twin always computes the shared expert itself."""
     fmt, dfmt = _stack_fmt(gate_up), _stack_fmt(down)
     idx, wts, x = _host(idx), _host(wts), np.asarray(_host(x), np.float32)
     k = idx.shape[1]
