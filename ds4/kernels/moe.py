@@ -8,7 +8,7 @@ from ds4.kernels import f32, i32, launch, ptr, widen
 from ds4.kernels.gemv import weight_kind
 
 WARPS_PER_BLOCK = 8
-ROUTE_SLOTS = 32  # route.cuh: experts a lane of moe_route holds
+ROUTE_SLOTS = 32  # moe.cu: experts a lane of moe_route holds
 
 
 def moe_route(logits, bias, tid2eid, token, top_k: int, route_scale: float, idx, wts):
