@@ -6,6 +6,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ds4.jobs.events import SamplingOptions
 from ds4.sampling import TOP_K_CAP, make_rng, sample
@@ -254,3 +256,23 @@ def test_top_p_with_min_p_keeps_what_both_filters_keep(seed: int) -> None:
             want = np.sort(want[scaled[want] >= floor])
             got = np.sort(_top_p_within_min_p(scaled, top_p, np.float32(0), floor))
             np.testing.assert_array_equal(got, want)
+
+
+@settings(max_examples=150, deadline=None)
+@given(temperature=st.floats(0.05, 4.0), top_k=st.sampled_from([0, 2, 7, 40, 500, 5000]),
+       top_p=st.sampled_from([1.0, 0.0, 1.5]) | st.floats(0.01, 0.999),
+       min_p=st.sampled_from([0.0, 1.5]) | st.floats(0.001, 0.6),
+       shape=st.sampled_from(["wide", "ties", "flat", "peaked"]), seed=st.integers(0, 2**16))
+def test_any_options_draw_the_host_token_on_the_device_path(temperature, top_k, top_p, min_p,
+                                                            shape, seed):
+    # every mix of the filters (top_k's candidates, min_p's survivors, top_p's cut), through
+    # the device path's listing kernel twin or its masks: the host's token for the same draw
+    from ds4.sampling import sample_masked
+
+    rng = np.random.default_rng(seed)
+    logits = {"wide": rng.normal(size=3000) * 3, "ties": np.round(rng.normal(size=3000) * 2),
+              "flat": np.zeros(2500), "peaked": rng.normal(size=3000) * 12}[shape]
+    options = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    logits = logits.astype(np.float32)
+    assert sample_masked(np, logits, options, make_rng(seed)) == \
+        sample(logits, options, make_rng(seed))
