@@ -272,7 +272,7 @@ def test_any_options_draw_the_host_token_on_the_device_path(temperature, top_k, 
     rng = np.random.default_rng(seed)
     logits = {"wide": rng.normal(size=3000) * 3, "ties": np.round(rng.normal(size=3000) * 2),
               "flat": np.zeros(2500), "peaked": rng.normal(size=3000) * 12}[shape]
-    options = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     logits = logits.astype(np.float32)
+    options = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     assert sample_masked(np, logits, options, make_rng(seed)) == \
         sample(logits, options, make_rng(seed))
