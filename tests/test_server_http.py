@@ -55,6 +55,15 @@ def test_health_slots_and_metrics(live):
         assert name in text
 
 
+def test_the_base_url_answers_a_probe(live):
+    url = live[0]
+    assert httpx.head(url + "/").status_code == 200  # Claude Code's first request
+    root = httpx.get(url + "/").json()
+    assert root["name"] == "ds4-server" and "deepseek-v4-flash" in root["models"]
+    assert {"/v1/messages", "/v1/chat/completions", "/health"} <= set(root["routes"])
+    assert httpx.post(url + "/").status_code == 404  # (only GET and HEAD)
+
+
 def test_models(oai):
     assert {m.id for m in oai.models.list()} == {"deepseek-v4-flash", "deepseek-chat",
                                                  "deepseek-reasoner"}

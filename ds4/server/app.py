@@ -15,7 +15,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ds4.server import anthropic, completions, models, openai_chat, responses
-from ds4.server.config import ServerConfig
+from ds4.server.config import MODEL_ALIASES, ServerConfig
 from ds4.server.errors import ApiError, error_response, protocol_of_path
 from ds4.server.exchange import ExchangeLayer, InternalErrorLayer
 from ds4.server.runtime import BROKEN, SERVING, Runtime
@@ -36,7 +36,7 @@ def build_app(config: ServerConfig, runtime: Runtime | None = None, load: bool =
         return endpoint
 
     routes = [
-        Route("/health", bind(health)), Route("/metrics", bind(metrics)),
+        Route("/", bind(root)), Route("/health", bind(health)), Route("/metrics", bind(metrics)),
         Route("/slots", bind(slots)),
         Route("/v1/models", bind(models.list_models)),
         Route("/v1/models/{model_id:path}", bind(models.get_model)),
@@ -111,6 +111,13 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
     status = 404 if exc.status_code in (404, 405) else exc.status_code
     message = "unknown endpoint" if status == 404 else str(exc.detail)
     return error_response(ApiError(status, message), protocol_of_path(request.url.path))
+
+
+async def root(request: Request, runtime: Runtime) -> Response:
+    """200 with the server's name and routes: clients probe the base URL before they use it
+    (Claude Code sends `HEAD /` first), and a person opening it in a browser learns where to go."""
+    return json_response({"name": "ds4-server", "models": list(MODEL_ALIASES),
+                          "routes": [r.path for r in request.app.routes if r.path != "/"]})
 
 
 async def health(request: Request, runtime: Runtime) -> Response:

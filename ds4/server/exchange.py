@@ -18,7 +18,7 @@ from ds4.server.metrics import Metrics
 ACCESS = logging.getLogger("ds4.access")
 log = logging.getLogger("ds4.server")
 # the label of every path outside this set is "other": scanners must not grow /metrics
-ROUTES = frozenset({"/health", "/metrics", "/slots", "/v1/models", "/v1/chat/completions",
+ROUTES = frozenset({"/", "/health", "/metrics", "/slots", "/v1/models", "/v1/chat/completions",
                     "/v1/completions", "/v1/responses", "/v1/messages",
                     "/v1/messages/count_tokens"})
 MODEL_ROUTE = "/v1/models/{model_id}"

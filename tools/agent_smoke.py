@@ -1,0 +1,193 @@
+"""The coding agents themselves against ds4-server: Claude Code (`claude -p`), Codex (`codex
+exec`) and opencode (`opencode run`), each given one prompt non-interactively, configured the
+way README tells users to. The server runs the built-in tiny model unless --model says
+otherwise; the tiny model's random weights never end a turn, so every answer stops at the output
+cap (--tokens), which each agent reports in its own words (a finished stream all the same).
+
+A run passes an agent when every request it sent got a 2xx (the server's access log), at
+least one of them generated tokens and finished without an error (the server's --trace), and
+the CLI exited before the timeout. The CLIs come from npm (not a dependency of ds4):
+
+    npm install --prefix /tmp/agents @anthropic-ai/claude-code @openai/codex opencode-ai
+    python3 tools/agent_smoke.py --bin /tmp/agents/node_modules/.bin
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+MODEL = "deepseek-v4-flash"
+ACCESS = re.compile(r"ds4-server: \S+ (\w+) (\S+) (\d{3}) ")
+
+
+@dataclass
+class Agent:
+    """One CLI: its command, the environment README gives it, and the config files it reads
+    (path relative to the run's home -> text), with {url} and {tokens} filled in."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+
+
+CODEX_TOML = f"""model = "{MODEL}"
+model_provider = "ds4"
+
+[model_providers.ds4]
+name = "ds4"
+base_url = "{{url}}/v1"
+wire_api = "responses"
+"""
+OPENCODE_JSON = json.dumps({
+    "$schema": "https://opencode.ai/config.json",
+    "provider": {"ds4": {"npm": "@ai-sdk/openai-compatible", "name": "ds4",
+                         "options": {"baseURL": "{url}/v1"},
+                         "models": {MODEL: {"name": "DeepSeek V4 Flash",
+                                            "limit": {"context": 65536, "output": 0}}}}},
+    "model": f"ds4/{MODEL}"}).replace('"output": 0', '"output": {tokens}')
+AGENTS = [
+    Agent("claude", ["claude", "-p", "{prompt}", "--output-format", "json"],
+          {"ANTHROPIC_BASE_URL": "{url}", "ANTHROPIC_AUTH_TOKEN": "unused",
+           "ANTHROPIC_MODEL": MODEL, "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
+           "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "{tokens}", "DISABLE_TELEMETRY": "1",
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}),
+    Agent("codex", ["codex", "exec", "--skip-git-repo-check", "{prompt}"],
+          {"CODEX_HOME": "{home}/.codex"}, {".codex/config.toml": CODEX_TOML}),
+    Agent("opencode", ["opencode", "run", "{prompt}"], {},
+          {"work/opencode.json": OPENCODE_JSON}),
+]
+
+
+def main() -> int:
+    """Start the server, run each agent found, print one line per agent; 1 if any failed."""
+    args = parse_args()
+    found = [a for a in AGENTS if a.name in args.agents and which(a.name, args.bin)]
+    if not found:
+        print("no agent CLI found (see --bin)", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        home = Path(tmp)
+        server, url, log = start_server(args, home)
+        try:
+            results = [run_agent(a, args, url, home, log) for a in found]
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    for line in results:
+        print(line)
+    return 0 if all(" ok " in line for line in results) else 1
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bin", default="", help="folder of the agent CLIs (else PATH)")
+    p.add_argument("--agents", default="claude,codex,opencode", type=lambda s: s.split(","))
+    p.add_argument("--model", default=None, help="ds4-server --model (default: the tiny one)")
+    p.add_argument("--tokens", type=int, default=40, help="output cap of every answer")
+    p.add_argument("--prompt", default="say hi")
+    p.add_argument("--timeout", type=float, default=600, help="seconds an agent may take")
+    return p.parse_args()
+
+
+def which(name: str, folder: str) -> str | None:
+    """The CLI's path: in --bin, else on PATH (None: not installed, not run)."""
+    return shutil.which(name, path=folder or None)
+
+
+def start_server(args, home: Path) -> tuple[subprocess.Popen, str, Path]:
+    """ds4-server on a free port with a trace and its access log in files; waits for /health."""
+    port = free_port()
+    log = home / "server.log"
+    cmd = ["ds4-server", "--port", str(port), "--ctx", "65536", "--parallel", "2",
+           "--tokens", str(args.tokens), "--trace", str(home / "trace.jsonl")]
+    if args.model:
+        cmd += ["--model", args.model]
+    server = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while not healthy(url):
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"ds4-server did not come up:\n{log.read_text()}")
+        time.sleep(0.5)
+    return server, url, log
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_agent(agent: Agent, args, url: str, home: Path, log: Path) -> str:
+    """Run one agent in its own home and working folder; its verdict line."""
+    fill = {"url": url, "tokens": str(args.tokens), "home": str(home), "prompt": args.prompt}
+    for rel, text in agent.files.items():
+        (home / rel).parent.mkdir(parents=True, exist_ok=True)
+        (home / rel).write_text(text.replace("{url}", url).replace("{tokens}", fill["tokens"]))
+    (home / "work").mkdir(exist_ok=True)
+    env = {**os.environ, "HOME": str(home), "PWD": str(home / "work"),  # (opencode reads PWD)
+           **{k: v.format(**fill) for k, v in agent.env.items()}}
+    if args.bin:
+        env["PATH"] = f"{args.bin}:{env['PATH']}"
+    before_log, before_trace = len(log.read_text().splitlines()), trace_jobs(home)
+    argv = [a.format(**fill) for a in agent.argv]
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(argv, cwd=home / "work", env=env, capture_output=True, text=True,
+                              timeout=args.timeout, stdin=subprocess.DEVNULL)
+        code, said = str(done.returncode), done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, said = "timeout", str(exc.stdout or "") + str(exc.stderr or "")
+    requests = [m.groups() for m in map(ACCESS.match, log.read_text().splitlines()[before_log:])
+                if m]
+    jobs = trace_jobs(home)[len(before_trace):]
+    line = verdict(agent.name, code, time.monotonic() - t0, requests, jobs)
+    return line if " ok " in line else f"{line}\n    its last output: {said[-600:]!r}"
+
+
+def trace_jobs(home: Path) -> list[dict]:
+    """The trace's job records so far (its first line is the run's header)."""
+    path = home / "trace.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [x for x in lines if "seq" in x]
+
+
+def verdict(name: str, code: str, took: float, requests: list, jobs: list) -> str:
+    """'<agent> ok|FAIL ...': every request 2xx, a job that generated and ended cleanly, no
+    timeout."""
+    bad = [f"{m} {p} {s}" for m, p, s in requests if not s.startswith("2")]
+    generated = [j for j in jobs if j["generated_tokens"] and not j["error"]]
+    errors = [j["error"] for j in jobs if j["error"]]
+    ok = not bad and generated and not errors and code != "timeout"
+    routes = sorted({p for _, p, _ in requests})
+    return (f"{name:9s}{' ok ' if ok else ' FAIL '} exit {code}, {took:.1f} s, "
+            f"{len(requests)} requests {routes}, {len(jobs)} jobs "
+            f"({sum(len(j['generated_tokens']) for j in jobs)} tokens)"
+            + (f"; non-2xx: {bad}" if bad else "") + (f"; errors: {errors}" if errors else ""))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
