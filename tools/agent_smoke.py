@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,30 +36,33 @@ ACCESS = re.compile(r"ds4-server: \S+ (\w+) (\S+) (\d{3}) ")
 
 @dataclass
 class Agent:
-    """One CLI: its command, the environment README gives it, and the config files it reads
-    (path relative to the run's home -> text), with {url} and {tokens} filled in."""
+    """One CLI: its command and the environment README gives it ({url}, {tokens}, {home} and
+    {prompt} filled in), and the config files it reads (path under the run's home -> the
+    text, made from those same values)."""
 
     name: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
-    files: dict[str, str] = field(default_factory=dict)
+    files: dict[str, Callable[[dict], str]] = field(default_factory=dict)
 
 
-CODEX_TOML = f"""model = "{MODEL}"
-model_provider = "ds4"
+def codex_toml(fill: dict) -> str:
+    """Codex's config.toml as README gives it."""
+    return (f'model = "{MODEL}"\nmodel_provider = "ds4"\n\n[model_providers.ds4]\n'
+            f'name = "ds4"\nbase_url = "{fill["url"]}/v1"\nwire_api = "responses"\n')
 
-[model_providers.ds4]
-name = "ds4"
-base_url = "{{url}}/v1"
-wire_api = "responses"
-"""
-OPENCODE_JSON = json.dumps({
-    "$schema": "https://opencode.ai/config.json",
-    "provider": {"ds4": {"npm": "@ai-sdk/openai-compatible", "name": "ds4",
-                         "options": {"baseURL": "{url}/v1"},
-                         "models": {MODEL: {"name": "DeepSeek V4 Flash",
-                                            "limit": {"context": 65536, "output": 0}}}}},
-    "model": f"ds4/{MODEL}"}).replace('"output": 0', '"output": {tokens}')
+
+def opencode_json(fill: dict) -> str:
+    """opencode's opencode.json as README gives it, with the answer capped (its `limit`)."""
+    card = {"name": "DeepSeek V4 Flash",
+            "limit": {"context": 65536, "output": int(fill["tokens"])}}
+    return json.dumps({"$schema": "https://opencode.ai/config.json",
+                       "provider": {"ds4": {"npm": "@ai-sdk/openai-compatible", "name": "ds4",
+                                            "options": {"baseURL": fill["url"] + "/v1"},
+                                            "models": {MODEL: card}}},
+                       "model": f"ds4/{MODEL}"})
+
+
 AGENTS = [
     Agent("claude", ["claude", "-p", "{prompt}", "--output-format", "json"],
           {"ANTHROPIC_BASE_URL": "{url}", "ANTHROPIC_AUTH_TOKEN": "unused",
@@ -66,9 +70,9 @@ AGENTS = [
            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "{tokens}", "DISABLE_TELEMETRY": "1",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}),
     Agent("codex", ["codex", "exec", "--skip-git-repo-check", "{prompt}"],
-          {"CODEX_HOME": "{home}/.codex"}, {".codex/config.toml": CODEX_TOML}),
+          {"CODEX_HOME": "{home}/.codex"}, {".codex/config.toml": codex_toml}),
     Agent("opencode", ["opencode", "run", "{prompt}"], {},
-          {"work/opencode.json": OPENCODE_JSON}),
+          {"work/opencode.json": opencode_json}),
 ]
 
 
@@ -144,7 +148,7 @@ def run_agent(agent: Agent, args, url: str, home: Path, log: Path) -> str:
     fill = {"url": url, "tokens": str(args.tokens), "home": str(home), "prompt": args.prompt}
     for rel, text in agent.files.items():
         (home / rel).parent.mkdir(parents=True, exist_ok=True)
-        (home / rel).write_text(text.replace("{url}", url).replace("{tokens}", fill["tokens"]))
+        (home / rel).write_text(text(fill))
     (home / "work").mkdir(exist_ok=True)
     env = {**os.environ, "HOME": str(home), "PWD": str(home / "work"),  # (opencode reads PWD)
            **{k: v.format(**fill) for k, v in agent.env.items()}}
