@@ -31,6 +31,8 @@ from pathlib import Path
 import httpx
 
 MODEL = "deepseek-v4-flash"
+CTX = 65536  # the server's --ctx, and the window each agent is told (README)
+COMPACT = 52000  # Codex compacts its conversation past this many tokens (~80% of CTX)
 ACCESS = re.compile(r"ds4-server: \S+ (\w+) (\S+) (\d{3}) ")
 
 
@@ -48,14 +50,15 @@ class Agent:
 
 def codex_toml(fill: dict) -> str:
     """Codex's config.toml as README gives it."""
-    return (f'model = "{MODEL}"\nmodel_provider = "ds4"\n\n[model_providers.ds4]\n'
+    return (f'model = "{MODEL}"\nmodel_provider = "ds4"\nmodel_context_window = {CTX}\n'
+            f'model_auto_compact_token_limit = {COMPACT}\n\n[model_providers.ds4]\n'
             f'name = "ds4"\nbase_url = "{fill["url"]}/v1"\nwire_api = "responses"\n')
 
 
 def opencode_json(fill: dict) -> str:
     """opencode's opencode.json as README gives it, with the answer capped (its `limit`)."""
     card = {"name": "DeepSeek V4 Flash",
-            "limit": {"context": 65536, "output": int(fill["tokens"])}}
+            "limit": {"context": CTX, "output": int(fill["tokens"])}}
     return json.dumps({"$schema": "https://opencode.ai/config.json",
                        "provider": {"ds4": {"npm": "@ai-sdk/openai-compatible", "name": "ds4",
                                             "options": {"baseURL": fill["url"] + "/v1"},
@@ -67,6 +70,7 @@ AGENTS = [
     Agent("claude", ["claude", "-p", "{prompt}", "--output-format", "json"],
           {"ANTHROPIC_BASE_URL": "{url}", "ANTHROPIC_AUTH_TOKEN": "unused",
            "ANTHROPIC_MODEL": MODEL, "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
+           "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(CTX),
            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "{tokens}", "DISABLE_TELEMETRY": "1",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}),
     Agent("codex", ["codex", "exec", "--skip-git-repo-check", "{prompt}"],
@@ -116,7 +120,7 @@ def start_server(args, home: Path) -> tuple[subprocess.Popen, str, Path]:
     """ds4-server on a free port with a trace and its access log in files; waits for /health."""
     port = free_port()
     log = home / "server.log"
-    cmd = ["ds4-server", "--port", str(port), "--ctx", "65536", "--parallel", "2",
+    cmd = ["ds4-server", "--port", str(port), "--ctx", str(CTX), "--parallel", "2",
            "--tokens", str(args.tokens), "--trace", str(home / "trace.jsonl")]
     if args.model:
         cmd += ["--model", args.model]
