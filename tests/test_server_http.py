@@ -5,6 +5,7 @@ outputs are compared."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -223,6 +224,12 @@ def test_bad_requests_get_their_status_and_protocol_shape(live):
         assert fragment in error["message"], (path, error)
         if "context size" in fragment:
             assert error["n_ctx"] == 2048 and error["n_prompt_tokens"] > 2048
+            if path.startswith(MSG):  # Anthropic's words, which Claude Code compacts on
+                words = re.match(r"prompt is too long: (\d+) tokens > (\d+) maximum",
+                                 error["message"])
+                assert words and words.groups() == (str(error["n_prompt_tokens"]), "2048")
+            else:
+                assert error["message"].startswith("Prompt has ")
     ok = httpx.post(url + CHAT, json={"model": GREEDY, "messages": HI, "max_tokens": 2})
     assert ok.status_code == 200  # the server keeps serving
 

@@ -55,10 +55,21 @@ def anthropic_error_type(status: int) -> str:
     return _ANTHROPIC_TYPES.get(status, "invalid_request_error")
 
 
+def anthropic_message(err: ApiError) -> str:
+    """The message in Anthropic's words where a client acts on them: a prompt over the context
+    opens with "prompt is too long: N tokens > M maximum", which Claude Code reads to compact
+    its conversation and retry (ds4's own sentence follows in parentheses)."""
+    if err.code == "context_length_exceeded" and "n_ctx" in err.extra:
+        return (f"prompt is too long: {err.extra['n_prompt_tokens']} tokens > "
+                f"{err.extra['n_ctx']} maximum ({err.message})")
+    return err.message
+
+
 def error_body(err: ApiError, protocol: str) -> dict:
     """The JSON error object of a protocol."""
     if protocol == ANTHROPIC:
-        inner = {"type": anthropic_error_type(err.status), "message": err.message, **err.extra}
+        inner = {"type": anthropic_error_type(err.status), "message": anthropic_message(err),
+                 **err.extra}
         return {"type": "error", "error": inner}
     inner = {"message": err.message, "type": openai_error_type(err.status),
              "param": err.param, "code": err.code, **err.extra}
