@@ -117,11 +117,12 @@ def which(name: str, folder: str) -> str | None:
 
 
 def start_server(args, home: Path) -> tuple[subprocess.Popen, str, Path]:
-    """ds4-server on a free port with a trace and its access log in files; waits for /health."""
+    """ds4-server (this Python's, whatever PATH holds) on a free port with a trace and its
+    access log in files; waits for /health."""
     port = free_port()
     log = home / "server.log"
-    cmd = ["ds4-server", "--port", str(port), "--ctx", str(CTX), "--parallel", "2",
-           "--tokens", str(args.tokens), "--trace", str(home / "trace.jsonl")]
+    cmd = [sys.executable, "-m", "ds4.cli.server", "--port", str(port), "--ctx", str(CTX),
+           "--parallel", "2", "--tokens", str(args.tokens), "--trace", str(home / "trace.jsonl")]
     if args.model:
         cmd += ["--model", args.model]
     server = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
