@@ -10,7 +10,7 @@ the request's generator picks the token.
 Logits on the GPU (a CuPy array) are sampled there and only the token id comes back; the draw
 still comes from the same host generator, so a seed gives the same tokens on both backends.
 The host path works on a few candidates; the device path (`sample_masked`) on masks over the
-whole vocabulary, or, for temperature and min_p alone, in one kernel that lists the survivors;
+whole vocabulary, or, without top_k, in one kernel that lists min_p's survivors and ranks them;
 both compute the same function (NumPy runs the device path as its twin).
 """
 
@@ -156,7 +156,7 @@ def sample_masked(xp, logits, opts: SamplingOptions, rng: np.random.Generator) -
     n = logits.size
     k = min(opts.top_k, TOP_K_CAP) if opts.top_k > 0 else n
     top_p = _top_p(opts)
-    if k >= n and top_p >= 1.0 and opts.min_p > 0:  # temperature + min_p: one kernel
+    if k >= n and opts.min_p > 0:  # temperature, min_p and top_p: one kernel
         token = _min_p_draw(xp, logits, opts, u)
         if token >= 0:
             return token
@@ -186,14 +186,16 @@ def sample_masked(xp, logits, opts: SamplingOptions, rng: np.random.Generator) -
 
 
 def _min_p_draw(xp, logits, opts: SamplingOptions, u: float) -> int:
-    """The token of draw u under temperature and min_p alone, by ds4/kernels/sampling.py's
-    sample_min_p (its twin on NumPy): one launch instead of a dozen; -1 where it keeps none or
-    too many tokens (then the masks below decide)."""
+    """The token of draw u under temperature, min_p and top_p (no top_k), by
+    ds4/kernels/sampling.py's sample_min_p (its twin on NumPy): one launch instead of a dozen
+    and no sort of the vocabulary; -1 where it keeps none or too many tokens (then the masks
+    below decide)."""
     from ds4.kernels import sampling as kernels
 
     draw = kernels.sample_min_p if xp is not np else kernels.sample_min_p_numpy
     out = xp.zeros(1, dtype=xp.int32)
-    draw(xp.ascontiguousarray(logits), opts.temperature, float(_log_min_p(opts)), u, out)
+    draw(xp.ascontiguousarray(logits), opts.temperature, float(_log_min_p(opts)), u, out,
+         _top_p(opts))
     return int(out[0])
 
 

@@ -110,7 +110,8 @@ TWIN_OPTIONS = [SamplingOptions(), SamplingOptions(temperature=0.7, top_k=40, to
                 SamplingOptions(top_k=3000, min_p=0.0), SamplingOptions(top_p=0.5, min_p=0.0),
                 SamplingOptions(temperature=2.0, min_p=0.2), SamplingOptions(temperature=0.0),
                 SamplingOptions(top_k=1, temperature=3.0), SamplingOptions(min_p=1.5),
-                SamplingOptions(temperature=2e-38, top_p=0.9, min_p=0.0)]
+                SamplingOptions(temperature=2e-38, top_p=0.9, min_p=0.0),
+                SamplingOptions(top_p=0.5), SamplingOptions(temperature=0.8, top_p=0.9, min_p=0.1)]
 
 
 def twin_logits() -> list[np.ndarray]:

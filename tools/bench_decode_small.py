@@ -1,8 +1,8 @@
 """The decode step's small launches on the H200, each against what it replaced, same run:
 one mHC unit boundary (`hc_unit` against hc_post + hc_mix + hc_pre_norm, in a CUDA graph of
 200 launches, each unit's fn read in turn from 64 copies: 96 MB, past the L2) and one device
-draw under the default sampling options (the `sample_min_p` kernel against the masked CuPy
-path, a 129280-token row, the id's host sync included).
+draw under the default sampling options and with top_p 0.95 beside them (the `sample_min_p`
+kernel against the masked CuPy path, a 129280-token row, the id's host sync included).
 
     PYTHONPATH=. python3 tools/bench_decode_small.py
 """
@@ -63,11 +63,11 @@ def unit_table(cp) -> None:
                   f"post + mix + pre_norm {apart:6.2f} us ({apart / fused:4.2f}x)", flush=True)
 
 
-def draw_us(x, n: int = 200) -> float:
-    """Microseconds per device draw of the default options, the host sync included."""
+def draw_us(x, opts: SamplingOptions, n: int = 200) -> float:
+    """Microseconds per device draw under opts, the host sync included."""
     import cupy as cp
 
-    opts, rng = SamplingOptions(), make_rng(0)
+    rng = make_rng(0)
     for _ in range(5):
         sample(x, opts, rng)
     cp.cuda.Device().synchronize()
@@ -80,14 +80,16 @@ def draw_us(x, n: int = 200) -> float:
 def sampling_line(cp) -> None:
     """The min_p kernel against the masked path (the kernel turned off for the second run)."""
     x = cp.asarray((np.random.default_rng(0).normal(size=129280) * 3).astype(np.float32))
-    kernel = draw_us(x)
-    keep, S._min_p_draw = S._min_p_draw, lambda *a: -1
-    try:
-        masked = draw_us(x)
-    finally:
-        S._min_p_draw = keep
-    print(f"device draw, default options: sample_min_p {kernel:.1f} us, masked path "
-          f"{masked:.1f} us ({masked / kernel:.1f}x)")
+    for name, opts in (("default options", SamplingOptions()),
+                       ("top_p 0.95 + min_p 0.05", SamplingOptions(top_p=0.95))):
+        kernel = draw_us(x, opts)
+        keep, S._min_p_draw = S._min_p_draw, lambda *a: -1
+        try:
+            masked = draw_us(x, opts)
+        finally:
+            S._min_p_draw = keep
+        print(f"device draw, {name}: sample_min_p {kernel:.1f} us, masked path "
+              f"{masked:.1f} us ({masked / kernel:.1f}x)")
 
 
 def main() -> None:

@@ -141,20 +141,68 @@ extern "C" __global__ void topk_select(const float* __restrict__ x, const int* _
     if (threadIdx.x == 0) sel_count[0] = k;
 }
 
-// A draw under temperature and min_p alone (ds4/sampling.py's host path, the same arithmetic):
-// s = (x - max) / T in float32, the tokens with s >= floor (= log min_p) kept in id order, their
-// weights exp(s) in float64 summed one after another, and the first whose running sum exceeds
-// u * total drawn. One block of 1024 threads: thread t scans the t-th contiguous chunk of the
-// row twice (count, then list its kept ids at its offset), so the list comes out in id order.
+// A draw under temperature, min_p and top_p (ds4/sampling.py's host path, the same
+// arithmetic): s = (x - max) / T in float32, the tokens with s >= floor (= log min_p) kept in
+// id order, their weights exp(s) in float64 summed one after another, and the first whose
+// running sum exceeds u * total drawn. One block of 1024 threads: thread t scans the t-th
+// contiguous chunk of the row twice (count, then list its kept ids at its offset), so the list
+// comes out in id order. top_p < 1 (top_p_cut) then keeps only the best of those (top_p and
+// min_p each keep a prefix of the ranked tokens, so ranking min_p's few survivors suffices).
 // None or more than MIN_P_KEPT kept tokens: out[0] = -1 (the caller takes the masked path).
 constexpr int MIN_P_KEPT = 2048;
 
+// Sum of a double over the block (thread 0's result; `shared` holds 32 doubles).
+__device__ double block_sum_f64(double v, double* shared) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) == 0) shared[threadIdx.x >> 5] = v;
+    __syncthreads();
+    double t = 0.0;
+    if (threadIdx.x == 0)
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) t += shared[w];
+    return t;
+}
+
+// The top_p cut over the kept tokens ids[0..kept) (id order): rank them by s descending, ties
+// to the lower id, and zero the weight w[j] of each one past the shortest ranked prefix whose
+// share of the whole row's mass reaches top_p. Returns (to every thread) the last kept j.
+__device__ int top_p_cut(const float* x, int n, float m, float T, double top_p, const int* ids,
+                         int kept, double* w, float* s, int* rank, double* red, int* limit) {
+    double part = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) part += exp((double)((x[i] - m) / T));
+    double mass = block_sum_f64(part, red);  // the whole row's (thread 0)
+    for (int j = threadIdx.x; j < kept; j += blockDim.x) s[j] = (x[ids[j]] - m) / T;
+    __syncthreads();
+    for (int j = threadIdx.x; j < kept; j += blockDim.x) {
+        int r = 0;
+        for (int i = 0; i < kept; i++) r += s[i] > s[j] || (s[i] == s[j] && i < j);
+        rank[j] = r;
+        w[r] = exp((double)s[j]);  // in rank order, for the running share
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {  // the first rank whose share reaches top_p (searchsorted, left)
+        double run = 0.0;
+        int r = 0;
+        while (r < kept - 1 && (run += w[r]) / mass < top_p) r++;
+        *limit = r + 1;
+    }
+    __syncthreads();
+    int last = 0;
+    for (int j = 0; j < kept; j++) last = rank[j] < *limit ? j : last;
+    __syncthreads();
+    for (int j = threadIdx.x; j < kept; j += blockDim.x)
+        w[j] = rank[j] < *limit ? exp((double)s[j]) : 0.0;  // zeros add nothing: same sums
+    __syncthreads();
+    return last;
+}
+
 extern "C" __global__ void sample_min_p(const float* __restrict__ x, int n, float T, float floor,
-                                        double u, int* out) {
+                                        double u, double top_p, int* out) {
     wait_inputs();  // (pdl.py)
     __shared__ float red[32];
-    __shared__ int counts[32], total;
-    __shared__ int ids[MIN_P_KEPT];
+    __shared__ double red64[32];
+    __shared__ int counts[32], total, limit;
+    __shared__ int ids[MIN_P_KEPT], rank[MIN_P_KEPT];
+    __shared__ float s[MIN_P_KEPT];
     __shared__ double cdf[MIN_P_KEPT];
     float m = -INFINITY;
     for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, x[i]);
@@ -172,7 +220,11 @@ extern "C" __global__ void sample_min_p(const float* __restrict__ x, int n, floa
     __syncthreads();
     if (threadIdx.x == 0) {
         int acc = 0;
-        for (int w = 0; w < (int)(blockDim.x >> 5); w++) { int c = counts[w]; counts[w] = acc; acc += c; }
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) {
+            int c = counts[w];
+            counts[w] = acc;
+            acc += c;
+        }
         total = acc;
     }
     __syncthreads();
@@ -185,8 +237,14 @@ extern "C" __global__ void sample_min_p(const float* __restrict__ x, int n, floa
     for (int i = lo; i < hi; i++)
         if ((x[i] - m) / T >= floor) ids[at++] = i;
     __syncthreads();
-    for (int j = threadIdx.x; j < kept; j += blockDim.x) cdf[j] = exp((double)((x[ids[j]] - m) / T));
-    __syncthreads();
+    int last = kept - 1;
+    if (top_p < 1.0) {
+        last = top_p_cut(x, n, m, T, top_p, ids, kept, cdf, s, rank, red64, &limit);
+    } else {
+        for (int j = threadIdx.x; j < kept; j += blockDim.x)
+            cdf[j] = exp((double)((x[ids[j]] - m) / T));
+        __syncthreads();
+    }
     if (threadIdx.x != 0) return;
     double sum = 0.0;
     for (int j = 0; j < kept; j++) cdf[j] = sum += cdf[j];
@@ -196,5 +254,5 @@ extern "C" __global__ void sample_min_p(const float* __restrict__ x, int n, floa
         int c = (a + b) >> 1;
         if (cdf[c] > target) b = c; else a = c + 1;
     }
-    out[0] = ids[min(a, kept - 1)];
+    out[0] = ids[min(a, last)];
 }
