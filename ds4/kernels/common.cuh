@@ -30,10 +30,14 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
 
 // A bf16 word widens by a 16-bit shift into a float's high half (exact), so bf16 weights stay
 // bf16 in device memory and every byte is read once.
-__device__ __forceinline__ float widen(unsigned short w) { return __uint_as_float((unsigned int)w << 16); }
+__device__ __forceinline__ float widen(unsigned short w) {
+    return __uint_as_float((unsigned int)w << 16);
+}
 __device__ __forceinline__ float widen(float w) { return w; }
 __device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ float bf16_hi(unsigned int w) {
+    return __uint_as_float(w & 0xffff0000u);
+}
 
 // Eight consecutive weights of one row: one 16-byte load for bf16, two for fp32.
 template <typename W> struct Pack;
@@ -139,8 +143,12 @@ __device__ __forceinline__ float block_reduce(float v, float* shared) {
     return shared[0];
 }
 
-__device__ __forceinline__ float block_sum(float v, float* shared) { return block_reduce<false>(v, shared); }
-__device__ __forceinline__ float block_max(float v, float* shared) { return block_reduce<true>(v, shared); }
+__device__ __forceinline__ float block_sum(float v, float* shared) {
+    return block_reduce<false>(v, shared);
+}
+__device__ __forceinline__ float block_max(float v, float* shared) {
+    return block_reduce<true>(v, shared);
+}
 
 // Channel c of `row` (first = where the trailing rope channels start) after RoPE at position
 // pos: pair k turns by pos * freqs[k], the angle in float64 as the NumPy engine forms it.
@@ -246,6 +254,7 @@ __device__ __forceinline__ void staged_partial(const float* qs, const float* ks,
         }
 #pragma unroll
         for (int hh = 0; hh < 8; hh++)
-            if (hh < hpb) part[((size_t)(h0 + hh) * splits + split) * (width + 2) + 2 + c] = acc[hh];
+            if (hh < hpb)
+                part[((size_t)(h0 + hh) * splits + split) * (width + 2) + 2 + c] = acc[hh];
     }
 }

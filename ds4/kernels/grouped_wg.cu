@@ -172,10 +172,16 @@ __device__ __forceinline__ void wgmma<64>(float* d, const u32* a, u64 desc) {
 }
 #undef WG_ACC8
 
-__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
 template <int K>
-__device__ __forceinline__ void wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(K) : "memory"); }
+__device__ __forceinline__ void wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(K) : "memory");
+}
 
 // acc[tile][N / 2] += the stage's 8 k-steps (hi, then lo) for N = 16 * USED tokens. Each
 // k-step, once its wgmmas are issued, issues a piece of stage `ahead`'s copies into `next`
@@ -331,5 +337,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) gate_up_fp4_wg(WG_ARGS) {
 }
 extern "C" __global__ void __launch_bounds__(256, 1) gemm_fp4_wg(WG_ARGS) {
     Weights W{codes, scale, e_stride, s_stride, rows, cols, sc_ld, shift};
-    wg::grouped<false>(words, w_ld, order, k_div, wts, tiles, n_tiles, W, parts, limit, out, out_ld);
+    wg::grouped<false>(words, w_ld, order, k_div, wts, tiles, n_tiles, W, parts, limit, out,
+                       out_ld);
 }

@@ -66,7 +66,8 @@ extern "C" __global__ void hc_pre(const float* __restrict__ mix, const float* __
     post_comb += b * (n + n * n);
     bool warp_path = warp_weights(n);
     if (head) {
-        if (threadIdx.x < n) pre[threadIdx.x] = sigmoidf(mix[threadIdx.x] * scale[0] + base[threadIdx.x]) + eps;
+        if (threadIdx.x < n)
+            pre[threadIdx.x] = sigmoidf(mix[threadIdx.x] * scale[0] + base[threadIdx.x]) + eps;
     } else if (warp_path) {
         if (threadIdx.x < 32) hc_weights_warp(mix, scale, base, n, iters, eps, pre, post, comb);
     } else if (threadIdx.x == 0) {

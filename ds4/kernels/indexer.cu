@@ -36,7 +36,8 @@ __device__ __forceinline__ void scores_of(const float* __restrict__ q,
         for (int u = 0; u < 8; u++) {
             int i = base + u * blockDim.x;
             if (i < nq) v[u] = q4[i];
-            else if (i < nq + nk) v[u] = first + (i - nq) / h4 < n ? k4[i - nq] : make_float4(0.f, 0.f, 0.f, 0.f);
+            else if (i < nq + nk)
+                v[u] = first + (i - nq) / h4 < n ? k4[i - nq] : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
         for (int u = 0; u < 8; u++) {

@@ -44,8 +44,8 @@ __device__ __forceinline__ void matvec_group(const u8* W, const u8* S, int rows,
     int sc_ld, int shift, const float* __restrict__ x, long long x_ld, int rows_per_group, \
     float* y, long long y_ld, int batch, int KW
 // MINB: blocks an SM must hold (the launch bounds). 2 for the variants of 8 16-byte code loads
-// in flight a lane ((1, 4), (2, 2)), which fit 128 registers without spilling (q_b and o_a at B > 4 took 139 and
-// so ran one block of 8 warps an SM); 1 where 128 would spill.
+// in flight a lane ((1, 4), (2, 2)), which fit 128 registers without spilling (q_b and o_a at
+// B > 4 took 139 and so ran one block of 8 warps an SM); 1 where 128 would spill.
 #define MATVEC(F, MT, DEPTH, NT, MINB) \
     extern "C" __global__ void __launch_bounds__(32 * RW, MINB) \
     rows_matvec_##F##_m##MT##_d##DEPTH##_n##NT(MATVEC_ARGS) { \

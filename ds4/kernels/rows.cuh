@@ -170,7 +170,8 @@ __device__ __forceinline__ void post_stage(const Stage<F, MT, DEPTH>& st, const 
                     mma_f16(part[mt][1], a, lo[m][0], lo[m][1]);
                 }
             }
-        float u0 = __shfl_sync(0xffffffffu, un, 8 * t), u1 = __shfl_sync(0xffffffffu, un, 8 * t + 4);
+        float u0 = __shfl_sync(0xffffffffu, un, 8 * t);
+        float u1 = __shfl_sync(0xffffffffu, un, 8 * t + 4);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
             float s = __uint_as_float(st.mul[d][mt][0]), f0 = s * u0, f1 = s * u1;

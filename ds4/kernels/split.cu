@@ -32,10 +32,12 @@ extern "C" __global__ void split_bf16(const float* __restrict__ x, unsigned shor
 extern "C" __global__ void split_bf16_quads(const float4* __restrict__ x, ushort4* __restrict__ out,
                                             unsigned group_quads, unsigned quads, int parts) {
     wait_inputs();  // (pdl.py)
-    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < quads; i += gridDim.x * blockDim.x) {
+    unsigned stride = gridDim.x * blockDim.x;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < quads; i += stride) {
         unsigned g = i / group_quads, r = i - g * group_quads;
         float4 v = x[i];
-        ushort4 hi = make_ushort4(round_bf16(v.x), round_bf16(v.y), round_bf16(v.z), round_bf16(v.w));
+        ushort4 hi =
+            make_ushort4(round_bf16(v.x), round_bf16(v.y), round_bf16(v.z), round_bf16(v.w));
         long long base = (long long)parts * g * group_quads + r;
         out[base] = hi;
         if (parts == 2)
