@@ -10,7 +10,7 @@ the request's generator picks the token.
 Logits on the GPU (a CuPy array) are sampled there and only the token id comes back; the draw
 still comes from the same host generator, so a seed gives the same tokens on both backends.
 The host path works on a few candidates; the device path (`sample_masked`) on masks over the
-whole vocabulary, or, without top_k, in one kernel that lists min_p's survivors and ranks them;
+whole vocabulary, or, with top_k or min_p, in a kernel that lists the survivors and ranks them;
 both compute the same function (NumPy runs the device path as its twin).
 """
 
@@ -156,8 +156,8 @@ def sample_masked(xp, logits, opts: SamplingOptions, rng: np.random.Generator) -
     n = logits.size
     k = min(opts.top_k, TOP_K_CAP) if opts.top_k > 0 else n
     top_p = _top_p(opts)
-    if k >= n and opts.min_p > 0:  # temperature, min_p and top_p: one kernel
-        token = _min_p_draw(xp, logits, opts, u)
+    if k < n or opts.min_p > 0:  # a short list of candidates: a kernel or two, no sort
+        token = _listed_draw(xp, logits, opts, k, u)
         if token >= 0:
             return token
     scaled = _scaled(logits, opts.temperature)
@@ -185,17 +185,24 @@ def sample_masked(xp, logits, opts: SamplingOptions, rng: np.random.Generator) -
     return int(xp.minimum(pick, last))
 
 
-def _min_p_draw(xp, logits, opts: SamplingOptions, u: float) -> int:
-    """The token of draw u under temperature, min_p and top_p (no top_k), by
-    ds4/kernels/sampling.py's sample_min_p (its twin on NumPy): one launch instead of a dozen
-    and no sort of the vocabulary; -1 where it keeps none or too many tokens (then the masks
-    below decide)."""
+def _listed_draw(xp, logits, opts: SamplingOptions, k: int, u: float) -> int:
+    """The token of draw u by ds4/kernels/sampling.py's sample_min_p (its twin on NumPy) over
+    min_p's survivors of the row, or of top_k's candidates (topk_select of the scaled logits,
+    which the host ranks too); top_p cuts inside. A launch or two instead of a dozen and no sort
+    of the vocabulary; -1 where it keeps none or too many tokens (then the masks decide)."""
     from ds4.kernels import sampling as kernels
 
-    draw = kernels.sample_min_p if xp is not np else kernels.sample_min_p_numpy
+    on_host = xp is np
+    draw = kernels.sample_min_p_numpy if on_host else kernels.sample_min_p
+    floor = float(_log_min_p(opts)) if opts.min_p > 0 else -np.inf
     out = xp.zeros(1, dtype=xp.int32)
-    draw(xp.ascontiguousarray(logits), opts.temperature, float(_log_min_p(opts)), u, out,
-         _top_p(opts))
+    if k >= logits.size:
+        draw(xp.ascontiguousarray(logits), opts.temperature, floor, u, out, _top_p(opts))
+        return int(out[0])
+    scaled = xp.ascontiguousarray(_scaled(logits, opts.temperature))
+    sel, count = xp.zeros(k, dtype=xp.int32), xp.zeros(1, dtype=xp.int32)
+    (kernels.topk_select_numpy if on_host else kernels.topk_select)(scaled, k, sel, count)
+    draw(scaled, 1.0, floor, u, out, _top_p(opts), sel)  # (scaled: its max is 0, T is 1)
     return int(out[0])
 
 

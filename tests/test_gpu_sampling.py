@@ -128,9 +128,9 @@ def test_a_batched_steps_greedy_picks_and_lazy_logits_are_each_sessions_own():
 
 
 def test_the_min_p_kernel_matches_its_twin():
-    """sample_min_p (temperature, min_p and top_p in one launch) against its twin: the drawn
-    token, and -1 where every token passes (more than the kernel lists) or none does (a row of
-    -inf)."""
+    """sample_min_p (temperature, min_p and top_p in one launch) against its twin, over a whole
+    row and over top_k's candidates of it: the drawn token, and -1 where every token passes
+    (more than the kernel lists) or none does (a row of -inf)."""
     import cupy
 
     from ds4.kernels import sampling as kernels
@@ -139,13 +139,16 @@ def test_the_min_p_kernel_matches_its_twin():
     rows = [(rng.normal(size=129280) * 3).astype(np.float32), np.zeros(5000, np.float32),
             np.full(100, -np.inf, np.float32),
             np.round(rng.normal(size=3000) * 2).astype(np.float32)]
-    for x in rows:
-        for temperature, min_p in ((1.0, 0.05), (2.0, 0.2), (0.5, 0.01), (1.0, 1.5)):
-            floor = float(np.float32(np.log(min(min_p, 1.0))))
+    for x, k in itertools.product(rows, (None, 40, 1000)):
+        sel = None if k is None else kernels.topk_select_numpy(x, k, np.zeros(k, np.int32),
+                                                                np.zeros(1, np.int32))
+        for temperature, min_p in ((1.0, 0.05), (2.0, 0.2), (0.5, 0.01), (1.0, 1.5), (1.0, 0)):
+            floor = float(np.float32(np.log(min(min_p, 1.0)))) if min_p else -np.inf
             for u, top_p in itertools.product((0.0, 0.3, 0.999999), (1.0, 0.9, 0.3)):
                 got = kernels.sample_min_p(cupy.asarray(x), temperature, floor, u,
-                                           cupy.zeros(1, cupy.int32), top_p)
+                                           cupy.zeros(1, cupy.int32), top_p,
+                                           None if sel is None else cupy.asarray(sel))
                 want = kernels.sample_min_p_numpy(x, temperature, floor, u, np.zeros(1, np.int32),
-                                                  top_p)
-                assert int(got[0]) == int(want[0]), (x.size, temperature, min_p, u, top_p)
+                                                  top_p, sel)
+                assert int(got[0]) == int(want[0]), (x.size, k, temperature, min_p, u, top_p)
     assert int(want[0]) >= 0  # (the last row keeps a few tokens: a draw, not the fallback)

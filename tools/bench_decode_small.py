@@ -1,8 +1,9 @@
 """The decode step's small launches on the H200, each against what it replaced, same run:
 one mHC unit boundary (`hc_unit` against hc_post + hc_mix + hc_pre_norm, in a CUDA graph of
 200 launches, each unit's fn read in turn from 64 copies: 96 MB, past the L2) and one device
-draw under the default sampling options and with top_p 0.95 beside them (the `sample_min_p`
-kernel against the masked CuPy path, a 129280-token row, the id's host sync included).
+draw under the default sampling options, with top_p 0.95 beside them and with top_k 40 too
+(the `sample_min_p` kernel, after `topk_select` for top_k, against the masked CuPy path, a
+129280-token row, the id's host sync included).
 
     PYTHONPATH=. python3 tools/bench_decode_small.py
 """
@@ -78,16 +79,17 @@ def draw_us(x, opts: SamplingOptions, n: int = 200) -> float:
 
 
 def sampling_line(cp) -> None:
-    """The min_p kernel against the masked path (the kernel turned off for the second run)."""
+    """The listing kernels against the masked path (turned off for the second run)."""
     x = cp.asarray((np.random.default_rng(0).normal(size=129280) * 3).astype(np.float32))
     for name, opts in (("default options", SamplingOptions()),
-                       ("top_p 0.95 + min_p 0.05", SamplingOptions(top_p=0.95))):
+                       ("top_p 0.95 + min_p 0.05", SamplingOptions(top_p=0.95)),
+                       ("top_k 40 + top_p 0.95", SamplingOptions(top_k=40, top_p=0.95))):
         kernel = draw_us(x, opts)
-        keep, S._min_p_draw = S._min_p_draw, lambda *a: -1
+        keep, S._listed_draw = S._listed_draw, lambda *a: -1
         try:
             masked = draw_us(x, opts)
         finally:
-            S._min_p_draw = keep
+            S._listed_draw = keep
         print(f"device draw, {name}: sample_min_p {kernel:.1f} us, masked path "
               f"{masked:.1f} us ({masked / kernel:.1f}x)")
 

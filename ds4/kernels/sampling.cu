@@ -142,14 +142,23 @@ extern "C" __global__ void topk_select(const float* __restrict__ x, const int* _
 }
 
 // A draw under temperature, min_p and top_p (ds4/sampling.py's host path, the same
-// arithmetic): s = (x - max) / T in float32, the tokens with s >= floor (= log min_p) kept in
-// id order, their weights exp(s) in float64 summed one after another, and the first whose
-// running sum exceeds u * total drawn. One block of 1024 threads: thread t scans the t-th
-// contiguous chunk of the row twice (count, then list its kept ids at its offset), so the list
-// comes out in id order. top_p < 1 (top_p_cut) then keeps only the best of those (top_p and
-// min_p each keep a prefix of the ranked tokens, so ranking min_p's few survivors suffices).
-// None or more than MIN_P_KEPT kept tokens: out[0] = -1 (the caller takes the masked path).
+// arithmetic) from a row x[0..n), or from the candidates x[sel[0..n)] (top_k's, by topk_select,
+// ascending ids): s = (x - max) / T in float32, the candidates with s >= floor (= log min_p)
+// kept in id order, their weights exp(s) in float64 summed one after another, and the first
+// whose running sum exceeds u * total drawn. One block of 1024 threads: thread t scans the t-th
+// contiguous chunk twice (count, then list its kept ones at its offset), so the list comes out
+// in id order. top_p < 1 (top_p_cut) then keeps only the best of those (top_p and min_p each
+// keep a prefix of the ranked candidates, so ranking min_p's few survivors suffices). None or
+// more than MIN_P_KEPT kept: out[0] = -1 (the caller takes the masked path).
 constexpr int MIN_P_KEPT = 2048;
+
+// The candidates: a row, or the entries sel lists.
+struct Candidates {
+    const float* x;
+    const int* sel;
+    __device__ float operator[](int i) const { return x[sel ? sel[i] : i]; }
+    __device__ int id(int i) const { return sel ? sel[i] : i; }
+};
 
 // Sum of a double over the block (thread 0's result; `shared` holds 32 doubles).
 __device__ double block_sum_f64(double v, double* shared) {
@@ -162,14 +171,14 @@ __device__ double block_sum_f64(double v, double* shared) {
     return t;
 }
 
-// The top_p cut over the kept tokens ids[0..kept) (id order): rank them by s descending, ties
-// to the lower id, and zero the weight w[j] of each one past the shortest ranked prefix whose
-// share of the whole row's mass reaches top_p. Returns (to every thread) the last kept j.
-__device__ int top_p_cut(const float* x, int n, float m, float T, double top_p, const int* ids,
+// The top_p cut over the kept candidates ids[0..kept) (id order): rank them by s descending,
+// ties to the lower id, and zero the weight w[j] of each one past the shortest ranked prefix
+// whose share of all n candidates' mass reaches top_p. Returns the last kept j.
+__device__ int top_p_cut(Candidates x, int n, float m, float T, double top_p, const int* ids,
                          int kept, double* w, float* s, int* rank, double* red, int* limit) {
     double part = 0.0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) part += exp((double)((x[i] - m) / T));
-    double mass = block_sum_f64(part, red);  // the whole row's (thread 0)
+    double mass = block_sum_f64(part, red);  // all candidates' (thread 0)
     for (int j = threadIdx.x; j < kept; j += blockDim.x) s[j] = (x[ids[j]] - m) / T;
     __syncthreads();
     for (int j = threadIdx.x; j < kept; j += blockDim.x) {
@@ -195,8 +204,9 @@ __device__ int top_p_cut(const float* x, int n, float m, float T, double top_p, 
     return last;
 }
 
-extern "C" __global__ void sample_min_p(const float* __restrict__ x, int n, float T, float floor,
-                                        double u, double top_p, int* out) {
+extern "C" __global__ void sample_min_p(const float* __restrict__ row, const int* __restrict__ sel,
+                                        int n, float T, float floor, double u, double top_p,
+                                        int* out) {
     wait_inputs();  // (pdl.py)
     __shared__ float red[32];
     __shared__ double red64[32];
@@ -204,6 +214,7 @@ extern "C" __global__ void sample_min_p(const float* __restrict__ x, int n, floa
     __shared__ int ids[MIN_P_KEPT], rank[MIN_P_KEPT];
     __shared__ float s[MIN_P_KEPT];
     __shared__ double cdf[MIN_P_KEPT];
+    Candidates x{row, sel};
     float m = -INFINITY;
     for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, x[i]);
     m = block_max(m, red);
@@ -254,5 +265,5 @@ extern "C" __global__ void sample_min_p(const float* __restrict__ x, int n, floa
         int c = (a + b) >> 1;
         if (cdf[c] > target) b = c; else a = c + 1;
     }
-    out[0] = ids[min(a, last)];
+    out[0] = x.id(ids[min(a, last)]);
 }

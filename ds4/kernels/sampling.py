@@ -27,24 +27,29 @@ def argmax_numpy(x, out):
 MIN_P_KEPT = 2048  # sampling.cu's cap on the tokens sample_min_p keeps
 
 
-def sample_min_p(x, temperature: float, floor: float, u: float, out, top_p: float = 1.0):
+def sample_min_p(x, temperature: float, floor: float, u: float, out, top_p: float = 1.0,
+                 sel=None):
     """out[0] = the token draw u in [0, 1) picks from logits x [n] under temperature, min_p
-    (floor = log min_p) and top_p (< 1: a cut; no top_k), as ds4/sampling.py's host path
-    computes it; -1 where no token or more than MIN_P_KEPT tokens pass the floor. One launch."""
+    (floor = log min_p) and top_p, as ds4/sampling.py's host path computes it, among all of x
+    or the candidates sel [k] lists (top_k's, ascending ids: topk_select); -1 where no
+    candidate or more than MIN_P_KEPT pass the floor. One launch."""
     assert x.ndim == 1 and x.strides[0] == x.itemsize
+    n = x.shape[0] if sel is None else sel.shape[0]
     launch("sampling", "sample_min_p", (1,), (1024,),
-           (ptr(x), i32(x.shape[0]), np.float32(temperature), np.float32(floor), np.float64(u),
-            np.float64(top_p), ptr(out)))
+           (ptr(x), NULL if sel is None else ptr(sel), i32(n), np.float32(temperature),
+            np.float32(floor), np.float64(u), np.float64(top_p), ptr(out)))
     return out
 
 
-def sample_min_p_numpy(x, temperature: float, floor: float, u: float, out, top_p: float = 1.0):
-    """NumPy twin of sample_min_p. The row's mass for top_p is summed in NumPy's order, not the
-    kernel's: the two cut differently only where a prefix's share lies within a few ulps of
-    top_p."""
+def sample_min_p_numpy(x, temperature: float, floor: float, u: float, out, top_p: float = 1.0,
+                       sel=None):
+    """NumPy twin of sample_min_p. The candidates' mass for top_p is summed in NumPy's order,
+    not the kernel's: the two cut differently only where a prefix's share lies within a few
+    ulps of top_p."""
     x = np.asarray(x, dtype=np.float32)
+    cand = np.arange(x.size) if sel is None else np.asarray(sel)
     with np.errstate(over="ignore", invalid="ignore"):
-        s = (x - x.max()) / np.float32(temperature)
+        s = (x[cand] - x[cand].max()) / np.float32(temperature)
         ids = np.flatnonzero(s >= np.float32(floor))
     if not 0 < ids.size <= MIN_P_KEPT:
         out[0] = -1
@@ -54,7 +59,7 @@ def sample_min_p_numpy(x, temperature: float, floor: float, u: float, out, top_p
         share = np.cumsum(np.exp(s[ranked].astype(np.float64))) / np.exp(s.astype(np.float64)).sum()
         ids = np.sort(ranked[: int(np.searchsorted(share, top_p, side="left")) + 1])
     cdf = np.cumsum(np.exp(s[ids].astype(np.float64)))
-    out[0] = ids[min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), ids.size - 1)]
+    out[0] = cand[ids[min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), ids.size - 1)]]
     return out
 
 
