@@ -152,3 +152,21 @@ def test_the_min_p_kernel_matches_its_twin():
                                                   top_p, sel)
                 assert int(got[0]) == int(want[0]), (x.size, k, temperature, min_p, u, top_p)
     assert int(want[0]) >= 0  # (the last row keeps a few tokens: a draw, not the fallback)
+
+
+def test_random_option_mixes_draw_the_host_tokens():
+    """200 random mixes of temperature, top_k, top_p and min_p over vocabulary-sized rows: the
+    device's kernels (topk_select, sample_min_p) or masks draw the host's token."""
+    import cupy
+
+    rng = np.random.default_rng(21)
+    for case in range(200):
+        logits = (rng.normal(size=129280) * rng.choice([1.0, 3.0, 12.0])).astype(np.float32)
+        if case % 4 == 0:
+            logits = np.round(logits)
+        options = SamplingOptions(temperature=float(rng.uniform(0.05, 4.0)),
+                                  top_k=int(rng.choice([0, 0, 2, 40, 1000, 5000])),
+                                  top_p=float(rng.choice([1.0, rng.uniform(0.01, 0.999)])),
+                                  min_p=float(rng.choice([0.0, 1.5, rng.uniform(0.001, 0.6)])))
+        want = sample(logits, options, make_rng(case))
+        assert sample(cupy.asarray(logits), options, make_rng(case)) == want, (case, options)
