@@ -173,7 +173,7 @@ __device__ double block_sum_f64(double v, double* shared) {
 
 // The top_p cut over the kept candidates ids[0..kept) (id order): rank them by s descending,
 // ties to the lower id, and zero the weight w[j] of each one past the shortest ranked prefix
-// whose share of all n candidates' mass reaches top_p. Returns the last kept j.
+// whose share of all n candidates' mass reaches top_p. Returns (to thread 0) the last kept j.
 __device__ int top_p_cut(Candidates x, int n, float m, float T, double top_p, const int* ids,
                          int kept, double* w, float* s, int* rank, double* red, int* limit) {
     double part = 0.0;
@@ -195,9 +195,9 @@ __device__ int top_p_cut(Candidates x, int n, float m, float T, double top_p, co
         *limit = r + 1;
     }
     __syncthreads();
-    int last = 0;
-    for (int j = 0; j < kept; j++) last = rank[j] < *limit ? j : last;
-    __syncthreads();
+    int last = 0;  // (thread 0's: the only one that draws)
+    if (threadIdx.x == 0)
+        for (int j = 0; j < kept; j++) last = rank[j] < *limit ? j : last;
     for (int j = threadIdx.x; j < kept; j += blockDim.x)
         w[j] = rank[j] < *limit ? exp((double)s[j]) : 0.0;  // zeros add nothing: same sums
     __syncthreads();
