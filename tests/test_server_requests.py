@@ -102,8 +102,11 @@ def test_error_bodies_per_protocol():
         "message": "Prompt has 9 tokens", "type": "invalid_request_error", "param": "messages",
         "code": "context_length_exceeded", "n_prompt_tokens": 9, "n_ctx": 8}}
     assert error_body(err, ANTHROPIC) == {"type": "error", "error": {
-        "type": "invalid_request_error", "message": "Prompt has 9 tokens",
+        "type": "invalid_request_error",
+        "message": "prompt is too long: 9 tokens > 8 maximum (Prompt has 9 tokens)",
         "n_prompt_tokens": 9, "n_ctx": 8}}
+    plain = ApiError(400, "missing messages")  # other errors keep ds4's words
+    assert error_body(plain, ANTHROPIC)["error"]["message"] == "missing messages"
     assert error_body(ApiError(401, "no"), ANTHROPIC)["error"]["type"] == "authentication_error"
     assert error_body(ApiError(503, "x"), OPENAI)["error"]["type"] == "server_error"
 
