@@ -306,3 +306,24 @@ def test_a_request_not_ending_in_a_user_turn_still_opens_the_reply():
                                 {"role": "assistant", "content": "a"}],
                                thinking="none")
     assert prefill.endswith("<｜Assistant｜></think>a")
+
+
+def test_a_reply_after_an_in_conversation_system_message_is_still_a_turn(tok):
+    """Claude Code sends [user, system, ...]: the reply that follows the system text opens
+    with the assistant prefix, so the next prompt extends the one that asked for it."""
+    mid = {"role": "system", "content": "Available agent types: claude, Explore."}
+    for thinking, tools in (("high", TOOLS), ("high", None), ("none", TOOLS)):
+        asked = render_chat([SYSTEM, U1, mid], tools=tools, thinking=thinking)
+        nxt = render_chat([SYSTEM, U1, mid, A1, U2], tools=tools, thinking=thinking)
+        opener = "<｜Assistant｜>" + ("<think>" if thinking == "high" else "</think>")
+        assert asked.endswith(mid["content"] + opener)
+        turn = (A1["reasoning_content"] + "</think>" if thinking == "high" and tools else "")
+        if thinking == "high" and not tools:  # reasoning before the last user turn is dropped
+            assert nxt.startswith(asked[:-len("<think>")] + "</think>" + A1["content"])
+        else:
+            assert nxt.startswith(asked + turn + A1["content"] + "<｜end▁of▁sentence｜>")
+            assert tok.encode(nxt)[:len(tok.encode(asked))] == tok.encode(asked)
+    # a conversation that opens with the assistant (no user turn before it) is unchanged
+    assert render_chat([SYSTEM, A1], thinking="none") == (
+        "<｜begin▁of▁sentence｜>" + SYSTEM["content"] + A1["content"]
+        + "<｜end▁of▁sentence｜><｜Assistant｜></think>")

@@ -140,7 +140,15 @@ def render_items(items: list[Item], thinking: str = "high",
                 opens = think and (keep_reasoning or n >= last_user)
                 out.append(ASSISTANT + (THINK if opens else THINK_END))
         else:
-            if think and (keep_reasoning or n > last_user):
+            reasoning = think and (keep_reasoning or n > last_user)
+            if isinstance(items[n - 1], System) and users and users[0] < n:
+                # A system message between a user turn and this reply (Claude Code's
+                # in-conversation system text): the official encoder opens a reply only right
+                # after a user item, which would run the reply into the system text. Open it as
+                # a request that ended at that system message did (below), so the reply is a
+                # turn and the next prompt extends the previous one token for token.
+                out.append(ASSISTANT + (THINK if reasoning else THINK_END))
+            if reasoning:
                 out.append(turn_reasoning(item, tool_memory) + THINK_END)
             out.append(assistant_body(item, tool_memory))
     last = items[-1] if items else None
