@@ -45,7 +45,7 @@ def test_a_well_formed_agent_passes_and_a_refused_one_fails(tmp_path):
     passed = smoke(good)
     assert passed.returncode == 0, passed.stdout + passed.stderr
     line = passed.stdout.splitlines()[0]
-    assert line.startswith("claude") and " ok " in line and "1 jobs (4 tokens)" in line
+    assert line.startswith("claude") and " ok " in line and "1 jobs (4 tokens generated" in line
     failed = smoke(bad)
     assert failed.returncode == 1 and "FAIL" in failed.stdout
     assert "non-2xx: ['POST /v1/messages 400']" in failed.stdout

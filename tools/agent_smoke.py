@@ -194,7 +194,8 @@ def verdict(name: str, code: str, took: float, requests: list, jobs: list) -> st
     routes = sorted({p for _, p, _ in requests})
     return (f"{name:9s}{' ok ' if ok else ' FAIL '} exit {code}, {took:.1f} s, "
             f"{len(requests)} requests {routes}, {len(jobs)} jobs "
-            f"({sum(len(j['generated_tokens']) for j in jobs)} tokens)"
+            f"({sum(len(j['generated_tokens']) for j in jobs)} tokens generated, "
+            f"{sum(j['cached_tokens'] for j in jobs)} prompt tokens reused)"
             + (f"; non-2xx: {bad}" if bad else "") + (f"; errors: {errors}" if errors else ""))
 
 
