@@ -193,6 +193,24 @@ def test_codex_turn(live):
     assert reasoning["encrypted_content"]
 
 
+def test_codex_resumes_a_turn_cut_at_max_output_tokens(live):
+    """`codex exec resume` sends the cut turn's output items back as they came, status
+    "incomplete" included: the next turn is answered, and reuses the first turn's tokens."""
+    first = httpx.post(live[0] + "/v1/responses", json={**codex_body(), "stream": False},
+                       timeout=120).json()
+    assert first["status"] == "incomplete"
+    assert "incomplete" in {item["status"] for item in first["output"]}
+    again = {"type": "message", "role": "user",
+             "content": [{"type": "input_text", "text": "Go on."}]}
+    body = {**codex_body(), "stream": False, "input": CODEX_INPUT + first["output"] + [again]}
+    r = httpx.post(live[0] + "/v1/responses", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["input_tokens_details"]["cached_tokens"] >= first["usage"]["input_tokens"]
+    bad = {**body, "input": [{**again, "status": 3}]}
+    assert httpx.post(live[0] + "/v1/responses", json=bad, timeout=120).status_code == 400
+
+
 # ---- opencode / the OpenAI SDK -----------------------------------------------------------
 
 OC_TOOLS = [{"type": "function", "function": {
