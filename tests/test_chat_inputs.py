@@ -153,8 +153,18 @@ def test_responses_rejects_unknown_items_and_images():
         render_responses([{"type": "message", "role": "user",
                            "content": [{"type": "input_image", "image_url": "x"}]}])
     with pytest.raises(ChatError):
-        render_responses([{"type": "message", "role": "user", "status": "in_progress",
+        render_responses([{"type": "message", "role": "user", "status": ["x"],
                            "content": "x"}])
+
+
+def test_responses_items_read_the_same_whatever_their_status():
+    """A turn cut at max_output_tokens comes back "incomplete" (Codex's resume)."""
+    items = [{"type": "message", "role": "user", "content": "hi"},
+             {"type": "message", "role": "assistant", "content": "cut he"},
+             {"type": "message", "role": "user", "content": "go on"}]
+    plain = render_responses(items)
+    for status in ("completed", "incomplete", "in_progress"):
+        assert render_responses([{**i, "status": status} for i in items]) == plain
 
 
 @pytest.mark.parametrize("messages", [
