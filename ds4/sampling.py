@@ -105,9 +105,9 @@ def _top_p_within_min_p(scaled: np.ndarray, top_p: float, peak, floor) -> np.nda
     prefix of the ranked tokens, so together they keep the shorter one, and the cumulative
     mass over min_p's prefix is the very cdf a full ranking computes (the same sums in the
     same order). A flat distribution no longer ranks all of its 129280 tokens a draw."""
-    ranked = _by_rank(scaled, np.flatnonzero(scaled >= floor))
-    cdf = np.cumsum(_weights(scaled[ranked], peak)) / _weights(scaled, peak).sum()
-    return ranked[: int(np.searchsorted(cdf, top_p, side="left")) + 1]
+    from ds4.kernels.sampling import top_p_prefix
+
+    return top_p_prefix(scaled, np.flatnonzero(scaled >= floor), top_p, peak)
 
 
 def _weights(values: np.ndarray, peak) -> np.ndarray:

@@ -54,10 +54,8 @@ def sample_min_p_numpy(x, temperature: float, floor: float, u: float, out, top_p
     if not 0 < ids.size <= MIN_P_KEPT:
         out[0] = -1
         return out
-    if top_p < 1.0:
-        ranked = np.sort(rank_keys(s[ids], ids)) & KEY_IDS
-        share = np.cumsum(np.exp(s[ranked].astype(np.float64))) / np.exp(s.astype(np.float64)).sum()
-        ids = np.sort(ranked[: int(np.searchsorted(share, top_p, side="left")) + 1])
+    if top_p < 1.0:  # the host's rule itself (s is already shifted: its peak is 0)
+        ids = np.sort(top_p_prefix(s, ids, top_p, 0.0))
     cdf = np.cumsum(np.exp(s[ids].astype(np.float64)))
     out[0] = cand[ids[min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), ids.size - 1)]]
     return out
@@ -95,6 +93,19 @@ def rank_keys(values, ids):
 
 
 KEY_IDS = 0xFFFFFFFF  # a rank key's id bits
+
+
+def top_p_prefix(scaled, ids, top_p: float, peak) -> np.ndarray:
+    """`ids` (a prefix of the ranked tokens, e.g. min_p's survivors) ranked, cut to the
+    shortest prefix whose share of the whole row's mass, exp(scaled - peak) in float64,
+    reaches top_p: the host's rule (ds4/sampling.py) and sample_min_p's twin both use it."""
+    ranked = np.sort(rank_keys(scaled[ids], ids)) & KEY_IDS
+
+    def weights(v):
+        return np.exp(v.astype(np.float64) - peak)
+
+    cdf = np.cumsum(weights(scaled[ranked])) / weights(scaled).sum()
+    return ranked[: int(np.searchsorted(cdf, top_p, side="left")) + 1]
 
 
 def topk_select_numpy(x, k: int, sel, sel_count, pos=None, ratio: int = 1, n: int | None = None):
