@@ -163,7 +163,7 @@ def test_responses_items_read_the_same_whatever_their_status():
              {"type": "message", "role": "assistant", "content": "cut he"},
              {"type": "message", "role": "user", "content": "go on"}]
     plain = render_responses(items)
-    for status in ("completed", "incomplete", "in_progress"):
+    for status in ("completed", "incomplete", "in_progress", None):
         assert render_responses([{**i, "status": status} for i in items]) == plain
 
 

@@ -153,7 +153,7 @@ class ResponsesReader:
         if not isinstance(item, dict):
             raise ChatError("input items must be objects")
         kind = item.get("type") or ("message" if "role" in item else None)
-        if not isinstance(item.get("status", ""), str):
+        if item.get("status") is not None and not isinstance(item["status"], str):
             # any status reads the same: an "incomplete" item (a turn cut at
             # max_output_tokens) is what was generated, and Codex sends it back on resume
             raise ChatError("an input item's status must be a string")
