@@ -57,10 +57,14 @@ def readme_block(fence: str) -> str:
 
 
 def test_the_agents_are_configured_as_readme_says():
-    spec = importlib.util.spec_from_file_location("agent_smoke", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    sys.modules["agent_smoke"] = tool  # dataclasses look their module up
-    spec.loader.exec_module(tool)
+    sys.path.insert(0, str(TOOL.parent))  # it imports bench_parallel by module name
+    try:
+        spec = importlib.util.spec_from_file_location("agent_smoke", TOOL)
+        tool = importlib.util.module_from_spec(spec)
+        sys.modules["agent_smoke"] = tool  # dataclasses look their module up
+        spec.loader.exec_module(tool)
+    finally:
+        sys.path.remove(str(TOOL.parent))
     agents = {a.name: a for a in tool.AGENTS}
     fill = {"url": "http://127.0.0.1:8000", "tokens": "16384"}
     assert agents["codex"].files[".codex/config.toml"](fill) == readme_block("toml")

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from bench_parallel import wait_healthy
 
 MODEL = "deepseek-v4-flash"
 CTX = 65536  # the server's --ctx, and the window each agent is told (README)
@@ -83,7 +83,8 @@ AGENTS = [
 def main() -> int:
     """Start the server, run each agent found, print one line per agent; 1 if any failed."""
     args = parse_args()
-    found = [a for a in AGENTS if a.name in args.agents and which(a.name, args.bin)]
+    found = [a for a in AGENTS if a.name in args.agents
+             and shutil.which(a.name, path=args.bin or None)]  # (not installed: not run)
     if not found:
         print("no agent CLI found (see --bin)", file=sys.stderr)
         return 2
@@ -111,11 +112,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def which(name: str, folder: str) -> str | None:
-    """The CLI's path: in --bin, else on PATH (None: not installed, not run)."""
-    return shutil.which(name, path=folder or None)
-
-
 def start_server(args, home: Path) -> tuple[subprocess.Popen, str, Path]:
     """ds4-server (this Python's, whatever PATH holds) on a free port with a trace and its
     access log in files; waits for /health."""
@@ -125,21 +121,11 @@ def start_server(args, home: Path) -> tuple[subprocess.Popen, str, Path]:
            "--parallel", "2", "--tokens", str(args.tokens), "--trace", str(home / "trace.jsonl")]
     if args.model:
         cmd += ["--model", args.model]
-    server = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    server = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while not healthy(url):
-        if server.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"ds4-server did not come up:\n{log.read_text()}")
-        time.sleep(0.5)
+    with log.open("rb") as seen:
+        wait_healthy(url, server, seen, 300)
     return server, url, log
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def free_port() -> int:
