@@ -236,6 +236,33 @@ def test_indexer_scores_and_topk(cp, rng):
     assert np.array_equal(g_sel[:100], np.arange(100))
 
 
+@pytest.mark.parametrize("case", ["vocabulary", "ties_everywhere", "all_equal", "batch"])
+def test_topk_select_lists_the_twins_entries(cp, rng, case):
+    """topk_select lists the k largest in ascending order with ties at the threshold taken
+    lowest index first, as its twin, where the equal entries span many warps' chunks: a
+    vocabulary row (k 40 and 1024), 16 values repeated over 129280 entries, a row of one
+    value, and batched rows each with its own count (pos)."""
+    from ds4.kernels import sampling
+
+    if case == "batch":
+        x = randn(rng, 3, 20000)
+        x[1, 5000:15000] = 0.5  # an equal run across chunks
+        pos = np.array([4 * 20000 - 1, 4 * 7000 + 3, 4 * 100], np.int32)
+        sel, count = np.full((3, 512), -1, np.int32), np.zeros(3, np.int32)
+        g, n = both(cp, sampling.topk_select, sampling.topk_select_numpy, x, 512, sel, count,
+                    pos, 4, out_index=2)
+        for b, m in enumerate((512, 512, 100)):
+            assert np.array_equal(g[b, :m], n[b, :m]), b
+        return
+    x = {"vocabulary": randn(rng, 129280), "all_equal": np.full(50000, 1.5, np.float32),
+         "ties_everywhere": np.tile(randn(rng, 16), 129280 // 16)}[case]
+    for k in (40, 1024):
+        sel, count = np.full(k, -1, np.int32), np.zeros(1, np.int32)
+        g, n = both(cp, sampling.topk_select, sampling.topk_select_numpy, x, k, sel, count,
+                    out_index=2)
+        assert np.array_equal(g, n), (case, k)
+
+
 def test_argmax_ties(cp, rng):
     from ds4.kernels import sampling
 

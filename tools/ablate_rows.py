@@ -8,7 +8,12 @@ q_b and o_b at B = 1 and 8. Ablations (ABLATIONS):
 - nox: x (or its split words) not loaded: a value computed from the column instead;
 - nodec: codes fed to the mma as they are, no decode (spills a few registers: an upper bound);
 - nox_nodec: both;
-- noalloc: the weight stream loaded without L1 allocation (ld.global.nc.L1::no_allocate).
+- noalloc: the weight stream loaded without L1 allocation (ld.global.nc.L1::no_allocate);
+- frag: each 16-row tile's k-tile read as one 1 KB block in the lanes' order (rows g, then
+  g + 8; 512 contiguous bytes a warp load) instead of 64 bytes from each of 16 rows: the
+  addressing of weights repacked at load into the mma's fragment order (codes only; the scale
+  bytes are read as before);
+- frag_nox_nodec: frag with neither x nor the decode (the loads alone).
 
     cd tools && python3 ablate_rows.py [--only nox,nodec] [--rounds 2]
 """
@@ -54,8 +59,12 @@ NODEC = [("rows_formats.cuh", FP8_BITS, "        u32 w = word(q[0], m); lo = w +
 NOALLOC = [("rows.cuh", "st.q[d][mt][h][l] = ok ? __ldcs(p + l) : make_uint4(0, 0, 0, 0);",
             "st.q[d][mt][h][l] = ok ? ld_na(p + l) : make_uint4(0, 0, 0, 0);"),
            ("rows.cuh", '#include "rows_formats.cuh"\n', '#include "rows_formats.cuh"\n' + LD_NA)]
+FRAG = [("rows.cuh", "tl.w[mt][h] = W + (size_t)r * F::bytes(cols);",
+         "tl.w[mt][h] = W + (size_t)(r >> 4) * 16 * F::bytes(cols) + (r & 15) * 64;"),
+        ("rows.cuh", "(tl.w[mt][h] + F::bytes(col));",
+         "(tl.w[mt][h] + F::bytes(col) + (size_t)(kt + d) * 960);")]
 ABLATIONS = {"base": [], "nox": NOX, "nodec": NODEC, "nox_nodec": NOX + NODEC,
-             "noalloc": NOALLOC}
+             "noalloc": NOALLOC, "frag": FRAG, "frag_nox_nodec": FRAG + NOX + NODEC}
 FAMILIES = ("rows", "rows_moe")
 MATRICES = ("q_b 32768x1024", "o_b 4096x8192")
 

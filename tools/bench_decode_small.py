@@ -3,20 +3,28 @@ one mHC unit boundary (`hc_unit` against hc_post + hc_mix + hc_pre_norm, in a CU
 200 launches, each unit's fn read in turn from 64 copies: 96 MB, past the L2) and one device
 draw under the default sampling options, with top_p 0.95 beside them and with top_k 40 too
 (the `sample_min_p` kernel, after `topk_select` for top_k, against the masked CuPy path, a
-129280-token row, the id's host sync included).
+129280-token row, the id's host sync included); then `topk_select` alone at the shapes it
+serves (a top_k draw's vocabulary row; the indexer's 512 of a long context's compressed
+entries, one decode member or a prefill chunk's queries), against the kernel of an earlier
+sampling.cu when --topk-before names one (built in the same run).
 
-    PYTHONPATH=. python3 tools/bench_decode_small.py
+    PYTHONPATH=. python3 tools/bench_decode_small.py [--topk-before OLD_sampling.cu]
 """
 
 from __future__ import annotations
 
+import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 from bench_packed import per_launch
 
+import ds4.kernels as K
 import ds4.sampling as S
+from ds4.backend import KERNEL_DIR
 from ds4.kernels import hyper_connection as hc
+from ds4.kernels import sampling as sampling_kernels
 from ds4.sampling import SamplingOptions, make_rng, sample
 
 D, STREAMS, MIX, COPIES = 4096, 4, 24, 64
@@ -94,11 +102,51 @@ def sampling_line(cp) -> None:
               f"{masked:.1f} us ({masked / kernel:.1f}x)")
 
 
+TOPK_SHAPES = (("vocabulary row, k 40", 1, 129280, 40), ("vocabulary row, k 1024", 1, 129280, 1024),
+               ("indexer, 1 member, 16384 entries", 1, 16384, 512),
+               ("indexer, 2048 queries, 4096 entries", 2048, 4096, 512))
+
+
+def topk_us(cp, rows: int, n: int, k: int) -> float:
+    """Microseconds per topk_select of k from each of `rows` rows of n normal scores (a
+    graph of 20 launches)."""
+    x = cp.asarray(np.random.default_rng(1).normal(size=(rows, n)).astype(np.float32))
+    sel, count = cp.zeros((rows, k), cp.int32), cp.zeros(rows, cp.int32)
+    return per_launch(cp, [lambda: sampling_kernels.topk_select(x[0] if rows == 1 else x, k,
+                                                                sel[0] if rows == 1 else sel,
+                                                                count)] * 20) * 1e6
+
+
+def topk_line(cp, before: Path | None) -> None:
+    """topk_select at each TOPK_SHAPES shape; with `before`, that source's kernel too."""
+    plain = K._module
+
+    def built(source: Path):
+        module = cp.RawModule(code=source.read_text(), options=("--std=c++17", f"-I{KERNEL_DIR}"))
+        return lambda family: module if family == "sampling" else plain(family)
+
+    for name, rows, n, k in TOPK_SHAPES:
+        now = topk_us(cp, rows, n, k)
+        line = f"topk_select, {name}: {now:.1f} us"
+        if before is not None:
+            K._module = built(before)
+            try:
+                old = topk_us(cp, rows, n, k)
+            finally:
+                K._module = plain
+            line += f", before {old:.1f} us ({old / now:.1f}x)"
+        print(line, flush=True)
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--topk-before", type=Path, help="an earlier sampling.cu to time against")
+    args = ap.parse_args()
     import cupy as cp
 
     unit_table(cp)
     sampling_line(cp)
+    topk_line(cp, args.topk_before)
 
 
 if __name__ == "__main__":

@@ -51,27 +51,79 @@ extern "C" __global__ void argmax(const float* __restrict__ x, int n, int* out, 
     }
 }
 
-// Exclusive prefix count of flag over the block (blockDim.x == 1024); returns this thread's
-// offset and stores the block total in *total.
-__device__ int block_scan(int flag, int* warp_counts, int* total) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    unsigned int ballot = __ballot_sync(0xffffffffu, flag);
-    int before = __popc(ballot & ((1u << lane) - 1u));
-    __syncthreads();
-    if (lane == 0) warp_counts[warp] = __popc(ballot);
+// Exclusive prefix sum of v over the block (warp scans, then the warp totals in warp order);
+// returns this thread's offset and stores the block total in *total. Every thread calls it.
+__device__ int block_exclusive_sum(int v, int* warp_sums, int* total) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, run = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        int up = __shfl_up_sync(0xffffffffu, run, o);
+        if (lane >= o) run += up;
+    }
+    __syncthreads();  // a previous call's readers of warp_sums are done
+    if (lane == 31) warp_sums[warp] = run;
     __syncthreads();
     if (threadIdx.x == 0) {
-        int run = 0;
-        for (int w = 0; w < 32; w++) { int c = warp_counts[w]; warp_counts[w] = run; run += c; }
-        *total = run;
+        int acc = 0;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) {
+            int c = warp_sums[w];
+            warp_sums[w] = acc;
+            acc += c;
+        }
+        *total = acc;
     }
     __syncthreads();
-    return warp_counts[warp] + before;
+    return warp_sums[warp] + run - v;
+}
+
+// Sum of an int over the warp (every lane gets it).
+__device__ __forceinline__ int warp_sum_int(int v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// topk_select's list: the indices of x[0..n) whose key is above thresh, and the first eq_need
+// of those equal to it, in ascending order into sel. Warp w takes the w-th contiguous chunk
+// (whole rounds of 32, its lanes' loads side by side): it counts both kinds, two block scans
+// give it the equal keys before its chunk and its first slot, then it lists its entries
+// round by round (ballots order them inside a round).
+__device__ void select_listed(const float* x, int n, unsigned int thresh, int eq_need, int* sel,
+                              int* warp_sums, int* total) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int per = (n + 32 * warps - 1) / (32 * warps) * 32;
+    int lo = min(n, warp * per), hi = min(n, lo + per), gt = 0, eq = 0;
+    for (int i = lo + lane; i < hi; i += 32) {
+        unsigned int key = order_key(x[i]);
+        gt += key > thresh;
+        eq += key == thresh;
+    }
+    gt = warp_sum_int(gt);
+    eq = warp_sum_int(eq);
+    int eq_before = block_exclusive_sum(lane == 0 ? eq : 0, warp_sums, total);
+    eq_before = __shfl_sync(0xffffffffu, eq_before, 0);
+    int eq_take = max(0, min(eq, eq_need - eq_before));
+    int at = block_exclusive_sum(lane == 0 ? gt + eq_take : 0, warp_sums, total);
+    at = __shfl_sync(0xffffffffu, at, 0);
+    unsigned int below = (1u << lane) - 1u;
+    for (int base = lo; base < hi; base += 32) {  // (the warp's rounds: every lane runs each)
+        int i = base + lane;
+        unsigned int key = i < hi ? order_key(x[i]) : 0u;
+        bool is_eq = i < hi && key == thresh;
+        unsigned int eqs = __ballot_sync(0xffffffffu, is_eq);
+        bool take = (i < hi && key > thresh) || (is_eq && __popc(eqs & below) < eq_take);
+        unsigned int takes = __ballot_sync(0xffffffffu, take);
+        if (take) sel[at + __popc(takes & below)] = i;
+        at += __popc(takes);
+        eq_take -= min(eq_take, __popc(eqs));
+    }
 }
 
 // The k largest of x[0..n) as indices in ascending index order, into sel[0..count), count into
 // sel_count[0]. n is (pos[0] + 1) / ratio when pos is given, else n_fixed. A 4-pass radix select
 // finds the k-th largest key; entries equal to it are taken lowest index first. One block of 1024.
+// A warp's lanes that land in one bucket add to it once (logits share a few top bytes: one
+// atomic a lane queued ~1000 deep on them), and the list is written in one pass over contiguous
+// chunks, a chunk a warp, placed by two block scans (a scan every 1024 entries cost ~180 us on
+// a vocabulary row).
 extern "C" __global__ void topk_select(const float* __restrict__ x, const int* __restrict__ pos,
                                        int ratio, int n_fixed, int k, int* sel, int* sel_count,
                                        int x_stride) {
@@ -82,27 +134,33 @@ extern "C" __global__ void topk_select(const float* __restrict__ x, const int* _
     sel_count += blockIdx.z;
     if (pos) pos += blockIdx.z;
     __shared__ int hist[256];
-    __shared__ int warp_counts[32];
+    __shared__ int warp_sums[32];
     __shared__ unsigned int prefix_s, mask_s;
-    __shared__ int remaining_s, total_s, taken_s, eq_taken_s;
+    __shared__ int remaining_s, total_s;
     int n = pos ? (pos[0] + 1) / ratio : n_fixed;
     if (n <= k) {
         for (int i = threadIdx.x; i < n; i += blockDim.x) sel[i] = i;
         if (threadIdx.x == 0) sel_count[0] = n;
         return;
     }
+    int lane = threadIdx.x & 31;
     if (threadIdx.x == 0) { prefix_s = 0; mask_s = 0; remaining_s = k; }
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
         unsigned int prefix = prefix_s, mask = mask_s;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            unsigned int key = order_key(x[i]);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1);
+        for (int base = 0; base < n; base += blockDim.x) {  // (whole warps: match_any)
+            int i = base + threadIdx.x, bin = -1;
+            if (i < n) {
+                unsigned int key = order_key(x[i]);
+                if ((key & mask) == prefix) bin = (key >> shift) & 255;
+            }
+            unsigned int same = __match_any_sync(0xffffffffu, bin);
+            if (bin >= 0 && lane == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
         }
         __syncthreads();
         if (threadIdx.x < 32) {  // one warp finds the bucket holding the need-th largest key
-            int lane = threadIdx.x, need = remaining_s, own = 0;
+            int need = remaining_s, own = 0;
             for (int b = 0; b < 8; b++) own += hist[255 - 8 * lane - b];  // lane 0: top buckets
             int incl = own;
             for (int o = 1; o < 32; o <<= 1) {
@@ -121,23 +179,7 @@ extern "C" __global__ void topk_select(const float* __restrict__ x, const int* _
         }
         __syncthreads();
     }
-    unsigned int thresh = prefix_s;
-    int eq_need = remaining_s;
-    if (threadIdx.x == 0) { taken_s = 0; eq_taken_s = 0; }
-    __syncthreads();
-    for (int base = 0; base < n; base += blockDim.x) {
-        int i = base + threadIdx.x;
-        unsigned int key = i < n ? order_key(x[i]) : 0u;
-        int eq = (i < n && key == thresh);
-        int eq_rank = block_scan(eq, warp_counts, &total_s);
-        int eq_total = total_s;
-        int take = (i < n && key > thresh) || (eq && eq_taken_s + eq_rank < eq_need);
-        int off = block_scan(take, warp_counts, &total_s);
-        if (take) sel[taken_s + off] = i;
-        __syncthreads();
-        if (threadIdx.x == 0) { taken_s += total_s; eq_taken_s += eq_total; }
-        __syncthreads();
-    }
+    select_listed(x, n, prefix_s, remaining_s, sel, warp_sums, &total_s);
     if (threadIdx.x == 0) sel_count[0] = k;
 }
 
@@ -221,30 +263,12 @@ extern "C" __global__ void sample_min_p(const float* __restrict__ row, const int
     int per = (n + blockDim.x - 1) / blockDim.x, lo = min(n, (int)threadIdx.x * per);
     int hi = min(n, lo + per), mine = 0;
     for (int i = lo; i < hi; i++) mine += (x[i] - m) / T >= floor;
-    // exclusive prefix sum of the counts over the block (warp scans, then the warp totals)
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, run = mine;
-    for (int o = 1; o < 32; o <<= 1) {
-        int v = __shfl_up_sync(0xffffffffu, run, o);
-        if (lane >= o) run += v;
-    }
-    if (lane == 31) counts[warp] = run;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int acc = 0;
-        for (int w = 0; w < (int)(blockDim.x >> 5); w++) {
-            int c = counts[w];
-            counts[w] = acc;
-            acc += c;
-        }
-        total = acc;
-    }
-    __syncthreads();
+    int at = block_exclusive_sum(mine, counts, &total);  // (in thread order)
     int kept = total;
     if (kept == 0 || kept > MIN_P_KEPT) {  // (none: a row of NaN or -inf)
         if (threadIdx.x == 0) out[0] = -1;
         return;
     }
-    int at = counts[warp] + run - mine;
     for (int i = lo; i < hi; i++)
         if ((x[i] - m) / T >= floor) ids[at++] = i;
     __syncthreads();
