@@ -120,10 +120,8 @@ __device__ void select_listed(const float* x, int n, unsigned int thresh, int eq
 // The k largest of x[0..n) as indices in ascending index order, into sel[0..count), count into
 // sel_count[0]. n is (pos[0] + 1) / ratio when pos is given, else n_fixed. A 4-pass radix select
 // finds the k-th largest key; entries equal to it are taken lowest index first. One block of 1024.
-// A warp's lanes that land in one bucket add to it once (logits share a few top bytes: one
-// atomic a lane queued ~1000 deep on them), and the list is written in one pass over contiguous
-// chunks, a chunk a warp, placed by two block scans (a scan every 1024 entries cost ~180 us on
-// a vocabulary row).
+// The list is written in one pass over contiguous chunks, a chunk a warp, placed by two block
+// scans (a scan every 1024 entries took 228 against 153 us on a vocabulary row; docs/PERF.md).
 extern "C" __global__ void topk_select(const float* __restrict__ x, const int* __restrict__ pos,
                                        int ratio, int n_fixed, int k, int* sel, int* sel_count,
                                        int x_stride) {
@@ -149,14 +147,9 @@ extern "C" __global__ void topk_select(const float* __restrict__ x, const int* _
         for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
         unsigned int prefix = prefix_s, mask = mask_s;
-        for (int base = 0; base < n; base += blockDim.x) {  // (whole warps: match_any)
-            int i = base + threadIdx.x, bin = -1;
-            if (i < n) {
-                unsigned int key = order_key(x[i]);
-                if ((key & mask) == prefix) bin = (key >> shift) & 255;
-            }
-            unsigned int same = __match_any_sync(0xffffffffu, bin);
-            if (bin >= 0 && lane == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            unsigned int key = order_key(x[i]);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1);
         }
         __syncthreads();
         if (threadIdx.x < 32) {  // one warp finds the bucket holding the need-th largest key
