@@ -59,9 +59,12 @@ def test_shared_helpers_are_defined_once():
     for source in SOURCES:
         text = source.read_text()
         assert '#include "common.cuh"' in text, source.name
-        for helper in ("float warp_sum(", "float widen(", "struct Pack<float>", "#define INFINITY"):
+        for helper in ("T warp_sum(", "float widen(", "struct Pack<float>", "#define INFINITY"):
             assert helper not in text, f"{source.name} defines {helper} again"
             assert helper in header
+        # (nor a copy for another type: warp_sum and block_reduce take any)
+        again = re.findall(r"__device__[^;{(]*\b(warp_sum|block_sum|block_reduce)\w*\(", text)
+        assert not again, f"{source.name} defines {again} again"
 
 
 def kernel_texts(source: Path) -> list[tuple[str, str]]:

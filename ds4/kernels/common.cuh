@@ -91,7 +91,9 @@ __device__ __forceinline__ void row_dot_partial(const W* w, const float4* xv, in
     for (; i < n8; i += 32) acc[0] += pack_dot(w, xv, i);
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// Sum of v over the warp (every lane gets it), for floats, doubles and ints alike.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
@@ -123,27 +125,29 @@ __device__ __forceinline__ void warp_argmax(float& value, int& index) {
     index = i;
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+template <typename T>
+__device__ __forceinline__ T warp_max(T v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
-// Sum (or max) of v over the block; every thread gets the result. `shared` holds 32 floats.
-template <bool MAX>
-__device__ __forceinline__ float block_reduce(float v, float* shared) {
+// Sum (or max) of v over the block; every thread gets the result. `shared` holds 32 values.
+template <bool MAX, typename T>
+__device__ __forceinline__ T block_reduce(T v, T* shared) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) / 32;
     v = MAX ? warp_max(v) : warp_sum(v);
     __syncthreads();
     if (lane == 0) shared[warp] = v;
     __syncthreads();
-    float t = threadIdx.x < nw ? shared[threadIdx.x] : (MAX ? -INFINITY : 0.f);
+    T t = threadIdx.x < nw ? shared[threadIdx.x] : (MAX ? T(-INFINITY) : T(0));
     if (warp == 0) t = MAX ? warp_max(t) : warp_sum(t);
     if (threadIdx.x == 0) shared[0] = t;
     __syncthreads();
     return shared[0];
 }
 
-__device__ __forceinline__ float block_sum(float v, float* shared) {
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* shared) {
     return block_reduce<false>(v, shared);
 }
 __device__ __forceinline__ float block_max(float v, float* shared) {

@@ -75,12 +75,6 @@ __device__ int block_exclusive_sum(int v, int* warp_sums, int* total) {
     return warp_sums[warp] + run - v;
 }
 
-// Sum of an int over the warp (every lane gets it).
-__device__ __forceinline__ int warp_sum_int(int v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // topk_select's list: the indices of x[0..n) whose key is above thresh, and the first eq_need
 // of those equal to it, in ascending order into sel. Warp w takes the w-th contiguous chunk
 // (whole rounds of 32, its lanes' loads side by side): it counts both kinds, two block scans
@@ -96,8 +90,8 @@ __device__ void select_listed(const float* x, int n, unsigned int thresh, int eq
         gt += key > thresh;
         eq += key == thresh;
     }
-    gt = warp_sum_int(gt);
-    eq = warp_sum_int(eq);
+    gt = warp_sum(gt);
+    eq = warp_sum(eq);
     int eq_before = block_exclusive_sum(lane == 0 ? eq : 0, warp_sums, total);
     eq_before = __shfl_sync(0xffffffffu, eq_before, 0);
     int eq_take = max(0, min(eq, eq_need - eq_before));
@@ -195,17 +189,6 @@ struct Candidates {
     __device__ int id(int i) const { return sel ? sel[i] : i; }
 };
 
-// Sum of a double over the block (thread 0's result; `shared` holds 32 doubles).
-__device__ double block_sum_f64(double v, double* shared) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-    if ((threadIdx.x & 31) == 0) shared[threadIdx.x >> 5] = v;
-    __syncthreads();
-    double t = 0.0;
-    if (threadIdx.x == 0)
-        for (int w = 0; w < (int)(blockDim.x >> 5); w++) t += shared[w];
-    return t;
-}
-
 // The top_p cut over the kept candidates ids[0..kept) (id order): rank them by s descending,
 // ties to the lower id, and zero the weight w[j] of each one past the shortest ranked prefix
 // whose share of all n candidates' mass reaches top_p. Returns (to thread 0) the last kept j.
@@ -213,7 +196,7 @@ __device__ int top_p_cut(Candidates x, int n, float m, float T, double top_p, co
                          int kept, double* w, float* s, int* rank, double* red, int* limit) {
     double part = 0.0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) part += exp((double)((x[i] - m) / T));
-    double mass = block_sum_f64(part, red);  // all candidates' (thread 0)
+    double mass = block_sum(part, red);  // all candidates'
     for (int j = threadIdx.x; j < kept; j += blockDim.x) s[j] = (x[ids[j]] - m) / T;
     __syncthreads();
     for (int j = threadIdx.x; j < kept; j += blockDim.x) {
