@@ -92,26 +92,6 @@ def test_shared_expert_on_the_side_stream_keeps_every_bit(tmp_path_factory, monk
         assert all(np.array_equal(a, b) for a, b in zip(side, fused))
 
 
-def test_weights_asked_into_the_l2_keep_every_bit(tmp_path_factory, monkeypatch):
-    # WEIGHTS_TO_L2: q_b and o_a prefetched on a stream of their own (ds4/kernels/prefetch.py)
-    # while the launches before them run; a prefetch changes no value, so the logits equal
-    # the decoder's without it bit for bit (graphs of 1 and 4 members, eager steps included)
-    from ds4.kernels import prefetch
-    from ds4.model import gpu_decode
-
-    path, real, asked = model_dir("tiny-packed", tmp_path_factory), prefetch.l2_prefetch, []
-    monkeypatch.setattr(prefetch, "l2_prefetch", lambda a, **k: asked.append(a) or real(a, **k))
-    runs = {}
-    for on in (True, False):
-        monkeypatch.setattr(gpu_decode, "WEIGHTS_TO_L2", on)
-        engine = Engine.open(path, backend="cupy", prefill_chunk=16)
-        steps = twin_runs(engine, (15, 30, 47), 4)
-        runs[on] = [alone + list(together) for alone, together in steps]
-    assert asked  # the prefetch branch ran
-    for ahead, plain in zip(runs[True], runs[False]):
-        assert all(np.array_equal(a, b) for a, b in zip(ahead, plain))
-
-
 def test_one_graph_per_size_serves_every_member_set():
     engine = Engine.open(default_model_dir(), backend="cupy", prefill_chunk=16)
     pool = [engine.new_session(128) for _ in range(6)]

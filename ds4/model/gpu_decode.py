@@ -25,7 +25,7 @@ from ds4.kernels import attention as at
 from ds4.kernels import compressor as cm
 from ds4.kernels import hyper_connection as hc
 from ds4.kernels import indexer as ix
-from ds4.kernels import moe, prefetch, quant, sampling
+from ds4.kernels import moe, quant, sampling
 from ds4.kernels.norm import rms_norm, rms_norm_rope
 from ds4.kernels.rope import rope_tail
 from ds4.model import gpu_weights
@@ -45,9 +45,6 @@ from ds4.model.gpu_moe import moe_rows, row_moe_fits, row_moe_scratch, shared_ah
 from ds4.model.state import SessionState
 
 SHARED_AHEAD = True  # the shared expert on a side stream, ahead of the router (docs/PERF.md)
-# q_b and o_a asked into the L2 on a stream of their own while the small launches before each
-# run with DRAM idle (docs/PERF.md, stop 43)
-WEIGHTS_TO_L2 = False
 
 SIZES = (1, 2, 4, 8)  # batch sizes with a graph; a batch runs in the smallest that holds it
 MAX_MEMBERS = SIZES[-1]
@@ -80,7 +77,7 @@ class KernelDecoder:
         self._idle: SessionState | None = None
         self._capacities: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._fitted: weakref.WeakSet = weakref.WeakSet()  # states the bounds already hold
-        self._stream = self._side = self._l2 = None
+        self._stream = self._side = None
         self.use_graphs = True
 
     @classmethod
@@ -304,7 +301,6 @@ class KernelDecoder:
         """Layer i on the residual streams X[:B]: mHC + attention, then mHC + MoE. The MoE's
         hc_post runs at the start of the next unit (the next layer's or the head's)."""
         t = self.layers[i]
-        self._to_l2(t["self_attn.q_b_proj.weight"])
         self._block(t, "attn_hc", "input_layernorm.weight", B, post=i > 0)
         self._attention(i, t, B, serial)
         self._block(t, "ffn_hc", "post_attention_layernorm.weight", B, post=True)
@@ -339,7 +335,6 @@ class KernelDecoder:
         qlat, q = b["qlat"][:B], b["q"][:B].reshape(-1, d)
         rms_norm(qlat, t["self_attn.q_a_norm.weight"], qlat, eps)
         matvec_rows(t["self_attn.q_b_proj.weight"], b["qlat"], b["q"].reshape(MAX_MEMBERS, -1), B)
-        self._to_l2(t["self_attn.o_a_proj.weight"])
         rms_norm_rope(q, None, eps, tab.pos, freqs, r, rows_per_pos=H)
         if cfg.layer_types[i] == CSA:
             self._index_queries(t, tab, freqs, B)
@@ -353,15 +348,6 @@ class KernelDecoder:
         matvec_rows(t["self_attn.o_a_proj.weight"], b["o"].reshape(MAX_MEMBERS, -1), b["z"], B,
                     rows_per_group=cfg.o_lora_rank)
         matvec_rows(t["self_attn.o_b_proj.weight"], b["z"], b["y"], B)
-        if self._l2 is not None:
-            prefetch.join(self._l2)
-
-    def _to_l2(self, w) -> None:
-        """With WEIGHTS_TO_L2, ask the L2 for w on the decoder's prefetch stream, forked here
-        (joined after the attention's last matrix)."""
-        if WEIGHTS_TO_L2 and self.cp is not np:
-            self._l2 = self._l2 or self.cp.cuda.Stream(non_blocking=True)
-            prefetch.prefetch_aside([w], self._l2)
 
     def _attend(self, i: int, t: dict, tab, rows: slice, freqs, fused: bool) -> None:
         """The kernels of layer i that read and write state, for the members of `tab` (the
