@@ -8,29 +8,34 @@
 // The router's pick of one token's experts: s = sqrt(softplus(logit)); the top_k experts by
 // s + bias (bias may be null), or tid2eid[token] (hash layers, when tid2eid is given); weights
 // w = s[idx] / sum * route_scale. One warp per token, lane l holding experts l, l + 32, ..
-// (n_experts <= 32 * ROUTE_SLOTS, top_k <= 32): a pick is one warp argmax, no block barrier
-// (a block of n_experts threads spent most of its time meeting at two barriers a pick).
-constexpr int ROUTE_SLOTS = 32;
+// (n_experts <= 32 * SLOTS, top_k <= 32): a pick is one warp argmax, no block barrier (a
+// block of n_experts threads spent most of its time meeting at two barriers a pick). SLOTS
+// is the fewest that hold the experts (8 for V4's 256): each pick scans a lane's slots twice,
+// and 32 slots for 256 experts made the launch ~4x longer than its loads.
 
 // The lane's value of slot j (a register array indexed by a run-time j, kept in registers).
-__device__ __forceinline__ float slot_of(const float (&v)[ROUTE_SLOTS], int j) {
+template <int SLOTS>
+__device__ __forceinline__ float slot_of(const float (&v)[SLOTS], int j) {
     float out = 0.f;
 #pragma unroll
-    for (int s = 0; s < ROUTE_SLOTS; s++)
+    for (int s = 0; s < SLOTS; s++)
         if (s == j) out = v[s];
     return out;
 }
 
 // idx[r], wts[r] for r < top_k of the token whose router logits these are, by the calling
 // warp.
+template <int SLOTS>
 __device__ __forceinline__ void route_member(const float* logits, const float* bias,
                                              const int* tid2eid, const int* token,
                                              int n_experts, int top_k, float route_scale,
                                              int* idx, float* wts) {
     int lane = threadIdx.x & 31;
-    float score[ROUTE_SLOTS], choice[ROUTE_SLOTS];
+    // a hash layer's picks, lane r's the r-th: one load each, all in flight with the logits'
+    int hashed = tid2eid && lane < top_k ? tid2eid[(size_t)token[0] * top_k + lane] : 0;
+    float score[SLOTS], choice[SLOTS];
 #pragma unroll
-    for (int j = 0; j < ROUTE_SLOTS; j++) {
+    for (int j = 0; j < SLOTS; j++) {
         int e = lane + 32 * j;
         score[j] = 0.f;
         choice[j] = -INFINITY;
@@ -46,19 +51,19 @@ __device__ __forceinline__ void route_member(const float* logits, const float* b
     for (int r = 0; r < top_k; r++) {
         int e;
         if (tid2eid) {
-            e = tid2eid[(size_t)token[0] * top_k + r];
+            e = __shfl_sync(0xffffffffu, hashed, r);
         } else {  // the largest choice, ties to the lower expert
             float v = choice[0];
             e = lane;
 #pragma unroll
-            for (int j = 1; j < ROUTE_SLOTS; j++)
+            for (int j = 1; j < SLOTS; j++)
                 if (choice[j] > v) { v = choice[j]; e = lane + 32 * j; }
             warp_argmax(v, e);
 #pragma unroll
-            for (int j = 0; j < ROUTE_SLOTS; j++)
+            for (int j = 0; j < SLOTS; j++)
                 if (lane + 32 * j == e) choice[j] = -INFINITY;
         }
-        float s = __shfl_sync(0xffffffffu, slot_of(score, e >> 5), e & 31);
+        float s = __shfl_sync(0xffffffffu, slot_of<SLOTS>(score, e >> 5), e & 31);
         total += s;  // in pick order
         if (lane == r) { mine = e; mine_s = s; }
     }
@@ -69,18 +74,19 @@ __device__ __forceinline__ void route_member(const float* logits, const float* b
 }
 
 // Router (route_member): one warp per member (blockIdx.z); logits [B, logits_ld], token [B],
-// idx/wts [B, out_ld].
-extern "C" __global__ void moe_route(const float* __restrict__ logits,
-                                     const float* __restrict__ bias,
-                                     const int* __restrict__ tid2eid,
-                                     const int* __restrict__ token, int n_experts, int top_k,
-                                     float route_scale, int* idx, float* wts, int logits_ld,
-                                     int out_ld) {
-    wait_inputs();  // (pdl.py)
-    size_t z = blockIdx.z;
-    route_member(logits + z * logits_ld, bias, tid2eid, token + z, n_experts, top_k,
-                 route_scale, idx + z * out_ld, wts + z * out_ld);
-}
+// idx/wts [B, out_ld]. _8: up to 256 experts, _32: up to 1024.
+#define MOE_ROUTE(SLOTS) \
+    extern "C" __global__ void moe_route_##SLOTS( \
+        const float* __restrict__ logits, const float* __restrict__ bias, \
+        const int* __restrict__ tid2eid, const int* __restrict__ token, int n_experts, \
+        int top_k, float route_scale, int* idx, float* wts, int logits_ld, int out_ld) { \
+        wait_inputs(); \
+        size_t z = blockIdx.z; \
+        route_member<SLOTS>(logits + z * logits_ld, bias, tid2eid, token + z, n_experts, top_k, \
+                            route_scale, idx + z * out_ld, wts + z * out_ld); \
+    }
+MOE_ROUTE(8)
+MOE_ROUTE(32)
 
 // act[k, j] = silu(min(gate_j . x, limit)) * clamp(up_j . x, -limit, limit) * wts[k] for the
 // expert idx[k] (k = blockIdx.y); idx null means expert k, wts null means weight 1 (the shared

@@ -8,18 +8,19 @@ from ds4.kernels import f32, i32, launch, ptr, widen
 from ds4.kernels.gemv import weight_kind
 
 WARPS_PER_BLOCK = 8
-ROUTE_SLOTS = 32  # moe.cu: experts a lane of moe_route holds
+ROUTE_SLOTS = (8, 32)  # moe.cu: experts a lane of moe_route_<slots> holds
 
 
 def moe_route(logits, bias, tid2eid, token, top_k: int, route_scale: float, idx, wts):
     """idx/wts of the top_k experts by sqrt(softplus(logits)) (+ bias), or tid2eid[token]; for
     a batch, logits [B, E], token [B], idx/wts [B, >= top_k]: each member's own, one launch."""
     n, batch = logits.shape[-1], 1 if logits.ndim == 1 else logits.shape[0]
-    assert n <= 32 * ROUTE_SLOTS and top_k <= 32, "moe_route: at most 1024 experts, top 32"
+    assert n <= 32 * ROUTE_SLOTS[-1] and top_k <= 32, "moe_route: at most 1024 experts, top 32"
+    slots = next(s for s in ROUTE_SLOTS if n <= 32 * s)
     args = (ptr(logits), ptr(bias), ptr(tid2eid), ptr(token), i32(n), i32(top_k),
             f32(route_scale), ptr(idx), ptr(wts), i32(_row_ld(logits)), i32(_row_ld(idx)))
     assert _row_ld(idx) == _row_ld(wts)
-    launch("moe", "moe_route", (1, 1, batch), (32,), args)
+    launch("moe", f"moe_route_{slots}", (1, 1, batch), (32,), args)
     return idx
 
 

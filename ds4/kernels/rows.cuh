@@ -315,3 +315,25 @@ __device__ __forceinline__ XSrc lane_src(const float* x, long long x_ld, const u
     long long half = xs_ld / 2, at = row * xs_ld + col0 / 2 + t * words_per_lane<F>();
     return XSrc{nullptr, xs + at + (NT == 1 && g >= 4 ? half : 0), half};
 }
+
+// x [n, >= K] (row stride x_ld) as format F's split words (rows.cuh): out [n, out_ld], out_ld
+// = 2 * KT * 2 * CH words (KT = ceil(K / (4 CH)) k-tiles), hi words then lo words, columns
+// past K zero. Thread i makes word i of a row's hi part and the same word of its lo part.
+template <class F>
+__device__ void split_rows(const float* x, int n, int K, long long x_ld, u32* out,
+                           long long out_ld, long long i) {
+    constexpr int W = words_per_lane<F>();
+    long long half = out_ld / 2;
+    if (i >= n * half) return;
+    long long row = i / half, j = i - row * half;
+    int kt = (int)(j / (4 * W)), t = (int)(j / W) & 3, m = (int)(j % W) >> 1, r = (int)j & 1;
+    long long c = (long long)kt * 4 * F::CH + t * F::CH;
+    int c0 = (int)c + F::xcol(m, r, 0), c1 = (int)c + F::xcol(m, r, 1);
+    const float k = F::SCALED ? X_SCALE : 1.f;
+    const float* xr = x + row * x_ld;
+    float v0 = c0 < K ? xr[c0] * k : 0.f, v1 = c1 < K ? xr[c1] * k : 0.f;
+    u32 hi, lo;
+    split_pair(v0, v1, hi, lo);
+    out[row * out_ld + j] = hi;
+    out[row * out_ld + half + j] = lo;
+}

@@ -14,14 +14,22 @@
 // graph: their pairs join no unit, so they read no expert); counts[e] += the live picks of e
 // (placement's routing counts: one thread owns each expert, no atomics). Neither the unit order
 // nor the idle rows change a live row: a pair's products depend on its own mma column only,
-// and rows_moe_sum adds them in slot order.
+// and rows_moe_sum adds them in slot order. Blocks past the first split x [n, K] (x non-null)
+// into the FP4 experts' words xs (rows.cuh's split_rows, a word a thread), beside the grouping
+// instead of in a launch of their own after it.
 constexpr int UNIT = 10, MAX_PAIRS = 64;
 
 extern "C" __global__ void rows_moe_group(const int* __restrict__ idx, int pairs, int k,
                                           int n_experts, const int* __restrict__ on_host,
                                           const int* __restrict__ live, int* counts,
-                                          int* units) {
+                                          int* units, const float* __restrict__ x, int n, int K,
+                                          long long x_ld, u32* xs, long long xs_ld) {
     wait_inputs();  // (pdl.py)
+    if (blockIdx.x > 0) {
+        split_rows<Fp4>(x, n, K, x_ld, xs, xs_ld, (blockIdx.x - 1) * (long long)blockDim.x +
+                        threadIdx.x);
+        return;
+    }
     __shared__ int sidx[MAX_PAIRS], wcount[RW], base;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (live) pairs = min(pairs, max(*live, 0) * k);

@@ -166,13 +166,11 @@ def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, 
         _moe_rows(gate_up, down, idx, wts, x, act, y, batch, inter, limit, shared)
         return
     gu, k, sops = call.gu, call.k, call.sops
-    launch("rows_moe", "rows_moe_group", (1,), (32 * WARPS,),
-           (ptr(idx), i32(call.pairs), i32(k), i32(gu.count), ptr(gu.on_host), ptr(live),
-            ptr(counts), ptr(act.units)))
     parts = _moe_parts(gu.fmt, sops, fuse_shared)
     xs = call.split_ready(parts)
+    assert shared_done is None or xs, "shared_ahead ran the shared expert of a call that fuses it"
+    _group(call, live, counts, split=shared_done is not None)
     if shared_done is not None:  # the routed experts alone, reading x split once
-        assert xs, "shared_ahead ran the shared expert of a call that fuses it"
         _routed_xs(call)
         import cupy
 
@@ -246,11 +244,23 @@ def _launch_parts(call: MoeCall, parts: list, xs: bool) -> None:
         _moe_down(f"rows_down_{name}", routed, s, call, xs)
 
 
+def _group(call: MoeCall, live, counts, split: bool) -> None:
+    """rows_moe_group: the pairs grouped by expert into act.units; split: its other blocks
+    split x into the FP4 experts' words (act.words[0]) meanwhile."""
+    a, gu, n = call.act, call.gu, call.batch if split else 0
+    ld = words_ld(FP4, gu.cols)
+    launch("rows_moe", "rows_moe_group", (1 + -(-n * ld // 2 // 256),), (32 * WARPS,),
+           (ptr(call.idx), i32(call.pairs), i32(call.k), i32(gu.count), ptr(gu.on_host),
+            ptr(live), ptr(counts), ptr(a.units), ptr(call.x if split else None), i32(n),
+            i32(gu.cols), np.int64(_ld(call.x)), ptr(a.words[0] if split else None),
+            np.int64(ld)))
+
+
 def _routed_xs(call: MoeCall) -> None:
     """The routed experts of a fused FP4 + FP8-shared call alone (its shared expert ran on the
-    side: shared_ahead), through the kernels without a shared expert that read split words."""
+    side: shared_ahead), through the kernels without a shared expert that read split words
+    (x's split by the grouping launch: _group)."""
     a, name = call.act, "xs_fp4_none_n1"
-    split_rows([(call.x, call.batch, call.gu.cols, FP4, a.words[0])])
     _moe_gate_up(f"rows_gate_up_{name}", True, None, call, True)
     split_rows([(a.act, call.pairs, call.inter, FP4, a.act_words[0])])
     _moe_down(f"rows_down_{name}", True, None, call, True)
