@@ -316,7 +316,7 @@ __device__ __forceinline__ XSrc lane_src(const float* x, long long x_ld, const u
     return XSrc{nullptr, xs + at + (NT == 1 && g >= 4 ? half : 0), half};
 }
 
-// x [n, >= K] (row stride x_ld) as format F's split words (rows.cuh): out [n, out_ld], out_ld
+// x [n, >= K] (row stride x_ld) as format F's split words (lane_src's): out [n, out_ld], out_ld
 // = 2 * KT * 2 * CH words (KT = ceil(K / (4 CH)) k-tiles), hi words then lo words, columns
 // past K zero. Thread i makes word i of a row's hi part and the same word of its lo part.
 template <class F>
