@@ -11,7 +11,7 @@
 // (n_experts <= 32 * SLOTS, top_k <= 32): a pick is one warp argmax, no block barrier (a
 // block of n_experts threads spent most of its time meeting at two barriers a pick). SLOTS
 // is the fewest that hold the experts (8 for V4's 256): each pick scans a lane's slots twice
-// (32 slots for 256 experts: 16.5 against 11.3 us a launch, Nsight; docs/PERF.md, stop 43).
+// (32 slots for 256 experts: 16.5 against 11.3 us a launch under Nsight, docs/PERF.md).
 
 // The lane's value of slot j (a register array indexed by a run-time j, kept in registers).
 template <int SLOTS>
