@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ds4.kernels.sampling import by_rank, top_p_prefix, weights
+
 TOP_K_CAP = 1024  # larger top_k values are clamped to this
 # Below the smallest normal float32 a GPU kernel may flush T to zero (0/0 = NaN for the best
 # token); the T -> 0 limit is greedy anyway.
@@ -95,7 +97,7 @@ def _pick(scaled: np.ndarray, opts: SamplingOptions, u: float) -> int:
         if floor is not None:
             ids = np.flatnonzero(scaled >= floor) if ids is None else ids[scaled[ids] >= floor]
     ids = np.arange(n) if ids is None else np.sort(ids)
-    cdf = np.cumsum(_weights(scaled[ids], peak))
+    cdf = np.cumsum(weights(scaled[ids], peak))
     pick = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     return int(ids[min(pick, ids.size - 1)])
 
@@ -105,31 +107,15 @@ def _top_p_within_min_p(scaled: np.ndarray, top_p: float, peak, floor) -> np.nda
     prefix of the ranked tokens, so together they keep the shorter one, and the cumulative
     mass over min_p's prefix is the very cdf a full ranking computes (the same sums in the
     same order). A flat distribution no longer ranks all of its 129280 tokens a draw."""
-    from ds4.kernels.sampling import top_p_prefix
-
     return top_p_prefix(scaled, np.flatnonzero(scaled >= floor), top_p, peak)
-
-
-def _weights(values: np.ndarray, peak) -> np.ndarray:
-    """exp(value - peak) in float64 (as the device path computes it)."""
-    return np.exp(values.astype(np.float64) - peak)
-
-
-def _by_rank(scaled: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """`ids` ordered by descending logit, then ascending id: one sort of rank keys, ~5x faster
-    than a two-key lexsort over a 129280-token vocabulary, which top_p needs whenever the best
-    1024 tokens hold too little mass (a flat distribution, a high temperature)."""
-    from ds4.kernels.sampling import KEY_IDS, rank_keys
-
-    return np.sort(rank_keys(scaled[ids], ids)) & KEY_IDS
 
 
 def _best(scaled: np.ndarray, n: int) -> np.ndarray:
     """The n best tokens, ranked; a tie at the edge goes to the lower id."""
     if n >= scaled.size:
-        return _by_rank(scaled, np.arange(scaled.size))
+        return by_rank(scaled, np.arange(scaled.size))
     kth = np.partition(scaled, scaled.size - n)[scaled.size - n]
-    return _by_rank(scaled, np.flatnonzero(scaled >= kth))[:n]
+    return by_rank(scaled, np.flatnonzero(scaled >= kth))[:n]
 
 
 def _top_k_top_p(scaled: np.ndarray, k: int, top_p: float, peak) -> np.ndarray:
@@ -139,11 +125,11 @@ def _top_k_top_p(scaled: np.ndarray, k: int, top_p: float, peak) -> np.ndarray:
     ranked = _best(scaled, min(k, _PARTIAL) if full and top_p < 1.0 else k)
     if top_p >= 1.0:
         return ranked
-    total = _weights(scaled, peak).sum() if full else _weights(scaled[ranked], peak).sum()
-    cdf = np.cumsum(_weights(scaled[ranked], peak)) / total
+    total = weights(scaled, peak).sum() if full else weights(scaled[ranked], peak).sum()
+    cdf = np.cumsum(weights(scaled[ranked], peak)) / total
     if cdf[-1] < top_p and ranked.size < k:
         ranked = _best(scaled, k)  # the partial list does not hold enough mass
-        cdf = np.cumsum(_weights(scaled[ranked], peak)) / total
+        cdf = np.cumsum(weights(scaled[ranked], peak)) / total
     return ranked[: int(np.searchsorted(cdf, top_p, side="left")) + 1]
 
 

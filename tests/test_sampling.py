@@ -212,7 +212,7 @@ def test_the_top_k_cap_is_exactly_1024_tokens() -> None:
 def test_ranking_is_descending_logit_then_ascending_id(seed: int) -> None:
     """top_p's ranking (one sort of packed keys) is the two-key order it stands for, with
     ties, -0.0 beside 0.0, -inf (overflowed by a tiny temperature) and NaN last."""
-    from ds4.sampling import _by_rank
+    from ds4.kernels.sampling import by_rank
 
     rng = np.random.default_rng(seed)
     n = 5000
@@ -221,19 +221,20 @@ def test_ranking_is_descending_logit_then_ascending_id(seed: int) -> None:
     x[rng.integers(0, n, 20)] = -0.0
     x[rng.integers(0, n, 3)] = np.nan
     ids = np.flatnonzero(rng.random(n) < 0.6)
-    np.testing.assert_array_equal(_by_rank(x, ids), ids[np.lexsort((ids, -x[ids]))])
+    np.testing.assert_array_equal(by_rank(x, ids), ids[np.lexsort((ids, -x[ids]))])
 
 
 def test_top_p_over_a_flat_vocabulary_keeps_the_best_ranked_prefix() -> None:
     """With the best 1024 of 129280 tokens holding too little mass, top_p ranks them all:
     the survivors are exactly the best tokens whose mass first reaches top_p."""
-    from ds4.sampling import _top_k_top_p, _weights
+    from ds4.kernels.sampling import weights
+    from ds4.sampling import _top_k_top_p
 
     x = np.random.default_rng(4).standard_normal(129280).astype(np.float32)
     scaled = x - x.max()
     kept = _top_k_top_p(scaled, scaled.size, 0.5, scaled.max())
     ranked = np.lexsort((np.arange(x.size), -scaled))
-    w = _weights(scaled[ranked], 0.0)
+    w = weights(scaled[ranked], 0.0)
     cut = int(np.searchsorted(np.cumsum(w) / w.sum(), 0.5, side="left")) + 1
     assert kept.size > 1024
     np.testing.assert_array_equal(kept, ranked[:cut])

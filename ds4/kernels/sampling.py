@@ -95,16 +95,24 @@ def rank_keys(values, ids):
 KEY_IDS = 0xFFFFFFFF  # a rank key's id bits
 
 
+def by_rank(scaled, ids) -> np.ndarray:
+    """`ids` ordered by descending logit, then ascending id: one sort of rank keys, ~5x faster
+    than a two-key lexsort over a 129280-token vocabulary, which top_p needs whenever the best
+    1024 tokens hold too little mass (a flat distribution, a high temperature)."""
+    return np.sort(rank_keys(scaled[ids], ids)) & KEY_IDS
+
+
+def weights(values, peak) -> np.ndarray:
+    """exp(value - peak) in float64 (as the device path computes it)."""
+    return np.exp(values.astype(np.float64) - peak)
+
+
 def top_p_prefix(scaled, ids, top_p: float, peak) -> np.ndarray:
     """`ids` (a prefix of the ranked tokens, e.g. min_p's survivors) ranked, cut to the
     shortest prefix whose share of the whole row's mass, exp(scaled - peak) in float64,
     reaches top_p: the host's rule (ds4/sampling.py) and sample_min_p's twin both use it."""
-    ranked = np.sort(rank_keys(scaled[ids], ids)) & KEY_IDS
-
-    def weights(v):
-        return np.exp(v.astype(np.float64) - peak)
-
-    cdf = np.cumsum(weights(scaled[ranked])) / weights(scaled).sum()
+    ranked = by_rank(scaled, ids)
+    cdf = np.cumsum(weights(scaled[ranked], peak)) / weights(scaled, peak).sum()
     return ranked[: int(np.searchsorted(cdf, top_p, side="left")) + 1]
 
 
