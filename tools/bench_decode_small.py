@@ -58,8 +58,8 @@ def unit_table(cp) -> None:
 
         for iters in (20, 0):
             fused = graph_us(cp, lambda: hc.hc_unit(
-                c["X"], c["y"], c["pc"], fn(), c["scale"], c["base"], c["w"], c["mix"], c["h"],
-                c["scratch"], iters))
+                c["X"], c["y"], (c["mix"], c["scale"], c["base"]), fn(), c["scale"], c["base"],
+                c["w"], c["mix"], c["h"], c["scratch"], iters))
 
             def three():
                 hc.hc_post(c["X"], c["y"], c["pc"], c["X"])

@@ -4,15 +4,18 @@
 #include "hyper_connection.cuh"
 
 // Decode at an mHC unit boundary, one launch: the previous unit's hc_post (y not null), this
-// unit's hc_mix (into mix) and its pre + RMSNorm (h; post_comb; head: the output head's collapse
-// and RMSNorm, pre only). Block s < slices of member z takes channels [s * SLICE, +SLICE) (n <= 4
-// streams, D a multiple of 4) and keeps their new X in shared memory; the member's blocks meet
-// twice: once every slice's partial mix sums and X^2 are in part (then every block adds the
-// slices in slice order, so all hold the same mix and pre), and once every slice's share of
-// sum(u^2) is (u = sum_i pre_i X_i, each block its own channels); each then writes h for its
-// slice. Block `slices` (not for the head) takes post and comb, with the Sinkhorn, off that path.
+// unit's hc_mix (into mix) and its pre + RMSNorm (h; head: the output head's collapse and
+// RMSNorm, pre only). Block s of member z takes channels [s * SLICE, +SLICE) (n <= 4 streams, D
+// a multiple of 4) and keeps their new X in shared memory; the member's blocks meet twice: once
+// every slice's partial mix sums and X^2 are in part (then every block adds the slices in slice
+// order, so all hold the same mix and pre), and once every slice's share of sum(u^2) is (u =
+// sum_i pre_i X_i, each block its own channels); each then writes h for its slice. The previous
+// unit's post and comb (the Sinkhorn) each block computes from that unit's stored mix
+// (prev_mix, with its scale and base) before it waits for the kernel ahead: that mix is two or
+// more launches old, and the Sinkhorn then runs in the previous kernel's tail instead of after
+// this unit's mix, where a block of its own held the launch open (docs/PERF.md).
 // The meetings spin on a per-member count, so every block of the launch must be resident at
-// once: 256 threads of at most 64 registers are 4 blocks an SM, and (D / SLICE + 1) * 8 members
+// once: 256 threads of at most 64 registers are 4 blocks an SM, and D / SLICE * 8 members
 // <= 4 * 132 for D <= MAX_D. The last block to leave resets the member's counts.
 constexpr int UNIT_THREADS = 256, SLICE = 128, MAX_MIX = 32;  // MAX_MIX: part slots a slice
 constexpr int UNIT_STREAMS = 4, UNIT_WARPS = UNIT_THREADS / 32, MIX_ROWS = MAX_MIX / UNIT_WARPS;
@@ -83,44 +86,40 @@ __device__ __forceinline__ void whole_mix(const float* pb, int slices, int n_mix
 }
 
 extern "C" __global__ void __launch_bounds__(UNIT_THREADS, 4)
-hc_unit(float* X, const float* __restrict__ y, float* post_comb, const float* __restrict__ fn,
-        const float* __restrict__ scale, const float* __restrict__ base,
-        const float* __restrict__ norm_w, float* mix, float* h, float* part, unsigned* done, int D,
-        int n, int n_mix, int mix_stride, int iters, float eps, float mix_eps, float norm_eps,
-        int head) {
+hc_unit(float* X, const float* __restrict__ y, const float* __restrict__ prev_mix,
+        const float* __restrict__ prev_scale, const float* __restrict__ prev_base,
+        int prev_stride, const float* __restrict__ fn, const float* __restrict__ scale,
+        const float* __restrict__ base, const float* __restrict__ norm_w, float* mix, float* h,
+        float* part, unsigned* done, int D, int n, int n_mix, int mix_stride, int iters,
+        float eps, float mix_eps, float norm_eps) {
     __shared__ __align__(16) float xsh[UNIT_STREAMS][SLICE];
     __shared__ float red[MAX_MIX], mixs[MAX_MIX], ssr[32], pre[UNIT_STREAMS], rs;
     __shared__ float parts[MAX_SLICES * MAX_MIX];  // the member's partial slots, in turn
+    __shared__ float wpre[MAX_STREAMS], post[MAX_STREAMS], comb[MAX_STREAMS * MAX_STREAMS];
     size_t b = blockIdx.z;
     int slices = (D + SLICE - 1) / SLICE, s = blockIdx.x, width = n * D, c0 = s * SLICE;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = threadIdx.x, d = c0 + c;
-    if (s < slices && c < n_mix * n)  // this slice's fn rows are weights: into the L2 early
+    if (c < n_mix * n)  // this slice's fn rows are weights: into the L2 early
         prefetch_l2(fn + (size_t)(c / n) * width + (size_t)(c % n) * D + c0,
                     4u * (unsigned)min(SLICE, D - c0));
+    if (y) {  // the previous unit's post and comb, from its mix (written launches ago)
+        const float* pm = prev_mix + b * prev_stride;
+        if (warp_weights(n)) {
+            if (warp == 0) hc_weights_warp(pm, prev_scale, prev_base, n, iters, eps, wpre, post,
+                                           comb);
+        } else if (threadIdx.x == 0) {
+            hc_weights(pm, prev_scale, prev_base, n, iters, eps, wpre, post, comb);
+        }
+    }
     wait_inputs();  // (pdl.py)
+    __syncthreads();  // (post and comb)
     unsigned* count = done + 2 * b;
     float* pb = part + b * slices * MAX_MIX;
-    post_comb += b * (n + n * n);
-    if (s == slices) {  // post and comb once the mix is whole
-        member_wait(count, slices, false);
-        whole_mix(pb, slices, n_mix, width, mix_eps, parts, mixs);
-        __shared__ float wpre[MAX_STREAMS], post[MAX_STREAMS], comb[MAX_STREAMS * MAX_STREAMS];
-        if (warp_weights(n)) {
-            if (warp == 0) hc_weights_warp(mixs, scale, base, n, iters, eps, wpre, post, comb);
-        } else if (threadIdx.x == 0) {
-            hc_weights(mixs, scale, base, n, iters, eps, wpre, post, comb);
-        }
-        __syncthreads();
-        for (int i = threadIdx.x; i < n + n * n; i += UNIT_THREADS)
-            post_comb[i] = i < n ? post[i] : comb[i - n];
-        member_leave(count, slices + 1);
-        return;
-    }
     X += b * n * D;
     // the slice's new X (thread c: channel d, all streams) into xsh; X written once all read it
     float xn[MAX_STREAMS] = {}, ss = 0.f;
     bool mine = c < SLICE && d < D;
-    if (mine && y) expand_channel(X, y + b * D, post_comb, post_comb + n, D, n, d, xn);
+    if (mine && y) expand_channel(X, y + b * D, post, comb, D, n, d, xn);
 #pragma unroll
     for (int i = 0; i < UNIT_STREAMS; i++) {
         if (mine && !y && i < n) xn[i] = X[(size_t)i * D + d];
@@ -171,5 +170,5 @@ hc_unit(float* X, const float* __restrict__ y, float* post_comb, const float* __
     if (threadIdx.x == 0) rs = rsqrtf(slice_sum(parts, slices, U_SLOT) / D + norm_eps);
     __syncthreads();
     if (mine) h[b * D + d] = u * rs * norm_w[d];
-    member_leave(count, slices + (head ? 0 : 1));
+    member_leave(count, slices);
 }

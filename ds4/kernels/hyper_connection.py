@@ -197,26 +197,29 @@ def unit_scratch(xp, batch: int, D: int) -> tuple:
     return xp.zeros((batch, slices, MAX_MIX), xp.float32), xp.zeros((batch, 2), xp.uint32)
 
 
-def hc_unit(X, y, post_comb, fn, scale, base, norm_w, mix, h, scratch, iters: int = 20,
-            eps: float = 1e-6, mix_eps: float = 1e-6, norm_eps: float = 1e-6,
-            head: bool = False):
-    """Decode at an mHC unit boundary, one launch: X = hc_post(X, y, post_comb) in place when y
-    is given (the previous unit's output), then this unit's hc_mix(fn, X, mix, mix_eps) and
-    hc_pre_norm into h and post_comb; head: the output head's collapse (fn [n, n D], pre only)
-    and its RMSNorm. X [B, streams, D]: every operand [B, ...]. (A device too small to hold
-    every member's blocks at once gets one launch per group of members that fits.)"""
+def hc_unit(X, y, prev, fn, scale, base, norm_w, mix, h, scratch, iters: int = 20,
+            eps: float = 1e-6, mix_eps: float = 1e-6, norm_eps: float = 1e-6):
+    """Decode at an mHC unit boundary, one launch: X = hc_post(X, y) in place when y is given
+    (the previous unit's output), with that unit's post and comb computed in the launch from
+    prev = (its mix [B, >= (2 + n) n], its scale, its base); then this unit's hc_mix(fn, X, mix,
+    mix_eps) and h = RMSNorm_w(sum_i pre_i X[i]) (the output head's unit: fn [n, n D], mix [B,
+    n]). X [B, streams, D]: every operand [B, ...]. (A device too small to hold every member's
+    blocks at once gets one launch per group of members that fits.)"""
     streams, D = X.shape[-2:]
     n_mix = fn.shape[0]
     assert unit_fits(n_mix, streams, D) and fn.shape[1] == streams * D
+    assert (y is None) == (prev is None), "the previous unit's mix comes with its output"
     part, done = scratch
-    blocks = part.shape[1] + (0 if head else 1)  # the slices, and one for post and comb
-    batch = _batch(X)
+    blocks, batch = part.shape[1], _batch(X)  # the slices
+    prev_mix, prev_scale, prev_base = prev if prev is not None else (None, None, None)
     for m0, m1 in member_groups(batch, blocks, unit_capacity()):
         at = (lambda a: a) if X.ndim == 2 else (lambda a, m0=m0, m1=m1: a[m0:m1])
-        args = (ptr(at(X)), ptr(None if y is None else at(y)), ptr(at(post_comb)), ptr(fn),
+        args = (ptr(at(X)), ptr(None if y is None else at(y)),
+                ptr(None if prev_mix is None else at(prev_mix)), ptr(prev_scale),
+                ptr(prev_base), i32(0 if prev_mix is None else prev_mix.shape[-1]), ptr(fn),
                 ptr(scale), ptr(base), ptr(norm_w), ptr(at(mix)), ptr(at(h)), ptr(at(part)),
                 ptr(at(done)), i32(D), i32(streams), i32(n_mix), i32(mix.shape[-1]),
-                i32(iters), f32(eps), f32(mix_eps), f32(norm_eps), i32(int(head)))
+                i32(iters), f32(eps), f32(mix_eps), f32(norm_eps))
         launch("hc_unit", "hc_unit", (blocks, 1, m1 - m0), (UNIT_THREADS,), args)
     return h
 
@@ -236,15 +239,19 @@ def unit_capacity() -> int:
     return resident_blocks(kernel("hc_unit", "hc_unit"), UNIT_THREADS)
 
 
-def hc_unit_numpy(X, y, post_comb, fn, scale, base, norm_w, mix, h, scratch, iters: int = 20,
-                  eps: float = 1e-6, mix_eps: float = 1e-6, norm_eps: float = 1e-6,
-                  head: bool = False):
-    """NumPy twin of hc_unit: hc_post, hc_mix and hc_pre_norm's twins in turn (head: hc_pre's
-    head collapse, then the RMSNorm)."""
+def hc_unit_numpy(X, y, prev, fn, scale, base, norm_w, mix, h, scratch, iters: int = 20,
+                  eps: float = 1e-6, mix_eps: float = 1e-6, norm_eps: float = 1e-6):
+    """NumPy twin of hc_unit: the previous unit's post and comb from its mix (hc_weights'
+    twin), hc_post's and hc_mix's twins, then pre and the RMSNorm."""
+    n = X.shape[-2]
     if y is not None:
-        hc_post_numpy(X, y, post_comb, X)
+        prev_mix, prev_scale, prev_base = prev
+        rows = np.reshape(prev_mix, (-1, prev_mix.shape[-1]))
+        post_comb = np.stack([np.concatenate([post, comb.reshape(-1)]) for post, comb in
+                              (hc_weights_numpy(m, prev_scale, prev_base, n, iters, eps)[1:]
+                               for m in rows)])
+        hc_post_numpy(X, y, post_comb.reshape(*np.shape(prev_mix)[:-1], -1), X)
     hc_mix_numpy(fn, X, mix, mix_eps)
-    if not head:
-        return hc_pre_norm_numpy(mix, scale, base, X, norm_w, h, post_comb, iters, eps, norm_eps)
-    u = hc_pre_numpy(mix, scale, base, X, np.empty_like(h), post_comb, iters, eps, head=True)
+    pre = 1.0 / (1.0 + np.exp(-(mix[..., :n] * scale[0] + base[:n]))) + eps
+    u = (pre[..., None] * X).sum(axis=-2)
     return rms_norm_numpy(u, norm_w, h, norm_eps)

@@ -99,7 +99,7 @@ class KernelDecoder:
         cp, f = self.cp, self.cp.float32
         D, H, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
         n, k, inter = cfg.hc_mult, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-        sizes = {"X": (n, D), "mix": (2 * n + n * n,), "head_mix": (n,), "post_comb": (n + n * n,),
+        sizes = {"X": (n, D), "mix": (2 * n + n * n,), "head_mix": (n,),
                  "h": (D,), "y": (D,), "qlat": (cfg.q_lora_rank,), "q": (H, d),
                  "kv": (d,), "o": (H, d), "z": (cfg.o_groups * cfg.o_lora_rank,),
                  "ckv": (2 * d,), "cg": (2 * d,), "ickv": (2 * cfg.index_head_dim,),
@@ -301,28 +301,36 @@ class KernelDecoder:
         """Layer i on the residual streams X[:B]: mHC + attention, then mHC + MoE. The MoE's
         hc_post runs at the start of the next unit (the next layer's or the head's)."""
         t = self.layers[i]
-        self._block(t, "attn_hc", "input_layernorm.weight", B, post=i > 0)
+        self._block(t, "attn_hc", "input_layernorm.weight", B,
+                    self._prev(self.layers[i - 1], "ffn_hc", B) if i > 0 else None)
         self._attention(i, t, B, serial)
-        self._block(t, "ffn_hc", "post_attention_layernorm.weight", B, post=True)
+        self._block(t, "ffn_hc", "post_attention_layernorm.weight", B,
+                    self._prev(t, "attn_hc", B))
         self._moe(i, t, B)
 
     def run_head(self, B: int) -> None:
         """The last layer's hc_post, then logits[:B] = W_head RMSNorm(HyperHead(X[:B]))."""
         cfg, b, top = self.cfg, self.buf, self.top
-        hc.hc_unit(b["X"][:B], b["y"][:B], b["post_comb"][:B], top["hc_fn"], top["hc_scale"],
-                   top["hc_base"], top["norm"], b["head_mix"][:B], b["h"][:B],
-                   (b["unit_part"], b["unit_done"]), cfg.hc_sinkhorn_iters, cfg.hc_eps,
-                   cfg.rms_norm_eps, cfg.rms_norm_eps, head=True)
+        hc.hc_unit(b["X"][:B], b["y"][:B], self._prev(self.layers[-1], "ffn_hc", B),
+                   top["hc_fn"], top["hc_scale"], top["hc_base"], top["norm"], b["head_mix"][:B],
+                   b["h"][:B], (b["unit_part"], b["unit_done"]), cfg.hc_sinkhorn_iters,
+                   cfg.hc_eps, cfg.rms_norm_eps, cfg.rms_norm_eps)
         matvec_rows(top["head"], b["h"], b["logits"], B)
 
-    def _block(self, t: dict, unit: str, norm: str, B: int, post: bool) -> None:
-        """post: X = hc_post(X, y) of the previous unit; then h = RMSNorm_w(sum_i pre_i X_i) of
-        this unit, its post/comb kept for the next hc_post; one hc_unit launch."""
+    def _block(self, t: dict, unit: str, norm: str, B: int, prev) -> None:
+        """prev (the previous unit's mix, scale and base; None for the first unit): X =
+        hc_post(X, y) of that unit; then this unit's mix and h = RMSNorm_w(sum_i pre_i X_i); one
+        hc_unit launch."""
         cfg, b = self.cfg, self.buf
-        hc.hc_unit(b["X"][:B], b["y"][:B] if post else None, b["post_comb"][:B], t[unit + ".fn"],
+        hc.hc_unit(b["X"][:B], b["y"][:B] if prev is not None else None, prev, t[unit + ".fn"],
                    t[unit + ".scale"], t[unit + ".base"], t[norm], b["mix"][:B], b["h"][:B],
                    (b["unit_part"], b["unit_done"]), cfg.hc_sinkhorn_iters, cfg.hc_eps,
                    cfg.rms_norm_eps, cfg.rms_norm_eps)
+
+    def _prev(self, t: dict, unit: str, B: int) -> tuple:
+        """What the next hc_unit computes that unit's post and comb from: its mix (the buffer
+        each non-head unit writes) and its weights."""
+        return self.buf["mix"][:B], t[unit + ".scale"], t[unit + ".base"]
 
     def _attention(self, i: int, t: dict, B: int, serial: bool = False) -> None:
         """y = attention output of layer i for h, updating each member's layer state (serial:
