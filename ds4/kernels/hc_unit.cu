@@ -6,20 +6,24 @@
 // Decode at an mHC unit boundary, one launch: the previous unit's hc_post (y not null), this
 // unit's hc_mix (into mix) and its pre + RMSNorm (h; head: the output head's collapse and
 // RMSNorm, pre only). Block s of member z takes channels [s * SLICE, +SLICE) (n <= 4 streams, D
-// a multiple of 4) and keeps their new X in shared memory; the member's blocks meet twice: once
-// every slice's partial mix sums and X^2 are in part (then every block adds the slices in slice
-// order, so all hold the same mix and pre), and once every slice's share of sum(u^2) is (u =
-// sum_i pre_i X_i, each block its own channels); each then writes h for its slice. The previous
+// a multiple of 4) and keeps their new X in shared memory; the member's blocks meet once,
+// when every slice's partial mix sums, X^2 and stream products X_i . X_j are in part; then every
+// block adds the slices in slice order, so all hold the same mix, pre and sum(u^2) = sum_ij
+// pre_i pre_j X_i . X_j (u = sum_i pre_i X_i: no second meeting for the RMSNorm), and writes h
+// for its slice. The previous
 // unit's post and comb (the Sinkhorn) each block computes from that unit's stored mix
 // (prev_mix, with its scale and base) before it waits for the kernel ahead: that mix is two or
 // more launches old, and the Sinkhorn then runs in the previous kernel's tail instead of after
 // this unit's mix, where a block of its own held the launch open (docs/PERF.md).
-// The meetings spin on a per-member count, so every block of the launch must be resident at
+// The meeting spins on a per-member count, so every block of the launch must be resident at
 // once: 256 threads of at most 64 registers are 4 blocks an SM, and D / SLICE * 8 members
 // <= 4 * 132 for D <= MAX_D. The last block to leave resets the member's counts.
-constexpr int UNIT_THREADS = 256, SLICE = 128, MAX_MIX = 32;  // MAX_MIX: part slots a slice
-constexpr int UNIT_STREAMS = 4, UNIT_WARPS = UNIT_THREADS / 32, MIX_ROWS = MAX_MIX / UNIT_WARPS;
-constexpr int U_SLOT = MAX_MIX - 2, SS_SLOT = MAX_MIX - 1;  // sum(u^2), sum(X^2); mix rows below
+constexpr int UNIT_THREADS = 256, SLICE = 128, MAX_MIX = 40;  // MAX_MIX: part slots a slice
+constexpr int UNIT_STREAMS = 4, UNIT_WARPS = UNIT_THREADS / 32, MIX_ROWS = 4;  // rows < 32
+// a slice's partial slots: its mix rows, from G_SLOT its streams' products X_i . X_j (i <= j,
+// row by row), then sum(X^2)
+constexpr int GRAM = UNIT_STREAMS * (UNIT_STREAMS + 1) / 2;
+constexpr int G_SLOT = MAX_MIX - 1 - GRAM, SS_SLOT = MAX_MIX - 1;
 
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
     unsigned v;
@@ -85,6 +89,31 @@ __device__ __forceinline__ void whole_mix(const float* pb, int slices, int n_mix
     __syncthreads();
 }
 
+// gred[warp * GRAM + p] = the warp's sum of x_i x_j over its threads' channels, pair p = (i, j),
+// i <= j, row by row (xn: a thread's channel of every stream, zeros past n).
+__device__ __forceinline__ void stream_products(const float* xn, int lane, int warp,
+                                                float* gred) {
+    int p = 0;
+#pragma unroll
+    for (int i = 0; i < UNIT_STREAMS; i++)
+#pragma unroll
+        for (int j = i; j < UNIT_STREAMS; j++, p++) {
+            float t = warp_sum(xn[i] * xn[j]);
+            if (lane == 0) gred[warp * GRAM + p] = t;
+        }
+}
+
+// sum over channels of u^2, u = sum_i pre_i X_i, from the streams' products gram (pairs as
+// stream_products): sum_i pre_i^2 G_ii + 2 sum_{i<j} pre_i pre_j G_ij.
+__device__ __forceinline__ float sum_u2(const float* pre, const float* gram, int n) {
+    float t = 0.f;
+    int p = 0;
+    for (int i = 0; i < UNIT_STREAMS; i++)
+        for (int j = i; j < UNIT_STREAMS; j++, p++)
+            if (j < n) t += (i == j ? 1.f : 2.f) * pre[i] * pre[j] * gram[p];
+    return t;
+}
+
 extern "C" __global__ void __launch_bounds__(UNIT_THREADS, 4)
 hc_unit(float* X, const float* __restrict__ y, const float* __restrict__ prev_mix,
         const float* __restrict__ prev_scale, const float* __restrict__ prev_base,
@@ -96,6 +125,7 @@ hc_unit(float* X, const float* __restrict__ y, const float* __restrict__ prev_mi
     __shared__ float red[MAX_MIX], mixs[MAX_MIX], ssr[32], pre[UNIT_STREAMS], rs;
     __shared__ float parts[MAX_SLICES * MAX_MIX];  // the member's partial slots, in turn
     __shared__ float wpre[MAX_STREAMS], post[MAX_STREAMS], comb[MAX_STREAMS * MAX_STREAMS];
+    __shared__ float gred[UNIT_WARPS * GRAM], gram[GRAM];
     size_t b = blockIdx.z;
     int slices = (D + SLICE - 1) / SLICE, s = blockIdx.x, width = n * D, c0 = s * SLICE;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = threadIdx.x, d = c0 + c;
@@ -150,25 +180,29 @@ hc_unit(float* X, const float* __restrict__ y, const float* __restrict__ prev_mi
         float t = warp_sum(acc[k]);
         if (lane == 0) red[warp + UNIT_WARPS * k] = t;
     }
+    stream_products(xn, lane, warp, gred);
     __syncthreads();
     if (threadIdx.x < n_mix) pb[s * MAX_MIX + threadIdx.x] = red[threadIdx.x];
     if (threadIdx.x == 0) pb[s * MAX_MIX + SS_SLOT] = ss;
+    if (threadIdx.x >= 32 && threadIdx.x < 32 + GRAM) {  // the block's products, in warp order
+        float t = 0.f;
+        for (int w = 0; w < UNIT_WARPS; w++) t += gred[w * GRAM + threadIdx.x - 32];
+        pb[s * MAX_MIX + G_SLOT + threadIdx.x - 32] = t;
+    }
     member_wait(count, slices, true);
     whole_mix(pb, slices, n_mix, width, mix_eps, parts, mixs);
     if (s == 0 && threadIdx.x < n_mix) mix[b * mix_stride + threadIdx.x] = mixs[threadIdx.x];
     if (threadIdx.x < n)  // hc_weights_warp's expression for pre, bit for bit
         pre[threadIdx.x] = sigmoidf(mixs[threadIdx.x] * scale[0] + base[threadIdx.x]) + eps;
+    if (threadIdx.x >= 32 && threadIdx.x < 32 + GRAM)  // (a second warp, beside pre)
+        gram[threadIdx.x - 32] = slice_sum(parts, slices, G_SLOT + threadIdx.x - 32);
+    __syncthreads();
+    if (threadIdx.x == 0) rs = rsqrtf(sum_u2(pre, gram, n) / D + norm_eps);
     __syncthreads();
     float u = 0.f;
 #pragma unroll
     for (int i = 0; i < UNIT_STREAMS; i++)
         if (mine && i < n) u += pre[i] * xsh[i][c];
-    float uss = block_sum(u * u, ssr);
-    if (threadIdx.x == 0) pb[s * MAX_MIX + U_SLOT] = uss;
-    member_wait(count, 2 * slices, true);
-    load_parts(pb, slices, parts);  // (whole_mix's reads of parts ended at its last barrier)
-    if (threadIdx.x == 0) rs = rsqrtf(slice_sum(parts, slices, U_SLOT) / D + norm_eps);
-    __syncthreads();
     if (mine) h[b * D + d] = u * rs * norm_w[d];
     member_leave(count, slices);
 }

@@ -179,15 +179,17 @@ def hc_pre_norm_numpy(mix, scale, base, X, norm_w, h, post_comb, iters: int = 20
     return h
 
 
-MAX_D, SLICE, MAX_MIX, UNIT_STREAMS = 8192, 128, 32, 4  # hyper_connection.cuh, hc_unit.cu
+MAX_D, SLICE, MAX_MIX, UNIT_STREAMS = 8192, 128, 40, 4  # hyper_connection.cuh, hc_unit.cu
 UNIT_THREADS = 256
+GRAM = UNIT_STREAMS * (UNIT_STREAMS + 1) // 2  # hc_unit.cu: the streams' products a slice
 
 
 def unit_fits(n_mix: int, streams: int, D: int) -> bool:
-    """True where hc_unit takes a unit: n_mix partial sums a slice beside sum(u^2) and sum(X^2),
-    up to four streams, D in float4 quads and at most MAX_D (how many members a launch takes:
-    member_groups)."""
-    return n_mix <= MAX_MIX - 2 and streams <= UNIT_STREAMS and D <= MAX_D and D % 4 == 0
+    """True where hc_unit takes a unit: n_mix partial sums a slice beside the streams' products
+    and sum(X^2), up to four streams, D in float4 quads and at most MAX_D (how many members a
+    launch takes: member_groups)."""
+    return (n_mix <= MAX_MIX - 1 - GRAM and streams <= UNIT_STREAMS and D <= MAX_D
+            and D % 4 == 0)
 
 
 def unit_scratch(xp, batch: int, D: int) -> tuple:
