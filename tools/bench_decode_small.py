@@ -43,6 +43,8 @@ def unit_case(cp, B: int) -> dict:
     return {"X": rnd((B, STREAMS, D), dtype=f32), "y": rnd((B, D), dtype=f32) * 0.1, "pc": pc,
             "fns": [rnd((MIX, STREAMS * D), dtype=f32) * 0.01 for _ in range(COPIES)],
             "mix": cp.zeros((B, MIX), f32), "scale": cp.ones(3, f32), "base": cp.zeros(MIX, f32),
+            "prev_mix": rnd((B, MIX), dtype=f32) * 0.1,  # the previous unit's (not this one's:
+            # hc_unit reads it before it waits for the launch ahead, here another hc_unit)
             "w": cp.ones(D, f32), "h": cp.zeros((B, D), f32),
             "scratch": hc.unit_scratch(cp, B, D)}
 
@@ -58,7 +60,7 @@ def unit_table(cp) -> None:
 
         for iters in (20, 0):
             fused = graph_us(cp, lambda: hc.hc_unit(
-                c["X"], c["y"], (c["mix"], c["scale"], c["base"]), fn(), c["scale"], c["base"],
+                c["X"], c["y"], (c["prev_mix"], c["scale"], c["base"]), fn(), c["scale"], c["base"],
                 c["w"], c["mix"], c["h"], c["scratch"], iters))
 
             def three():
