@@ -8,13 +8,17 @@ from test_batch_tools import load_tool
 
 
 def test_lists_the_decoders_switches_with_their_defaults(capsys):
+    from ds4.kernels import rows
     from ds4.model import gpu_decode
 
     bench = load_tool("bench_switches")
     assert bench.main(["--list"]) == 0
     lines = dict(line.split(" = ") for line in capsys.readouterr().out.splitlines())
     assert lines["SHARED_AHEAD"] == str(gpu_decode.SHARED_AHEAD)
-    assert all(lines[name] == str(getattr(gpu_decode, name)) for name in lines)
+    assert lines["rows.STAGE_X"] == str(rows.STAGE_X)
+    module = {"": gpu_decode, "rows": rows}
+    assert all(lines[name] == str(getattr(module[name.rpartition(".")[0]], name.split(".")[-1]))
+               for name in lines)
 
 
 @pytest.mark.parametrize("argv", [["--switch", "NO_SUCH_SWITCH"], []])

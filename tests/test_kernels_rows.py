@@ -256,6 +256,34 @@ def test_matvec_row_is_bitwise_the_same_in_any_batch(name):
 
 
 @gpu_test
+@pytest.mark.parametrize("name", list(V4_MATVEC))
+def test_x_split_once_a_block_in_shared_memory_keeps_every_bit(name, monkeypatch):
+    """The staged kernels (x split once a block into shared memory) feed the mmas the words
+    each warp made for itself before: the same outputs bit for bit, at every batch size, with
+    a zero k-tile (its power from the floor exponent) and x rows wider apart than K."""
+    import cupy as cp
+
+    _, w, x, group = device_case(cp, name, seed=9)
+    x[2, :64] = 0.0
+    xd = cp.zeros((8, x.shape[1] + 64), cp.float32)[:, :x.shape[1]]
+    xd[...] = cp.asarray(x)
+    rows = w.shape[0]
+    op = R.operand(w)
+    for batch in (1, 3, 5, 8):
+        mt, depth = R.variant(op)
+        kw = R.pick_split(-(-rows // (16 * mt)), R._k_tiles(op.fmt, op.cols))
+        used = R.staged(R.dense_fmt(op), (mt, depth), kw, rows, group or rows, op.cols, batch)
+        got = {}
+        for on in (False, True):
+            monkeypatch.setattr(R, "STAGE_X", on)
+            got[on] = cp.zeros((batch, rows), cp.float32)
+            R.matvec(w, xd, got[on], batch, rows_per_group=group)
+        assert cp.array_equal(got[True], got[False]), (name, batch)
+        if name in ("q_b", "o_a", "o_b", "router", "ragged_fp8") and batch == 1:
+            assert used > 0, name  # (the staged kernel ran)
+
+
+@gpu_test
 @pytest.mark.parametrize("fmt", [FP8, FP4])
 @pytest.mark.parametrize("tiles", [(1, 4), (2, 2), (1, 8), (2, 4), (4, 2)])
 def test_every_kernel_variant_matches_twin_and_sums_alike(fmt, tiles):
@@ -295,7 +323,9 @@ def test_decoded_words_are_exact_weights(fmt, block):
 
 
 @gpu_test
-def test_many_matches_twin_and_single_launches():
+def test_many_matches_twin_and_single_launches(monkeypatch):
+    """One launch for several matrices of one x: each output the matrix's own launch's bits,
+    with x split once a block in shared memory (rows_many_n*_sx) or in each warp."""
     import cupy as cp
 
     rng = np.random.default_rng(7)
@@ -305,13 +335,19 @@ def test_many_matches_twin_and_single_launches():
     dev = [on_device(cp, w) for w in ws]
     x = rng.standard_normal((8, 4096), dtype=np.float32)
     xd = cp.asarray(x)
-    for batch in (1, 6):
+    for batch in (1, 3, 6):
         buf = cp.zeros((batch, 3000), cp.float32)
         widths = [w.shape[0] for w in ws]
         starts = np.cumsum([0] + widths)
         outs = [buf[:, s:s + n] for s, n in zip(starts, widths)]
         plan = R.matvec_plan(cp, dev, outs)
+        monkeypatch.setattr(R, "STAGE_X", False)
         R.matvec_many(plan, xd, batch)
+        apart = buf.copy()
+        monkeypatch.setattr(R, "STAGE_X", True)
+        assert plan.staged(batch) > 0 or batch > 4
+        R.matvec_many(plan, xd, batch)
+        assert cp.array_equal(buf, apart), batch
         for w, wdev, o in zip(ws, dev, outs):
             one = cp.zeros((batch, o.shape[1]), cp.float32)
             R.matvec(wdev, xd[:batch], one, batch)

@@ -1,4 +1,5 @@
-"""A/B of the kernel decoder's switches (the boolean constants of ds4/model/gpu_decode.py): one
+"""A/B of the kernel decoder's switches (the boolean constants of ds4/model/gpu_decode.py, and
+ds4/kernels/rows.py's as `rows.NAME`): one
 official-format layer at V4-Flash dimensions per kind, its decode graph per layer-token with a
 switch off and on, alternating in one process (`--rounds` pairs), at each batch size, and the
 ratio on / off. What a switch buys is measured against the path it replaces in the same run.
@@ -17,12 +18,25 @@ import sys
 from bench_engine import KINDS
 
 
-def switches() -> dict[str, bool]:
-    """The decoder's switches and their defaults: gpu_decode's module-level booleans."""
+def _modules() -> dict:
+    """The modules whose booleans are switches, by prefix ("" for gpu_decode)."""
+    from ds4.kernels import rows
     from ds4.model import gpu_decode
 
-    return {name: value for name, value in vars(gpu_decode).items()
-            if name.isupper() and isinstance(value, bool)}
+    return {"": gpu_decode, "rows.": rows}
+
+
+def switches() -> dict[str, bool]:
+    """The decoder's switches and their defaults: gpu_decode's module-level booleans, then
+    the row kernels' (rows.NAME)."""
+    return {prefix + name: value for prefix, module in _modules().items()
+            for name, value in vars(module).items() if name.isupper() and isinstance(value, bool)}
+
+
+def _owner(name: str) -> tuple:
+    """(module, attribute) of switch `name`."""
+    prefix, _, attr = name.rpartition(".")
+    return _modules()[prefix + "." if prefix else ""], attr
 
 
 def layer_seconds(cp, model, ctx: int, batch: int) -> float:
@@ -43,17 +57,16 @@ def layer_seconds(cp, model, ctx: int, batch: int) -> float:
 
 def ab(cp, model, name: str, ctx: int, batch: int, rounds: int) -> tuple[float, float]:
     """Median seconds (off, on) of switch `name`, measured off, on, off, on, ..."""
-    from ds4.model import gpu_decode
-
-    kept, times = getattr(gpu_decode, name), {False: [], True: []}
+    module, attr = _owner(name)
+    kept, times = getattr(module, attr), {False: [], True: []}
     try:
         for _ in range(rounds):
             for on in (False, True):
-                setattr(gpu_decode, name, on)
+                setattr(module, attr, on)
                 times[on].append(layer_seconds(cp, model, ctx, batch))
                 cp.get_default_memory_pool().free_all_blocks()  # (that decoder's buffers)
     finally:
-        setattr(gpu_decode, name, kept)
+        setattr(module, attr, kept)
     return statistics.median(times[False]), statistics.median(times[True])
 
 

@@ -95,23 +95,33 @@ __device__ __forceinline__ void load_x(const float* xc, int col, int cols, float
     }
 }
 
-// Where a lane's B words come from: its x column (x, split here for every k-tile) or the words
-// rows_split wrote (w: the lane's own words of k-tile 0 in its part; lo: from hi to lo words,
-// for NT = 2). Both null: a lane without a column (zeros).
+// Where a lane's B words come from (XS): X_REGS its x column (x, split here for every k-tile),
+// X_WORDS the words rows_split wrote (w: the lane's own words of k-tile 0 in its part; lo: from
+// hi to lo words, for NT = 2), X_SHARED the words stage_x wrote in shared memory (w and lo as
+// X_WORDS; un0 / un1: for POST formats, the k-tiles' power inverses of the lane's output
+// columns 2t and 2t + 1). Null: a lane without a column (zeros).
+enum XFrom { X_REGS = 0, X_WORDS = 1, X_SHARED = 2 };
 struct XSrc {
     const float* x;
     const u32* w;
     long long lo;
+    const float* un0 = nullptr;
+    const float* un1 = nullptr;
 };
 
 // Split x words per lane and k-tile of format F (two per mma).
 template <class F>
 __device__ constexpr int words_per_lane() { return 2 * F::MMAS; }
 
+// Words from one k-tile of a lane's split x to the next: rows_split's rows hold every k-tile's
+// hi words, then every k-tile's lo words; stage_x's hold a k-tile's hi, then its lo words.
+template <class F, int XS>
+__device__ constexpr int kt_words() { return (XS == X_SHARED ? 8 : 4) * words_per_lane<F>(); }
+
 // The lane's B words of k-tile kt from split x: b[m][n] = (register 0, register 1) of mma m
 // for tile n (NT = 1: hi for lanes g < 4, lo for the others, by the lane's pointer; NT = 2:
 // n = 0 hi, 1 lo).
-template <class F, int NT>
+template <class F, int NT, int XS>
 __device__ __forceinline__ void split_words(const XSrc& src, int kt, u32 (&b)[F::MMAS][NT][2]) {
     constexpr int W = words_per_lane<F>();
 #pragma unroll
@@ -119,7 +129,8 @@ __device__ __forceinline__ void split_words(const XSrc& src, int kt, u32 (&b)[F:
 #pragma unroll
         for (int i = 0; i < W / 4; i++) {
             uint4 q = make_uint4(0, 0, 0, 0);
-            if (src.w) q = __ldg((const uint4*)(src.w + n * src.lo + (size_t)kt * 4 * W) + i);
+            const uint4* p = (const uint4*)(src.w + n * src.lo + (size_t)kt * kt_words<F, XS>());
+            if (src.w) q = XS == X_SHARED ? p[i] : __ldg(p + i);
             b[2 * i][n][0] = q.x;
             b[2 * i][n][1] = q.y;
             b[2 * i + 1][n][0] = q.z;
@@ -140,38 +151,64 @@ __device__ __forceinline__ void mma_tiles(const Stage<F, MT, DEPTH>& st, int d, 
     }
 }
 
+// part[mt][n] = k-tile kt's mmas (stage slot d) on stage_x's words (n: as split_words).
+template <class F, int MT, int DEPTH, int NT>
+__device__ __forceinline__ void post_staged(const Stage<F, MT, DEPTH>& st, const XSrc& src,
+                                            int d, int kt, float (&part)[MT][NT][4]) {
+    u32 b[F::MMAS][NT][2];
+    split_words<F, NT, X_SHARED>(src, kt, b);
+#pragma unroll
+    for (int m = 0; m < F::MMAS; m++)
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            u32 a[4];
+            F::decode(st.q[d][mt][0], m, 0u, a[0], a[2]);
+            F::decode(st.q[d][mt][1], m, 0u, a[1], a[3]);
+#pragma unroll
+            for (int n = 0; n < NT; n++) mma_f16(part[mt][n], a, b[m][n][0], b[m][n][1]);
+        }
+}
+
 // mma_stage of a POST format: each k-tile's mmas sum into fresh fp32 tiles, which are added to
 // acc times the tile's scale and the column's x power (output columns 2t and 2t + 1 are fed by
-// lanes 8t and 8t + 4: g = the column). The same NT layouts as mma_stage.
-template <class F, int MT, int DEPTH, int NT>
+// lanes 8t and 8t + 4: g = the column). The same NT layouts as mma_stage. X_REGS: the lane
+// splits its x chunk here (split_f16); X_SHARED: stage_x's words and powers (post_staged).
+template <class F, int MT, int DEPTH, int NT, int XS>
 __device__ __forceinline__ void post_stage(const Stage<F, MT, DEPTH>& st, const XSrc& src,
                                            int kt, int kt1, int cols, float (&acc)[MT][NT][4]) {
+    static_assert(XS != X_WORDS, "POST formats take x in registers or in shared memory");
     int t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
 #pragma unroll
     for (int d = 0; d < DEPTH; d++) {
         if (kt + d >= kt1) break;
-        float xr[F::CH], un;
-        load_x<F>(src.x, (kt + d) * 4 * F::CH + t * F::CH, cols, xr);
-        u32 hi[F::MMAS][2], lo[F::MMAS][2];
-        split_f16<F>(xr, hi, lo, un);
-        float part[MT][NT][4] = {};
+        float part[MT][NT][4] = {}, u0, u1;
+        if constexpr (XS == X_SHARED) {
+            post_staged<F, MT, DEPTH, NT>(st, src, d, kt + d, part);
+            u0 = src.un0[kt + d];
+            u1 = src.un1[kt + d];
+        } else {
+            float xr[F::CH], un;
+            load_x<F>(src.x, (kt + d) * 4 * F::CH + t * F::CH, cols, xr);
+            u32 hi[F::MMAS][2], lo[F::MMAS][2];
+            split_f16<F>(xr, hi, lo, un);
 #pragma unroll
-        for (int m = 0; m < F::MMAS; m++)
+            for (int m = 0; m < F::MMAS; m++)
 #pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                u32 a[4];
-                F::decode(st.q[d][mt][0], m, 0u, a[0], a[2]);
-                F::decode(st.q[d][mt][1], m, 0u, a[1], a[3]);
-                if constexpr (NT == 1) {
-                    mma_f16(part[mt][0], a, g < 4 ? hi[m][0] : lo[m][0],
-                            g < 4 ? hi[m][1] : lo[m][1]);
-                } else {
-                    mma_f16(part[mt][0], a, hi[m][0], hi[m][1]);
-                    mma_f16(part[mt][1], a, lo[m][0], lo[m][1]);
+                for (int mt = 0; mt < MT; mt++) {
+                    u32 a[4];
+                    F::decode(st.q[d][mt][0], m, 0u, a[0], a[2]);
+                    F::decode(st.q[d][mt][1], m, 0u, a[1], a[3]);
+                    if constexpr (NT == 1) {
+                        mma_f16(part[mt][0], a, g < 4 ? hi[m][0] : lo[m][0],
+                                g < 4 ? hi[m][1] : lo[m][1]);
+                    } else {
+                        mma_f16(part[mt][0], a, hi[m][0], hi[m][1]);
+                        mma_f16(part[mt][1], a, lo[m][0], lo[m][1]);
+                    }
                 }
-            }
-        float u0 = __shfl_sync(0xffffffffu, un, 8 * t);
-        float u1 = __shfl_sync(0xffffffffu, un, 8 * t + 4);
+            u0 = __shfl_sync(0xffffffffu, un, 8 * t);
+            u1 = __shfl_sync(0xffffffffu, un, 8 * t + 4);
+        }
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
             float s = __uint_as_float(st.mul[d][mt][0]), f0 = s * u0, f1 = s * u1;
@@ -185,14 +222,13 @@ __device__ __forceinline__ void post_stage(const Stage<F, MT, DEPTH>& st, const 
 }
 
 // acc[mt][n] += the stage's k-tiles: NT = 1 puts hi in columns 0..3 and lo in 4..7 of one
-// tile (lanes g >= 4 feed lo), NT = 2 runs a hi and a lo mma. XS: B words from split x;
-// else the lane's x chunk loaded and split here, one mma's words at a time.
-template <class F, int MT, int DEPTH, int NT, bool XS>
+// tile (lanes g >= 4 feed lo), NT = 2 runs a hi and a lo mma. XS (XFrom): B words from split
+// x; else the lane's x chunk loaded and split here, one mma's words at a time.
+template <class F, int MT, int DEPTH, int NT, int XS>
 __device__ __forceinline__ void mma_stage(const Stage<F, MT, DEPTH>& st, const XSrc& src,
                                           int kt, int kt1, int cols, float (&acc)[MT][NT][4]) {
-    static_assert(!(XS && F::POST), "POST formats split x in the kernel");
     if constexpr (F::POST) {
-        post_stage<F, MT, DEPTH, NT>(st, src, kt, kt1, cols, acc);
+        post_stage<F, MT, DEPTH, NT, XS>(st, src, kt, kt1, cols, acc);
         return;
     }
     int t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
@@ -201,7 +237,7 @@ __device__ __forceinline__ void mma_stage(const Stage<F, MT, DEPTH>& st, const X
         if (kt + d >= kt1) break;
         if constexpr (XS) {
             u32 b[F::MMAS][NT][2];
-            split_words<F, NT>(src, kt + d, b);
+            split_words<F, NT, XS>(src, kt + d, b);
 #pragma unroll
             for (int m = 0; m < F::MMAS; m++)
 #pragma unroll
@@ -229,10 +265,15 @@ __device__ __forceinline__ void mma_stage(const Stage<F, MT, DEPTH>& st, const X
 
 // v[mt][i] = this warp's sum over k-tiles [kt0, kt1) of its tiles for the lane's outputs
 // (i: row g col 2t, row g col 2t + 1, row g + 8 col 2t, row g + 8 col 2t + 1; column = slot
-// of the batch), hi + lo already added. src: the lane's B column (XSrc).
-template <class F, int MT, int DEPTH, int NT, bool XS>
+// of the batch), hi + lo already added. src: the lane's B column (XSrc). ready() runs once the
+// kernel ahead is done, before x is read (matvec's stage_x).
+struct Ready {
+    __device__ void operator()() const {}
+};
+template <class F, int MT, int DEPTH, int NT, int XS, class R = Ready>
 __device__ __forceinline__ void warp_rows(const Tiles<MT>& tl, const XSrc& src, int kt0, int kt1,
-                                          int cols, int shift, float (&v)[MT][4]) {
+                                          int cols, int shift, float (&v)[MT][4],
+                                          const R& ready = R()) {
     float acc[MT][NT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
@@ -243,6 +284,7 @@ __device__ __forceinline__ void warp_rows(const Tiles<MT>& tl, const XSrc& src, 
     Stage<F, MT, DEPTH> cur, nxt;
     load_stage(cur, tl, kt0, kt1, cols, shift);
     wait_inputs();  // the first weights are on their way before x is read (pdl.py)
+    ready();
     for (int kt = kt0; kt < kt1; kt += DEPTH) {
         if (kt + DEPTH < kt1) load_stage(nxt, tl, kt + DEPTH, kt1, cols, shift);
         mma_stage<F, MT, DEPTH, NT, XS>(cur, src, kt, kt1, cols, acc);
@@ -304,13 +346,13 @@ __device__ __forceinline__ int lane_slot() {
 
 
 // The lane's XSrc for row `row` of x from column col0 (row < 0: no column): x + row * x_ld +
-// col0, or (XS) the words xs + row * xs_ld, hi then lo from xs_ld / 2, at col0 (a multiple of
-// 4 * CH).
-template <class F, int NT, bool XS>
+// col0, or (X_WORDS) the words xs + row * xs_ld, hi then lo from xs_ld / 2, at col0 (a multiple
+// of 4 * CH).
+template <class F, int NT, int XS>
 __device__ __forceinline__ XSrc lane_src(const float* x, long long x_ld, const u32* xs,
                                          long long xs_ld, int row, long long col0) {
     if (row < 0) return XSrc{nullptr, nullptr, 0};
-    if constexpr (!XS) return XSrc{x + row * x_ld + col0, nullptr, 0};
+    if constexpr (XS == X_REGS) return XSrc{x + row * x_ld + col0, nullptr, 0};
     int t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
     long long half = xs_ld / 2, at = row * xs_ld + col0 / 2 + t * words_per_lane<F>();
     return XSrc{nullptr, xs + at + (NT == 1 && g >= 4 ? half : 0), half};
@@ -336,4 +378,63 @@ __device__ void split_rows(const float* x, int n, int K, long long x_ld, u32* ou
     split_pair(v0, v1, hi, lo);
     out[row * out_ld + j] = hi;
     out[row * out_ld + half + j] = lo;
+}
+
+// Copies of 16 bytes into shared memory that need no registers; bytes < 16 zero the rest.
+__device__ __forceinline__ void copy16_async(void* dst, const void* src, int bytes) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(bytes)
+                 : "memory");
+}
+
+// x rows b < batch (row stride x_ld, columns [0, cols)) as format F's B words in shared memory
+// sx: per row KT k-tiles of 8 W words (hi words [lane t][W], then lo words), row after row,
+// then (POST) un[b * KT + kt], the k-tile's power inverse. The same words as split_f16 /
+// split_pair make (so the same sums), made once a block instead of once a warp and k-tile.
+// Every thread of the block calls it; it ends on a barrier.
+template <class F>
+__device__ void stage_x(const float* x, long long x_ld, int batch, int cols, u32* sx) {
+    constexpr int W = words_per_lane<F>(), TILE = 8 * W;  // words (= columns) a k-tile
+    int KT = (cols + 4 * F::CH - 1) / (4 * F::CH), row4 = KT * TILE / 4;
+    for (int i = threadIdx.x; i < batch * row4; i += blockDim.x) {  // the floats, zero past cols
+        int b = i / row4, c = 4 * (i - b * row4), left = min(max(cols - c, 0), 4);
+        copy16_async(sx + 4 * i, x + b * x_ld + (left > 0 ? c : 0), 4 * left);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+    float* un = (float*)sx + batch * KT * TILE;
+    int lane = threadIdx.x & 31;
+    for (int p = threadIdx.x >> 5; p < batch * KT; p += blockDim.x >> 5) {  // a warp a k-tile
+        u32* tile = sx + (size_t)p * TILE;
+        constexpr int PER = 4 * W / 32;  // words a lane makes in each part
+        float v[PER][2];
+#pragma unroll
+        for (int q = 0; q < PER; q++) {
+            int j = lane + 32 * q, t = j / W, m = (j % W) >> 1, r = j & 1;
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                v[q][h] = __uint_as_float(tile[t * F::CH + F::xcol(m, r, h)]);
+        }
+        u32 hi[PER], lo[PER];
+        if constexpr (F::POST) {
+            float big = 0.f, sc, u;
+#pragma unroll
+            for (int q = 0; q < PER; q++) big = fmaxf(big, fmaxf(fabsf(v[q][0]), fabsf(v[q][1])));
+            f16_power(warp_max(big), sc, u);
+#pragma unroll
+            for (int q = 0; q < PER; q++) f16_pair(v[q][0], v[q][1], sc, hi[q], lo[q]);
+            if (lane == 0) un[p] = u;
+        } else {
+            const float k = F::SCALED ? X_SCALE : 1.f;
+#pragma unroll
+            for (int q = 0; q < PER; q++) split_pair(v[q][0] * k, v[q][1] * k, hi[q], lo[q]);
+        }
+        __syncwarp();  // every lane has read the tile's floats
+#pragma unroll
+        for (int q = 0; q < PER; q++) {
+            tile[lane + 32 * q] = hi[q];
+            tile[4 * W + lane + 32 * q] = lo[q];
+        }
+    }
+    __syncthreads();
 }

@@ -47,6 +47,8 @@ CHUNK = {FP8: 16, FP8H: 16, FP4: 32, "bf16": 16}  # columns of one lane's 16-byt
 FORMAT_CODE = {FP8: 0, FP4: 1, "bf16": 2, FP8H: 3}  # rows_many's table
 KERNEL_NAME = {FP8: "Fp8", FP8H: "Fp8h", FP4: "Fp4", "bf16": "Bf16"}
 X_SHIFT = {FP8: 32, FP4: 32, "bf16": 0}  # x is scaled by 2^X_SHIFT, the weights by its inverse
+STAGE_X = True  # matvec's blocks split x once into shared memory where it fits (docs/PERF.md)
+STAGED = {(1, 4), (2, 2), (2, 4)}  # the variants with such kernels (rows.cu's MATVEC_SX)
 
 
 def is_packed(w) -> bool:
@@ -120,6 +122,43 @@ def variant(op: Operand) -> tuple[int, int]:
     return (2, 4) if op.cols >= WIDE_COLS and op.fmt != "bf16" else (2, 2)  # (bf16: no m2_d4)
 
 
+def staged_bytes(fmt: str, cols: int, batch: int) -> int:
+    """Shared memory of a staged (_sx) kernel: each batch row of x as B words, one a column of
+    whole k-tiles, and a power of two a k-tile (rows.cuh's stage_x)."""
+    kt = _k_tiles(fmt, cols)
+    return 4 * batch * kt * (4 * CHUNK[fmt] + 1)
+
+
+STAGE_TWO, STAGE_ONE = 96 * 1024, 200 * 1024  # staged x at two blocks an SM, or one
+
+
+def stage_limit(fmt: str, tiles: tuple[int, int]) -> int:
+    """The most shared memory a staged kernel takes: two blocks an SM for the variants whose
+    launch bounds hold two (rows.cu's MINB), else one."""
+    two = (tiles == (1, 4) and fmt != "bf16") or (tiles == (2, 2) and fmt in (FP8, FP8H))
+    return STAGE_TWO if two else STAGE_ONE
+
+
+def _stage_pays(kw: int, batch: int) -> bool:
+    """Whether splitting x once a block beats each warp splitting its own chunks: at B <= 4
+    (lanes without a column, and hi and lo lanes, split the same x alike) or where the block's
+    row groups share x (kw < WARPS). Not at B > 4 with every warp on its own k-span, where a
+    warp's split is its own work and the staging only adds its copy and barriers."""
+    return STAGE_X and (batch <= 4 or kw < WARPS)
+
+
+def staged(fmt: str, tiles: tuple[int, int], kw: int, rows: int, group: int, cols: int,
+           batch: int) -> int:
+    """Shared memory bytes of the staged kernel for this launch, or 0 where it takes x in
+    registers: the switch off or no gain (_stage_pays), a variant without one, a block whose
+    rows read two x row groups, or x too large."""
+    block_rows = 16 * tiles[0] * (WARPS // kw)
+    need = staged_bytes(fmt, cols, batch)
+    ok = (_stage_pays(kw, batch) and tiles in STAGED and (group == rows or group % block_rows == 0)
+          and need <= stage_limit(fmt, tiles))
+    return need if ok else 0
+
+
 def matvec(w, x, y, batch: int, rows_per_group: int | None = None,
            tiles: tuple[int, int] | None = None, split: int | None = None) -> None:
     """y[b] = W x[b] for b < batch (<= 8): x [>= batch, K] fp32 (or [K] for batch 1), y
@@ -144,8 +183,10 @@ def matvec(w, x, y, batch: int, rows_per_group: int | None = None,
     args = (ptr(op.codes), ptr(op.scale), i32(op.rows), i32(op.cols), i32(op.sc_ld),
             i32(op.shift), ptr(x), np.int64(_ld(x)), i32(group), ptr(y), np.int64(_ld(y)),
             i32(batch), i32(kw))
-    name = f"rows_matvec_{KERNEL_NAME[dense_fmt(op)]}_m{mt}_d{depth}_n{nt}"
-    launch("rows", name, (blocks,), (32 * WARPS,), args)
+    fmt = dense_fmt(op)
+    shared = staged(fmt, (mt, depth), kw, op.rows, group, op.cols, batch)
+    name = f"rows_matvec_{KERNEL_NAME[fmt]}_m{mt}_d{depth}_n{nt}{'_sx' if shared else ''}"
+    launch("rows", name, (blocks,), (32 * WARPS,), args, shared=shared)
 
 
 def words_ld(fmt: str, cols: int) -> int:
@@ -291,6 +332,13 @@ class ManyPlan:
     kw: int
     blocks: int
     loose: list
+    fmts: tuple = ()  # the formats the table's matrices are read in (dense_fmt)
+
+    def staged(self, batch: int) -> int:
+        """Shared memory of the staged (_sx) launch of this plan at `batch`, or 0 (as matvec's
+        `staged`; rows_many holds one block an SM)."""
+        need = max(staged_bytes(fmt, self.cols, batch) for fmt in self.fmts)
+        return need if _stage_pays(self.kw, batch) and need <= STAGE_ONE else 0
 
 
 ENTRY = 9  # int64 per table entry (rows.cu)
@@ -316,7 +364,8 @@ def matvec_plan(xp, weights: list, outs: list) -> ManyPlan:
                         FORMAT_CODE[dense_fmt(op)], op.sc_ld, op.shift, _ld(y), first])
         first += -(-g // per)
     table = xp.asarray(np.array(entries, dtype=np.int64).reshape(-1))
-    return ManyPlan(weights, outs, table, len(entries), cols, kw, first, loose)
+    fmts = tuple(sorted({dense_fmt(op) for op, _ in picked}))
+    return ManyPlan(weights, outs, table, len(entries), cols, kw, first, loose, fmts)
 
 
 def matvec_many(plan: ManyPlan, x, batch: int) -> None:
@@ -327,8 +376,9 @@ def matvec_many(plan: ManyPlan, x, batch: int) -> None:
         _check_rows(x, batch, plan.cols, "x")
         args = (ptr(plan.table), i32(plan.count), ptr(x), np.int64(_ld(x)), i32(plan.cols),
                 i32(batch), i32(plan.kw))
-        launch("rows", f"rows_many_n{1 if batch <= 4 else 2}", (plan.blocks,), (32 * WARPS,),
-               args)
+        shared = plan.staged(batch)
+        launch("rows", f"rows_many_n{1 if batch <= 4 else 2}{'_sx' if shared else ''}",
+               (plan.blocks,), (32 * WARPS,), args, shared=shared)
     for w, y in plan.loose:
         matvec(w, x, y, batch)
 

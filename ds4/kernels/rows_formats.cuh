@@ -157,29 +157,38 @@ __device__ __forceinline__ u32 f16x2(float lo, float hi) {
 
 constexpr float F16_ROUND = 201326592.f;  // 1.5 * 2^27: (v + it) - it is v to a multiple of 16
 
+// The power of two of a k-tile whose largest |x| is big: x times sc lies under 2^15, un = 1/sc
+// = 2^(e - 141) for big's exponent field e (at least 15, so both are normal floats).
+__device__ __forceinline__ void f16_power(float big, float& sc, float& un) {
+    u32 e = max(__float_as_uint(big) >> 23, 15u);
+    sc = __uint_as_float((268u - e) << 23);
+    un = __uint_as_float((e - 14u) << 23);
+}
+
+// x0, x1 times sc as f16 hi (to a multiple of 16, exact in f16) + lo (the rest) words.
+__device__ __forceinline__ void f16_pair(float x0, float x1, float sc, u32& hi, u32& lo) {
+    float v0 = x0 * sc, v1 = x1 * sc;
+    float h0 = (v0 + F16_ROUND) - F16_ROUND, h1 = (v1 + F16_ROUND) - F16_ROUND;
+    hi = f16x2(h0, h1);
+    lo = f16x2(v0 - h0, v1 - h1);
+}
+
 // The lane's CH floats of x for a POST format as f16 B words: a power of two per batch column
 // (its four lanes t agree on it) puts the k-tile's largest |x| in [2^14, 2^15); hi = x times it
 // to a multiple of 16 (exact in f16), lo = the rest in f16 (within 2^-9: 2^-23 of the largest).
-// hi[m] / lo[m] = B registers 0 and 1 of mma m; un = the power's inverse, 2^(e - 141) for the
-// largest's exponent field e (at least 15, so both powers are normal floats).
+// hi[m] / lo[m] = B registers 0 and 1 of mma m; un = the power's inverse (f16_power).
 template <class F>
 __device__ __forceinline__ void split_f16(const float* xr, u32 (&hi)[F::MMAS][2],
                                           u32 (&lo)[F::MMAS][2], float& un) {
-    float big = 0.f;
+    float big = 0.f, sc;
 #pragma unroll
     for (int i = 0; i < F::CH; i++) big = fmaxf(big, fabsf(xr[i]));
     big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, 1));
     big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, 2));
-    u32 e = max(__float_as_uint(big) >> 23, 15u);
-    float sc = __uint_as_float((268u - e) << 23);
-    un = __uint_as_float((e - 14u) << 23);
+    f16_power(big, sc, un);
 #pragma unroll
     for (int m = 0; m < F::MMAS; m++)
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            float v0 = xr[F::xcol(m, r, 0)] * sc, v1 = xr[F::xcol(m, r, 1)] * sc;
-            float h0 = (v0 + F16_ROUND) - F16_ROUND, h1 = (v1 + F16_ROUND) - F16_ROUND;
-            hi[m][r] = f16x2(h0, h1);
-            lo[m][r] = f16x2(v0 - h0, v1 - h1);
-        }
+        for (int r = 0; r < 2; r++)
+            f16_pair(xr[F::xcol(m, r, 0)], xr[F::xcol(m, r, 1)], sc, hi[m][r], lo[m][r]);
 }
