@@ -31,7 +31,7 @@ import ds4.kernels as K
 from ds4.backend import KERNEL_DIR
 from ds4.kernels import rows_moe as RM
 
-X_WORDS = "if (src.w) q = __ldg((const uint4*)(src.w + n * src.lo + (size_t)kt * 4 * W) + i);"
+X_WORDS = "if (src.w) q = XS == X_SHARED ? p[i] : __ldg(p + i);"
 X_FLOATS = "float4 f = ok ? __ldg(v + i) : make_float4(0.f, 0.f, 0.f, 0.f);"
 FP8_BITS = """        const u32 S = 0x80008000u, M = 0x07f007f0u, w = word(q[0], m);
         lo = bf16x2_mul(((w << 8) & S) | ((w << 4) & M), mul);
