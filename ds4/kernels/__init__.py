@@ -159,9 +159,11 @@ def _pdl_device(device: int) -> bool:
 
 
 def launch(family: str, name: str, grid, block, args, shared: int = 0) -> None:
-    """Launch one kernel on the current stream; shared is dynamic shared memory in bytes."""
+    """Launch one kernel on the current stream; shared is dynamic shared memory in bytes (past
+    48 KB with the kernel's static shared memory, the kernel must be allowed it first)."""
     k = kernel(family, name)
-    if shared > 48 * 1024 and k.max_dynamic_shared_size_bytes < shared:
+    past_default = shared and shared + k.shared_size_bytes > 48 * 1024
+    if past_default and k.max_dynamic_shared_size_bytes < shared:
         k.max_dynamic_shared_size_bytes = shared
     if PDL and family in PDL_FAMILIES:
         import cupy

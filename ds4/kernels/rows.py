@@ -48,6 +48,7 @@ FORMAT_CODE = {FP8: 0, FP4: 1, "bf16": 2, FP8H: 3}  # rows_many's table
 KERNEL_NAME = {FP8: "Fp8", FP8H: "Fp8h", FP4: "Fp4", "bf16": "Bf16"}
 X_SHIFT = {FP8: 32, FP4: 32, "bf16": 0}  # x is scaled by 2^X_SHIFT, the weights by its inverse
 STAGE_X = True  # matvec's blocks split x once into shared memory where it fits (docs/PERF.md)
+STAGE_BATCH = 2  # ... at batches up to this (measured: faster at B = 1, slower at B = 4)
 STAGED = {(1, 4), (2, 2), (2, 4)}  # the variants with such kernels (rows.cu's MATVEC_SX)
 
 
@@ -139,12 +140,11 @@ def stage_limit(fmt: str, tiles: tuple[int, int]) -> int:
     return STAGE_TWO if two else STAGE_ONE
 
 
-def _stage_pays(kw: int, batch: int) -> bool:
-    """Whether splitting x once a block beats each warp splitting its own chunks: at B <= 4
-    (lanes without a column, and hi and lo lanes, split the same x alike) or where the block's
-    row groups share x (kw < WARPS). Not at B > 4 with every warp on its own k-span, where a
-    warp's split is its own work and the staging only adds its copy and barriers."""
-    return STAGE_X and (batch <= 4 or kw < WARPS)
+def _stage_pays(batch: int) -> bool:
+    """Whether splitting x once a block beats each warp splitting its own chunks: at small
+    batches, where most of a warp's lanes split x for no column or for one another's (docs/
+    PERF.md: at B = 4 the copy and barriers cost more than the split they save)."""
+    return STAGE_X and batch <= STAGE_BATCH
 
 
 def staged(fmt: str, tiles: tuple[int, int], kw: int, rows: int, group: int, cols: int,
@@ -154,7 +154,7 @@ def staged(fmt: str, tiles: tuple[int, int], kw: int, rows: int, group: int, col
     rows read two x row groups, or x too large."""
     block_rows = 16 * tiles[0] * (WARPS // kw)
     need = staged_bytes(fmt, cols, batch)
-    ok = (_stage_pays(kw, batch) and tiles in STAGED and (group == rows or group % block_rows == 0)
+    ok = (_stage_pays(batch) and tiles in STAGED and (group == rows or group % block_rows == 0)
           and need <= stage_limit(fmt, tiles))
     return need if ok else 0
 
@@ -338,7 +338,7 @@ class ManyPlan:
         """Shared memory of the staged (_sx) launch of this plan at `batch`, or 0 (as matvec's
         `staged`; rows_many holds one block an SM)."""
         need = max(staged_bytes(fmt, self.cols, batch) for fmt in self.fmts)
-        return need if _stage_pays(self.kw, batch) and need <= STAGE_ONE else 0
+        return need if _stage_pays(batch) and need <= STAGE_ONE else 0
 
 
 ENTRY = 9  # int64 per table entry (rows.cu)
