@@ -17,8 +17,9 @@ batch is bitwise the result of the same row alone (batch=1).
 x split once (`split_rows`, rows.cu's rows_split): the B words of every lane laid out as the
 mma reads them, so the row kernels of a launch load them instead of splitting x again for
 every row tile (docs/PERF.md); the words are the same, so are the sums. The MoE's scratch
-(rows_moe.py) holds them; the dense matrices split x in the kernel (split once, they measured
-no faster: the extra launch costs what the split saves).
+(rows_moe.py) holds them. The dense matrices split x in the kernel: at B <= STAGE_BATCH each
+block once into shared memory (rows.cuh's stage_x, the _sx kernels), else each warp its own
+chunks (a split launch of their own measured no faster: it costs what the split saves).
 
 Every launcher allocates nothing and reads all sizes from its arguments or device memory, so a
 decode step made of them can be captured in a CUDA graph; plans (matvec_plan, moe_scratch)
