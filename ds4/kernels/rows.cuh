@@ -151,12 +151,13 @@ __device__ __forceinline__ void mma_tiles(const Stage<F, MT, DEPTH>& st, int d, 
     }
 }
 
-// part[mt][n] = k-tile kt's mmas (stage slot d) on stage_x's words (n: as split_words).
+// part[mt][n] += stage slot d's tiles times B words hi, lo (f16, POST formats): NT = 1 lanes
+// g < 4 feed hi, the others lo; NT = 2 a hi and a lo mma.
 template <class F, int MT, int DEPTH, int NT>
-__device__ __forceinline__ void post_staged(const Stage<F, MT, DEPTH>& st, const XSrc& src,
-                                            int d, int kt, float (&part)[MT][NT][4]) {
-    u32 b[F::MMAS][NT][2];
-    split_words<F, NT, X_SHARED>(src, kt, b);
+__device__ __forceinline__ void post_mmas(const Stage<F, MT, DEPTH>& st, int d,
+                                          const u32 (&hi)[F::MMAS][2], const u32 (&lo)[F::MMAS][2],
+                                          float (&part)[MT][NT][4]) {
+    int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
     for (int m = 0; m < F::MMAS; m++)
 #pragma unroll
@@ -164,26 +165,40 @@ __device__ __forceinline__ void post_staged(const Stage<F, MT, DEPTH>& st, const
             u32 a[4];
             F::decode(st.q[d][mt][0], m, 0u, a[0], a[2]);
             F::decode(st.q[d][mt][1], m, 0u, a[1], a[3]);
-#pragma unroll
-            for (int n = 0; n < NT; n++) mma_f16(part[mt][n], a, b[m][n][0], b[m][n][1]);
+            if constexpr (NT == 1) {
+                mma_f16(part[mt][0], a, g < 4 ? hi[m][0] : lo[m][0], g < 4 ? hi[m][1] : lo[m][1]);
+            } else {
+                mma_f16(part[mt][0], a, hi[m][0], hi[m][1]);
+                mma_f16(part[mt][1], a, lo[m][0], lo[m][1]);
+            }
         }
 }
 
 // mma_stage of a POST format: each k-tile's mmas sum into fresh fp32 tiles, which are added to
 // acc times the tile's scale and the column's x power (output columns 2t and 2t + 1 are fed by
 // lanes 8t and 8t + 4: g = the column). The same NT layouts as mma_stage. X_REGS: the lane
-// splits its x chunk here (split_f16); X_SHARED: stage_x's words and powers (post_staged).
+// splits its x chunk here (split_f16); X_SHARED: stage_x's words and powers.
 template <class F, int MT, int DEPTH, int NT, int XS>
 __device__ __forceinline__ void post_stage(const Stage<F, MT, DEPTH>& st, const XSrc& src,
                                            int kt, int kt1, int cols, float (&acc)[MT][NT][4]) {
     static_assert(XS != X_WORDS, "POST formats take x in registers or in shared memory");
-    int t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
+    int t = threadIdx.x & 3;
 #pragma unroll
     for (int d = 0; d < DEPTH; d++) {
         if (kt + d >= kt1) break;
         float part[MT][NT][4] = {}, u0, u1;
         if constexpr (XS == X_SHARED) {
-            post_staged<F, MT, DEPTH, NT>(st, src, d, kt + d, part);
+            u32 b[F::MMAS][NT][2];
+            split_words<F, NT, X_SHARED>(src, kt + d, b);
+            u32 hi[F::MMAS][2], lo[F::MMAS][2];  // (NT = 1: the lane's own part in both)
+#pragma unroll
+            for (int m = 0; m < F::MMAS; m++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    hi[m][r] = b[m][0][r];
+                    lo[m][r] = b[m][NT - 1][r];
+                }
+            post_mmas<F, MT, DEPTH, NT>(st, d, hi, lo, part);
             u0 = src.un0[kt + d];
             u1 = src.un1[kt + d];
         } else {
@@ -191,21 +206,7 @@ __device__ __forceinline__ void post_stage(const Stage<F, MT, DEPTH>& st, const 
             load_x<F>(src.x, (kt + d) * 4 * F::CH + t * F::CH, cols, xr);
             u32 hi[F::MMAS][2], lo[F::MMAS][2];
             split_f16<F>(xr, hi, lo, un);
-#pragma unroll
-            for (int m = 0; m < F::MMAS; m++)
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    u32 a[4];
-                    F::decode(st.q[d][mt][0], m, 0u, a[0], a[2]);
-                    F::decode(st.q[d][mt][1], m, 0u, a[1], a[3]);
-                    if constexpr (NT == 1) {
-                        mma_f16(part[mt][0], a, g < 4 ? hi[m][0] : lo[m][0],
-                                g < 4 ? hi[m][1] : lo[m][1]);
-                    } else {
-                        mma_f16(part[mt][0], a, hi[m][0], hi[m][1]);
-                        mma_f16(part[mt][1], a, lo[m][0], lo[m][1]);
-                    }
-                }
+            post_mmas<F, MT, DEPTH, NT>(st, d, hi, lo, part);
             u0 = __shfl_sync(0xffffffffu, un, 8 * t);
             u1 = __shfl_sync(0xffffffffu, un, 8 * t + 4);
         }
