@@ -27,3 +27,15 @@ def test_a_name_that_is_no_switch_is_an_error(argv, capsys):
     with pytest.raises(SystemExit) as stop:
         bench.main(argv)
     assert stop.value.code == 2 and "--switch takes one of" in capsys.readouterr().err
+
+
+def test_set_changes_an_integer_constant_and_refuses_anything_else(monkeypatch):
+    from ds4.kernels import rows
+
+    bench = load_tool("bench_switches")
+    monkeypatch.setattr(rows, "STAGE_BATCH", rows.STAGE_BATCH)  # (restored after the test)
+    assert bench.apply_sets(["rows.STAGE_BATCH=8"]) == [(rows, "STAGE_BATCH", 8)]
+    assert rows.STAGE_BATCH == 8
+    for bad in ("rows.STAGE_X=1", "rows.NO_SUCH=3"):  # a switch, a missing name
+        with pytest.raises(ValueError, match="no integer constant"):
+            bench.apply_sets([bad])

@@ -7,6 +7,7 @@ ratio on / off. What a switch buys is measured against the path it replaces in t
     cd tools && python3 bench_switches.py --switch SHARED_AHEAD --layers sliding,csa,hca \\
         --batch 1,8
     python3 bench_switches.py --list                 # the switches (no GPU needed)
+    python3 bench_switches.py --switch rows.STAGE_X --set rows.STAGE_BATCH=8 --batch 1,4,8
 """
 
 from __future__ import annotations
@@ -70,6 +71,21 @@ def ab(cp, model, name: str, ctx: int, batch: int, rounds: int) -> tuple[float, 
     return statistics.median(times[False]), statistics.median(times[True])
 
 
+def apply_sets(items: list[str]) -> list[tuple]:
+    """Set module-level integers NAME=VALUE (rows.NAME for the row kernels) for the whole run,
+    e.g. a switch's threshold; returns (module, attribute, value) of each. Raises ValueError
+    for a name that is no integer constant."""
+    done = []
+    for item in items:
+        name, _, value = item.partition("=")
+        module, attr = _owner(name)
+        if not attr.isupper() or type(getattr(module, attr, None)) is not int:
+            raise ValueError(f"--set {item}: {name} is no integer constant")
+        setattr(module, attr, int(value))
+        done.append((module, attr, int(value)))
+    return done
+
+
 def main(argv=None) -> int:
     """Print one row per layer kind, switch and batch size."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -80,8 +96,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="off/on pairs, alternating")
     ap.add_argument("--small", action="store_true", help="tiny dims: a smoke test of this tool")
     ap.add_argument("--list", action="store_true", help="print the switches and their defaults")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="an integer constant for the whole run, e.g. rows.STAGE_BATCH=8")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     known = switches()
+    try:
+        apply_sets(args.set)
+    except ValueError as e:
+        ap.error(str(e))
     if args.list:
         for name, value in known.items():
             print(f"{name} = {value}")
