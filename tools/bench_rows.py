@@ -53,6 +53,7 @@ SHAPES = {  # name: (format, rows, cols, rows_per_group)
     "shared down 4096x2048": (FP8, 4096, 2048, None),
     "expert w1/w3 2048x4096": (FP4, 2048, 4096, None),
     "expert w2 4096x2048": (FP4, 4096, 2048, None),
+    "head 129280x4096": ("bf16", 129280, 4096, None),  # the engine step's largest read (1 GB)
 }
 
 
