@@ -272,9 +272,7 @@ def test_x_split_once_a_block_in_shared_memory_keeps_every_bit(name, monkeypatch
     rows = w.shape[0]
     op = R.operand(w)
     for batch in (1, 3, 5, 8):
-        mt, depth = R.variant(op)
-        kw = R.pick_split(-(-rows // (16 * mt)), R._k_tiles(op.fmt, op.cols))
-        used = R.staged(R.dense_fmt(op), (mt, depth), kw, rows, group or rows, op.cols, batch)
+        used = R.matvec_kernel(op, batch, group or rows)[3]
         got = {}
         for on in (False, True):
             monkeypatch.setattr(R, "STAGE_X", on)

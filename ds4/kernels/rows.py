@@ -141,23 +141,33 @@ def stage_limit(fmt: str, tiles: tuple[int, int]) -> int:
     return STAGE_TWO if two else STAGE_ONE
 
 
-def _stage_pays(batch: int) -> bool:
-    """Whether splitting x once a block beats each warp splitting its own chunks: at small
-    batches, where most of a warp's lanes split x for no column or for one another's (docs/
-    PERF.md: at B = 4 the copy and barriers cost more than the split they save)."""
-    return STAGE_X and batch <= STAGE_BATCH
+def _staged_fit(need: int, limit: int, batch: int) -> int:
+    """need (staged x's bytes) where splitting x once a block pays and fits in limit, else 0.
+    It pays at small batches, where most of a warp's lanes split x for no column or for one
+    another's (docs/PERF.md: at B = 4 the copy and barriers cost more than the split saves)."""
+    return need if STAGE_X and batch <= STAGE_BATCH and need <= limit else 0
 
 
 def staged(fmt: str, tiles: tuple[int, int], kw: int, rows: int, group: int, cols: int,
            batch: int) -> int:
     """Shared memory bytes of the staged kernel for this launch, or 0 where it takes x in
-    registers: the switch off or no gain (_stage_pays), a variant without one, a block whose
-    rows read two x row groups, or x too large."""
-    block_rows = 16 * tiles[0] * (WARPS // kw)
-    need = staged_bytes(fmt, cols, batch)
-    ok = (_stage_pays(batch) and tiles in STAGED and (group == rows or group % block_rows == 0)
-          and need <= stage_limit(fmt, tiles))
-    return need if ok else 0
+    registers: no gain or no room (_staged_fit), a variant without one, or a block whose rows
+    read two x row groups."""
+    if tiles not in STAGED or (group != rows and group % (16 * tiles[0] * (WARPS // kw))):
+        return 0
+    return _staged_fit(staged_bytes(fmt, cols, batch), stage_limit(fmt, tiles), batch)
+
+
+def matvec_kernel(op: Operand, batch: int, group: int, tiles=None, split=None) -> tuple:
+    """(kernel name, blocks, k-split, dynamic shared bytes) of matvec for op at batch, its row
+    groups `group` rows apart; tiles / split as matvec's."""
+    mt, depth = variant(op) if tiles is None else tiles
+    groups = -(-op.rows // (16 * mt))
+    kw = pick_split(groups, _k_tiles(op.fmt, op.cols)) if split is None else split
+    fmt, nt = dense_fmt(op), 1 if batch <= 4 else 2
+    shared = staged(fmt, (mt, depth), kw, op.rows, group, op.cols, batch)
+    name = f"rows_matvec_{KERNEL_NAME[fmt]}_m{mt}_d{depth}_n{nt}{'_sx' if shared else ''}"
+    return name, -(-groups // (WARPS // kw)), kw, shared
 
 
 def matvec(w, x, y, batch: int, rows_per_group: int | None = None,
@@ -171,22 +181,16 @@ def matvec(w, x, y, batch: int, rows_per_group: int | None = None,
     if op is None:
         _matvec_rows(w, x, y, batch, rows_per_group)
         return
-    mt, depth = variant(op) if tiles is None else tiles
+    mt = (variant(op) if tiles is None else tiles)[0]
     group = op.rows if rows_per_group is None else rows_per_group
     assert rows_per_group is None or (group % (16 * mt) == 0 and op.rows % group == 0), \
         "groups of whole 16-row tiles"
     _check_rows(x, batch, op.cols * (op.rows // group), "x")
     _check_rows(y, batch, op.rows, "y", aligned=False)
-    groups = -(-op.rows // (16 * mt))
-    kw = pick_split(groups, _k_tiles(op.fmt, op.cols)) if split is None else split
-    nt = 1 if batch <= 4 else 2
-    blocks = -(-groups // (WARPS // kw))
+    name, blocks, kw, shared = matvec_kernel(op, batch, group, tiles, split)
     args = (ptr(op.codes), ptr(op.scale), i32(op.rows), i32(op.cols), i32(op.sc_ld),
             i32(op.shift), ptr(x), np.int64(_ld(x)), i32(group), ptr(y), np.int64(_ld(y)),
             i32(batch), i32(kw))
-    fmt = dense_fmt(op)
-    shared = staged(fmt, (mt, depth), kw, op.rows, group, op.cols, batch)
-    name = f"rows_matvec_{KERNEL_NAME[fmt]}_m{mt}_d{depth}_n{nt}{'_sx' if shared else ''}"
     launch("rows", name, (blocks,), (32 * WARPS,), args, shared=shared)
 
 
@@ -338,8 +342,8 @@ class ManyPlan:
     def staged(self, batch: int) -> int:
         """Shared memory of the staged (_sx) launch of this plan at `batch`, or 0 (as matvec's
         `staged`; rows_many holds one block an SM)."""
-        need = max(staged_bytes(fmt, self.cols, batch) for fmt in self.fmts)
-        return need if _stage_pays(batch) and need <= STAGE_ONE else 0
+        return _staged_fit(max(staged_bytes(fmt, self.cols, batch) for fmt in self.fmts),
+                           STAGE_ONE, batch)
 
 
 ENTRY = 9  # int64 per table entry (rows.cu)
