@@ -390,9 +390,10 @@ __device__ __forceinline__ void copy16_async(void* dst, const void* src, int byt
 
 // x rows b < batch (row stride x_ld, columns [0, cols)) as format F's B words in shared memory
 // sx: per row KT k-tiles of 8 W words (hi words [lane t][W], then lo words), row after row,
-// then (POST) un[b * KT + kt], the k-tile's power inverse. The same words as split_f16 /
-// split_pair make (so the same sums), made once a block instead of once a warp and k-tile.
-// Every thread of the block calls it; it ends on a barrier.
+// then (POST) un[b * KT + kt], the k-tile's power inverse. Thread 4 p + t splits chunk t of
+// k-tile p (p = b * KT + kt) as lane t of a warp would (split_f16 / split_pair: the same
+// words, so the same sums), 64 k-tiles a round of 256 threads, made once a block instead of
+// once a warp and k-tile. Every thread of the block calls it; it ends on a barrier.
 template <class F>
 __device__ void stage_x(const float* x, long long x_ld, int batch, int cols, u32* sx) {
     constexpr int W = words_per_lane<F>(), TILE = 8 * W;  // words (= columns) a k-tile
@@ -404,37 +405,39 @@ __device__ void stage_x(const float* x, long long x_ld, int batch, int cols, u32
     asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();
     float* un = (float*)sx + batch * KT * TILE;
-    int lane = threadIdx.x & 31;
-    for (int p = threadIdx.x >> 5; p < batch * KT; p += blockDim.x >> 5) {  // a warp a k-tile
+    int chunks = 4 * batch * KT, t = threadIdx.x & 3;
+    for (int at = 0; at < chunks; at += blockDim.x) {  // every lane of a warp in each round
+        int i = at + threadIdx.x, p = i >> 2;  // (a k-tile's four lanes agree on i < chunks)
         u32* tile = sx + (size_t)p * TILE;
-        constexpr int PER = 4 * W / 32;  // words a lane makes in each part
-        float v[PER][2];
+        float xr[F::CH];
 #pragma unroll
-        for (int q = 0; q < PER; q++) {
-            int j = lane + 32 * q, t = j / W, m = (j % W) >> 1, r = j & 1;
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-                v[q][h] = __uint_as_float(tile[t * F::CH + F::xcol(m, r, h)]);
+        for (int j = 0; j < F::CH; j += 4) {
+            float4 f = i < chunks ? *(const float4*)(tile + t * F::CH + j)
+                                  : make_float4(0.f, 0.f, 0.f, 0.f);
+            xr[j] = f.x; xr[j + 1] = f.y; xr[j + 2] = f.z; xr[j + 3] = f.w;
         }
-        u32 hi[PER], lo[PER];
+        u32 hi[F::MMAS][2], lo[F::MMAS][2];
         if constexpr (F::POST) {
-            float big = 0.f, sc, u;
-#pragma unroll
-            for (int q = 0; q < PER; q++) big = fmaxf(big, fmaxf(fabsf(v[q][0]), fabsf(v[q][1])));
-            f16_power(warp_max(big), sc, u);
-#pragma unroll
-            for (int q = 0; q < PER; q++) f16_pair(v[q][0], v[q][1], sc, hi[q], lo[q]);
-            if (lane == 0) un[p] = u;
+            float u;
+            split_f16<F>(xr, hi, lo, u);
+            if (i < chunks && t == 0) un[p] = u;
         } else {
             const float k = F::SCALED ? X_SCALE : 1.f;
 #pragma unroll
-            for (int q = 0; q < PER; q++) split_pair(v[q][0] * k, v[q][1] * k, hi[q], lo[q]);
-        }
-        __syncwarp();  // every lane has read the tile's floats
+            for (int m = 0; m < F::MMAS; m++)
 #pragma unroll
-        for (int q = 0; q < PER; q++) {
-            tile[lane + 32 * q] = hi[q];
-            tile[4 * W + lane + 32 * q] = lo[q];
+                for (int r = 0; r < 2; r++)
+                    split_pair(xr[F::xcol(m, r, 0)] * k, xr[F::xcol(m, r, 1)] * k, hi[m][r],
+                               lo[m][r]);
+        }
+        __syncwarp();  // the k-tile's four lanes have read its floats
+        if (i >= chunks) continue;
+        uint4* h4 = (uint4*)(tile + t * W);
+        uint4* l4 = (uint4*)(tile + 4 * W + t * W);
+#pragma unroll
+        for (int q = 0; q < F::MMAS / 2; q++) {  // words 2m + r: two mmas a uint4
+            h4[q] = make_uint4(hi[2 * q][0], hi[2 * q][1], hi[2 * q + 1][0], hi[2 * q + 1][1]);
+            l4[q] = make_uint4(lo[2 * q][0], lo[2 * q][1], lo[2 * q + 1][0], lo[2 * q + 1][1]);
         }
     }
     __syncthreads();
