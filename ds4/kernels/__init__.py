@@ -16,7 +16,7 @@ import zlib
 import numpy as np
 
 from ds4.backend import KERNEL_DIR, load_module
-from ds4.kernels import pdl
+from ds4.kernels import pdl, timeline
 
 NULL = np.uint64(0)  # a null device pointer as a kernel argument
 HEADERS = sorted(KERNEL_DIR.glob("*.cuh"))  # common.cuh (every family) and shared cores
@@ -27,7 +27,8 @@ def compile_options() -> tuple[str, ...]:
     headers' checksum as a define, since CuPy's compile cache keys on source and options only
     and would otherwise keep a module built against an older header."""
     digest = zlib.crc32(b"".join(p.read_bytes() for p in HEADERS))
-    return ("--std=c++17", f"-I{KERNEL_DIR}", f"-DDS4_HEADERS={digest}")
+    stamps = ("-DDS4_TIMELINE",) if timeline.enabled() else ()  # (timeline.py)
+    return ("--std=c++17", f"-I{KERNEL_DIR}", f"-DDS4_HEADERS={digest}", *stamps)
 
 
 # Families built for one architecture's own instructions (sm_90a: Hopper's wgmma), which run on
@@ -56,7 +57,10 @@ def _capability(device: int) -> str:
 @functools.cache
 def _module(family: str):
     arch = (f"-arch={ARCH[family][0]}",) if family in ARCH else ()
-    return load_module(family, options=compile_options() + arch)
+    module = load_module(family, options=compile_options() + arch)
+    if timeline.enabled():
+        timeline.attach(module)
+    return module
 
 
 def kernel(family: str, name: str):
@@ -170,6 +174,8 @@ def launch(family: str, name: str, grid, block, args, shared: int = 0) -> None:
 
         stream = cupy.cuda.get_current_stream()
         if stream.is_capturing() and _pdl_device(cupy.cuda.runtime.getDevice()):
+            if timeline.enabled():
+                timeline.record(name, grid, block)
             pdl.launch_after(k.kernel, grid, block, args, shared, stream.ptr)
             return
     k(tuple(grid), tuple(block), tuple(args), shared_mem=shared)

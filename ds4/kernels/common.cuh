@@ -12,10 +12,39 @@
 // and its writes visible), and every block reaches it. Only then may the next kernel's blocks be
 // scheduled (so at most one kernel runs ahead, and the one before it is complete). Both
 // instructions are no-ops in a plain launch; before sm_90 (no PDL) there is nothing to wait for.
+#ifdef DS4_TIMELINE
+// Built with -DDS4_TIMELINE only (ds4/kernels/timeline.py, tools/timeline_decode.py): block 0's
+// thread 0 of each kernel stamps when it reached wait_inputs and when the kernel ahead let it go
+// (the global timer, ns) into entry i of ds4_timeline, i from the buffer's count: [count, then
+// per entry (reached, released, grid x, block x)].
+__device__ unsigned long long* ds4_timeline;
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+constexpr unsigned long long TIMELINE_ENTRIES = 4096;
+#endif
+
 __device__ __forceinline__ void wait_inputs() {
+#ifdef DS4_TIMELINE
+    unsigned long long reached = global_ns();
+#endif
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+#ifdef DS4_TIMELINE
+    if (ds4_timeline && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
+        unsigned long long released = global_ns(), i = atomicAdd(ds4_timeline, 1ull);
+        if (i < TIMELINE_ENTRIES) {
+            unsigned long long* e = ds4_timeline + 1 + 4 * i;
+            e[0] = reached;
+            e[1] = released;
+            e[2] = gridDim.x;
+            e[3] = blockDim.x;
+        }
+    }
 #endif
 }
 
