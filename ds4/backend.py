@@ -19,12 +19,17 @@ else:
 KERNEL_DIR = Path(__file__).parent / "kernels"
 
 
+MIN_CAPABILITY = 80  # the kernels' tensor-core mma and cp.async: A100, RTX 30xx and newer
+
+
 def cuda_available() -> bool:
-    """True when CuPy imports and sees at least one CUDA device."""
+    """True when CuPy imports and its current CUDA device runs the kernels (compute capability
+    8.0 or newer); an older GPU is left to NumPy."""
     try:
         import cupy  # noqa: F401
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
+        return (cupy.cuda.runtime.getDeviceCount() > 0
+                and int(cupy.cuda.Device().compute_capability) >= MIN_CAPABILITY)
     except Exception:  # ImportError, CUDARuntimeError: no usable GPU here
         return False
 
@@ -60,7 +65,8 @@ def get_backend(name: str = "auto") -> Backend:
         name = "cupy" if cuda_available() else "numpy"
     if name == "cupy":
         if not cuda_available():
-            raise RuntimeError("backend 'cupy' needs CuPy and a CUDA device; none found")
+            raise RuntimeError("backend 'cupy' needs CuPy and a CUDA device of compute "
+                               "capability 8.0 or newer (A100, RTX 30xx, H100); none found")
         import cupy
 
         return Backend("cupy", cupy)

@@ -165,8 +165,9 @@ def test_ds4_generate_refuses_a_tokenizer_too_big_for_the_model(tmp_path: Path) 
 def test_cupy_backend_without_a_gpu_ends_the_server() -> None:
     result = run(*SERVER, "--port", "0", "--backend", "cupy")
     assert result.returncode == 1
-    assert result.stderr.strip().endswith("backend 'cupy' needs CuPy and a CUDA device; "
-                                          "none found")
+    assert result.stderr.strip().endswith(
+        "backend 'cupy' needs CuPy and a CUDA device of compute capability 8.0 or newer (A100, "
+        "RTX 30xx, H100); none found")
 
 
 # -- stopping -------------------------------------------------------------------------------

@@ -36,14 +36,28 @@ def compile_options() -> tuple[str, ...]:
 ARCH = {"grouped_wg": ("sm_90a", "90")}
 
 
+# DS4_CUDA_ARCH=80 (say) builds every family's code paths for that compute capability
+# (common.cuh's DS4_ARCH) on the device at hand, and launches as there: how the pre-Hopper paths
+# (no PDL, no wgmma, no cvt from e4m3x2, no mul.bf16x2) run on a Hopper in the gpu tests.
+# DS4_SHARED_KB likewise caps the shared memory a block may ask for, as a smaller GPU's (99 KB
+# on an RTX 30xx / 40xx).
+FORCED_ARCH = os.environ.get("DS4_CUDA_ARCH", "")
+
+
 def builds_here(family: str) -> bool:
     """True when the current CUDA device runs what `family` is built for (every family but the
     ones in ARCH; those only on their own compute capability)."""
     if family not in ARCH:
         return True
+    return build_capability() == ARCH[family][1]
+
+
+def build_capability() -> str:
+    """The compute capability the families are built for, as CuPy spells it ("90": 9.0): the
+    current device's, or DS4_CUDA_ARCH's."""
     import cupy
 
-    return _capability(cupy.cuda.runtime.getDevice()) == ARCH[family][1]
+    return FORCED_ARCH or _capability(cupy.cuda.runtime.getDevice())
 
 
 @functools.cache
@@ -56,7 +70,8 @@ def _capability(device: int) -> str:
 
 @functools.cache
 def _module(family: str):
-    arch = (f"-arch={ARCH[family][0]}",) if family in ARCH else ()
+    arch = ((f"-arch={ARCH[family][0]}",) if family in ARCH
+            else (f"-DDS4_ARCH={FORCED_ARCH}0",) if FORCED_ARCH else ())
     module = load_module(family, options=compile_options() + arch)
     if timeline.enabled():
         timeline.attach(module)
@@ -107,9 +122,6 @@ def compile_ahead(workers: int = 8, use_device=None):
     return join
 
 
-SHARED_PER_SM = 227 * 1024  # shared memory a Hopper SM gives its blocks
-
-
 @functools.cache
 def device_limits() -> tuple[int, int, int]:
     """(SMs, registers per SM, threads per SM) of the current device (cudaDeviceAttr codes 16,
@@ -120,13 +132,29 @@ def device_limits() -> tuple[int, int, int]:
     return tuple(runtime.deviceGetAttribute(code, device) for code in (16, 82, 39))
 
 
+@functools.cache
+def shared_limits() -> tuple[int, int]:
+    """(bytes of shared memory one block may ask for, bytes an SM holds) on the current device
+    (cudaDeviceAttr codes 97 and 81: 227 and 228 KB on a Hopper, 163 and 164 KB on an A100, 99
+    and 100 KB on an RTX 30xx / 40xx), capped by DS4_SHARED_KB."""
+    try:
+        import cupy
+
+        runtime, device = cupy.cuda.runtime, cupy.cuda.runtime.getDevice()
+        block, sm = (runtime.deviceGetAttribute(code, device) for code in (97, 81))
+    except Exception:  # no device: host-side plans (the CPU tests') take a Hopper's
+        block, sm = 227 * 1024, 228 * 1024
+    cap = int(os.environ.get("DS4_SHARED_KB", "0")) * 1024
+    return (min(block, cap), min(sm, cap + 1024)) if cap else (block, sm)
+
+
 def resident_blocks(k, threads: int, shared: int = 0) -> int:
     """Blocks of compiled kernel k (threads each, `shared` bytes of dynamic shared memory) that
     the GPU holds at once, by registers, threads and shared memory per SM: the size of a
     persistent grid, or the most blocks of a launch whose blocks wait on one another."""
     sms, regs_per_sm, threads_per_sm = device_limits()
     regs = -(-max(k.num_regs, 1) // 8) * 8  # allocated per warp in units of 256
-    by_shared = SHARED_PER_SM // (shared + k.shared_size_bytes + 1024)
+    by_shared = shared_limits()[1] // (shared + k.shared_size_bytes + 1024)
     return sms * max(1, min(regs_per_sm // (regs * threads), by_shared, threads_per_sm // threads))
 
 
@@ -156,10 +184,9 @@ PDL = os.environ.get("DS4_PDL", "1") != "0"  # DS4_PDL=0: plain launches in grap
 
 @functools.cache
 def _pdl_device(device: int) -> bool:
-    """Programmatic dependent launch needs compute capability 9.0 (Hopper) or later."""
-    import cupy
-
-    return int(cupy.cuda.Device(device).compute_capability) >= 90
+    """Programmatic dependent launch needs compute capability 9.0 (Hopper) or later, in the
+    device and in the code (wait_inputs compiles to nothing before sm_90)."""
+    return int(FORCED_ARCH or _capability(device)) >= 90
 
 
 def launch(family: str, name: str, grid, block, args, shared: int = 0) -> None:

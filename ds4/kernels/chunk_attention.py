@@ -11,7 +11,7 @@ import functools
 
 import numpy as np
 
-from ds4.kernels import f32, i32, launch, ptr
+from ds4.kernels import f32, i32, launch, ptr, shared_limits
 from ds4.kernels.split import split_bf16
 
 WIDTHS = (64, 128, 256, 512)  # head dims the kernel is built for
@@ -21,9 +21,10 @@ TILE = 32  # keys staged at a time (TILE in the .cu)
 THREADS = 256
 
 
-def kernel_fits(width: int) -> bool:
-    """Whether the kernel is built for this head dim (others take the model code's path)."""
-    return width in WIDTHS
+def kernel_fits(width: int, parts: int = 2) -> bool:
+    """Whether the kernel is built for this head dim and its block's shared memory fits this
+    GPU (others take the model code's path: 216 KB at head dim 512 is past an A100's 163)."""
+    return width in WIDTHS and shared_bytes(width, parts) <= shared_limits()[0]
 
 
 def words_size(keys, rows, parts: int = 2) -> int:

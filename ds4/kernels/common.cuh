@@ -7,6 +7,13 @@
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// The architecture whose code paths are built: the target's, or an older one's given as
+// -DDS4_ARCH=800 (ds4/kernels/__init__.py's DS4_CUDA_ARCH: how the gpu tests run the pre-Hopper
+// paths on a Hopper).
+#ifndef DS4_ARCH
+#define DS4_ARCH __CUDA_ARCH__
+#endif
+
 // Programmatic dependent launch (ds4/kernels/pdl.py): in a kernel launched that way, nothing an
 // earlier kernel writes or reads may be touched before wait_inputs() (the earlier grid is done
 // and its writes visible), and every block reaches it. Only then may the next kernel's blocks be
@@ -30,7 +37,7 @@ __device__ __forceinline__ void wait_inputs() {
 #ifdef DS4_TIMELINE
     unsigned long long reached = global_ns();
 #endif
-#if __CUDA_ARCH__ >= 900
+#if DS4_ARCH >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
@@ -51,9 +58,28 @@ __device__ __forceinline__ void wait_inputs() {
 // A hint that `bytes` (a multiple of 16) from p (16-byte aligned) will be read soon: one bulk
 // request brings them into the L2 (no registers, no wait). Elsewhere (sm < 90, misaligned) none.
 __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-#if __CUDA_ARCH__ >= 900
+#if DS4_ARCH >= 900
     if (bytes > 0 && bytes % 16 == 0 && (reinterpret_cast<unsigned long long>(p) & 15) == 0)
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+// Four E4M3 codes (bytes of q, low first) as two f16x2 words lo = (code 0, code 1), hi =
+// (code 2, code 3), exactly. Before sm_89 (no cvt from e4m3x2: A100, RTX 30xx) by bit moves: the
+// sign to bit 15 and the seven other bits to bits 13..7 make the code's value times 2^-8 (an
+// E4M3 subnormal lands on an f16 subnormal), and an f16x2 multiply by 2^8 gives it back exactly
+// (there the NaN codes, which no checkpoint holds, come out finite).
+__device__ __forceinline__ void e4m3x4(unsigned int q, unsigned int& lo, unsigned int& hi) {
+#if DS4_ARCH >= 890
+    asm("{.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, a;\n\t"
+        "cvt.rn.f16x2.e4m3x2 %1, b;}" : "=r"(lo), "=r"(hi) : "r"(q));
+#else
+    const unsigned int S = 0x80008000u, M = 0x3f803f80u, TWO8 = 0x5c005c00u;  // 2^8 in f16
+    unsigned int a = __byte_perm(q, 0u, 0x4140u), b = __byte_perm(q, 0u, 0x4342u);
+    a = ((a << 8) & S) | ((a << 7) & M);
+    b = ((b << 8) & S) | ((b << 7) & M);
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(lo) : "r"(a), "r"(TWO8));
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(hi) : "r"(b), "r"(TWO8));
 #endif
 }
 

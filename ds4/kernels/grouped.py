@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from ds4.kernels import builds_here, f32, i32, launch, ptr, to_bf16, widen
+from ds4.kernels import builds_here, f32, i32, launch, ptr, shared_limits, to_bf16, widen
 from ds4.kernels.moe import _swiglu
 from ds4.kernels.packed import dequant_fp4, dequant_fp8
 
@@ -342,9 +342,18 @@ def scales_fit(m) -> bool:
 def fits(m, cols: int) -> bool:
     """True when the grouped kernels read packed m [..., rows, cols] in place: FP4 or FP8 with
     E8M0 bytes, whole 16-byte loads per row, FP8 square blocks of at least 16 (a lane's
-    16 columns in one block), scale bytes in range."""
+    16 columns in one block), scale bytes in range, and a block of one m16 tile fits this GPU's
+    shared memory (not an RTX 30xx / 40xx's 99 KB)."""
     return (getattr(m, "fmt", None) in NT and m.kernel_ready and m.shape[-1] == cols
-            and m.shape[-1] % 32 == 0 and m.shape[-2] % 2 == 0 and scales_fit(m))
+            and m.shape[-1] % 32 == 0 and m.shape[-2] % 2 == 0 and scales_fit(m)
+            and most_mt(m.fmt) > 0)
+
+
+def most_mt(fmt: str) -> int:
+    """The most m16 tiles (<= MAX_MT) a block of the default shape holds on this GPU's shared
+    memory (0: none)."""
+    room = shared_limits()[0]
+    return max((mt for mt in range(1, MAX_MT + 1) if shared_bytes(fmt, mt) <= room), default=0)
 
 
 def _ops(xp, wg: bool = False):
@@ -365,7 +374,7 @@ def routed(xp, gate_up_m, down_m, x, ids, weights, limit: float, parts: int = 2,
     of 48+ rows are picked; with fewer rows an expert, mma.sync's narrower tiles win)."""
     S, k = ids.shape
     R, E, D = S * k, gate_up_m.shape[0], x.shape[1]
-    base = pick_mt(R, E)
+    base = min(pick_mt(R, E), most_mt(gate_up_m.fmt), most_mt(down_m.fmt))
     if wg is None:
         wg = (xp is not np and base >= WG_MIN_MT and wgmma_ready(gate_up_m)
               and wgmma_ready(down_m))

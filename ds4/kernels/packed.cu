@@ -28,12 +28,6 @@ __device__ __forceinline__ float2 halves(unsigned int h) {
     return make_float2(a, b);
 }
 
-// Four E4M3 codes (bytes of q, low first) as two half2 words, exactly.
-__device__ __forceinline__ void e4m3x4(unsigned int q, unsigned int& lo, unsigned int& hi) {
-    asm("{.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, a;\n\t"
-        "cvt.rn.f16x2.e4m3x2 %1, b;}" : "=r"(lo), "=r"(hi) : "r"(q));
-}
-
 // Eight E2M1 codes (nibbles of q, low first) as four half2 words h[i] = (code i, code i + 4),
 // each half = value * 2^-14: sign to bit 15, exponent and mantissa bits to bits 11..9, which
 // is the E2M1 layout with the exponent bias moved from 1 to 15 (subnormal 0.5 included).

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ds4.kernels import i32, launch, ptr, to_bf16, widen
+from ds4.kernels import i32, launch, ptr, shared_limits, to_bf16, widen
 from ds4.kernels.gemv import gemv
 from ds4.kernels.packed import E4M3, dequant_fp4, dequant_fp8
 
@@ -132,13 +132,21 @@ def staged_bytes(fmt: str, cols: int, batch: int) -> int:
 
 
 STAGE_TWO, STAGE_ONE = 96 * 1024, 200 * 1024  # staged x at two blocks an SM, or one
+STATIC = 8 * 1024 + 1024  # a row kernel's own shared memory (reduce_k) and the SM's reserve
 
 
 def stage_limit(fmt: str, tiles: tuple[int, int]) -> int:
     """The most shared memory a staged kernel takes: two blocks an SM for the variants whose
-    launch bounds hold two (rows.cu's MINB), else one."""
+    launch bounds hold two (rows.cu's MINB), else one; less on a GPU with less (an A100 holds
+    164 KB an SM, an RTX 30xx / 40xx 100 KB)."""
     two = (tiles == (1, 4) and fmt != "bf16") or (tiles == (2, 2) and fmt in (FP8, FP8H))
-    return STAGE_TWO if two else STAGE_ONE
+    return min(STAGE_TWO, _room(2)) if two else min(STAGE_ONE, _room(1))
+
+
+def _room(blocks: int) -> int:
+    """Dynamic shared memory each of `blocks` row kernels an SM may take on this GPU."""
+    block, sm = shared_limits()
+    return min(block, sm // blocks) - STATIC
 
 
 def _staged_fit(need: int, limit: int, batch: int) -> int:
@@ -343,7 +351,7 @@ class ManyPlan:
         """Shared memory of the staged (_sx) launch of this plan at `batch`, or 0 (as matvec's
         `staged`; rows_many holds one block an SM)."""
         return _staged_fit(max(staged_bytes(fmt, self.cols, batch) for fmt in self.fmts),
-                           STAGE_ONE, batch)
+                           min(STAGE_ONE, _room(1)), batch)
 
 
 ENTRY = 9  # int64 per table entry (rows.cu)

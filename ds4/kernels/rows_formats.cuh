@@ -42,10 +42,15 @@ __device__ __forceinline__ u32 bf16x2(float lo, float hi) {
     return r;
 }
 
-// Both halves multiplied; subnormal inputs are kept, and the product is exact here.
+// Both halves multiplied; subnormal inputs are kept, and the product is exact here. Before
+// sm_90 (no mul.bf16x2) a fused multiply-add of -0 gives the same bits.
 __device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
     u32 r;
+#if DS4_ARCH >= 900
     asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+#else
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+#endif
     return r;
 }
 
@@ -141,9 +146,7 @@ struct Fp8h : Fp8 {
     }
     // Word m holds columns 4m..4m+3: lo = (4m, 4m+1), hi = (4m+2, 4m+3).
     __device__ static void decode(const uint4* q, int m, u32, u32& lo, u32& hi) {
-        u32 w = word(q[0], m);
-        asm("{.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t"
-            "cvt.rn.f16x2.e4m3x2 %1, h;\n\t}" : "=r"(lo), "=r"(hi) : "r"(w));
+        e4m3x4(word(q[0], m), lo, hi);
     }
     __device__ static constexpr int xcol(int m, int r, int h) { return 4 * m + 2 * r + h; }
 };

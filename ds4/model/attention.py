@@ -65,7 +65,8 @@ def _attend(xp, ctx, lw, layer_state, h, qlat, q, kv, step):
     rows, picks = _compressed_rows(xp, ctx, lw, layer_state, h, qlat, step)
     _store_raw(layer_state, kv, step.start)
     ratio = layer_state.compressor.ratio if rows is not None else 0
-    if xp is not np and step.dense_window and kernel_fits(ctx.cfg.head_dim):  # one fused kernel
+    fused = xp is not np and step.dense_window and kernel_fits(ctx.cfg.head_dim, parts())
+    if fused:  # one kernel
         size = words_size(keys, rows, parts())
         words = ctx.scratch.view("attention_words", (size,), xp.uint16)
         exact = ctx.cfg.head_dim - ctx.cfg.qk_rope_head_dim if ctx.kv_fp8 is not None else 0
