@@ -132,7 +132,7 @@ def staged_bytes(fmt: str, cols: int, batch: int) -> int:
 
 
 STAGE_TWO, STAGE_ONE = 96 * 1024, 200 * 1024  # staged x at two blocks an SM, or one
-STATIC = 8 * 1024 + 1024  # a row kernel's own shared memory (reduce_k) and the SM's reserve
+STATIC = 8 * 1024 + 1024  # a row kernel's own shared memory (reduce_k) and a block's reserve
 
 
 def stage_limit(fmt: str, tiles: tuple[int, int]) -> int:
