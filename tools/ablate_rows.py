@@ -39,9 +39,7 @@ FP8_BITS = """        const u32 S = 0x80008000u, M = 0x07f007f0u, w = word(q[0],
 FP4_BITS = """        u32 w = word(q[0], m >> 1);
         lo = bf16x2_mul(nibbles(w, 2 * (m & 1)), mul);
         hi = bf16x2_mul(nibbles(w, 2 * (m & 1) + 1), mul);"""
-FP8H_CVT = ('        asm("{.reg .b16 l, h;\\n\\tmov.b32 {l, h}, %2;\\n\\t'
-            'cvt.rn.f16x2.e4m3x2 %0, l;\\n\\t"\n'
-            '            "cvt.rn.f16x2.e4m3x2 %1, h;\\n\\t}" : "=r"(lo), "=r"(hi) : "r"(w));')
+FP8H_CVT = "        e4m3x4(word(q[0], m), lo, hi);"
 LD_NA = """__device__ __forceinline__ uint4 ld_na(const uint4* p) {
     uint4 r;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -55,7 +53,7 @@ NOX = [("rows.cuh", X_WORDS, "if (src.w) q = make_uint4(kt * 7 + i, kt + n, kt ^
 NODEC = [("rows_formats.cuh", FP8_BITS, "        u32 w = word(q[0], m); lo = w + mul; hi = w;"),
          ("rows_formats.cuh", FP4_BITS,
           "        u32 w = word(q[0], m >> 1); lo = w + mul + m; hi = w;"),
-         ("rows_formats.cuh", FP8H_CVT, "        lo = w; hi = w;")]
+         ("rows_formats.cuh", FP8H_CVT, "        lo = word(q[0], m); hi = lo;")]
 NOALLOC = [("rows.cuh", "st.q[d][mt][h][l] = ok ? __ldcs(p + l) : make_uint4(0, 0, 0, 0);",
             "st.q[d][mt][h][l] = ok ? ld_na(p + l) : make_uint4(0, 0, 0, 0);"),
            ("rows.cuh", '#include "rows_formats.cuh"\n', '#include "rows_formats.cuh"\n' + LD_NA)]
