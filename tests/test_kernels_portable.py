@@ -97,3 +97,40 @@ def test_a_smaller_gpus_shared_memory_turns_the_big_blocks_down(monkeypatch):
 @pytest.mark.skipif(cuda_available(), reason="this machine has a GPU")
 def test_without_a_device_the_limits_are_a_hoppers():
     assert K.shared_limits() == (227 * 1024, 227 * 1024)  # the old constant's
+
+
+def fake_cupy(monkeypatch, capability: str) -> None:
+    """A CuPy whose one device has this compute capability (no GPU needed)."""
+    import sys
+    import types
+
+    device = types.SimpleNamespace(compute_capability=capability)
+    cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDevice=lambda: 0),
+        Device=lambda *a: device)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    K._capability.cache_clear()
+    K._pdl_device.cache_clear()
+
+
+@pytest.mark.parametrize("capability,gpu,pdl", [("75", False, False), ("80", True, False),
+                                                ("89", True, False), ("90", True, True)])
+def test_the_gpu_backend_takes_compute_capability_8_and_pdl_9(monkeypatch, capability, gpu, pdl):
+    """A T4 (7.5) is left to NumPy, and `--backend cupy` says why; PDL only from Hopper on, and
+    not for code built as for an older GPU (DS4_CUDA_ARCH)."""
+    from ds4 import backend
+
+    fake_cupy(monkeypatch, capability)
+    try:
+        assert backend.cuda_available() is gpu
+        assert (backend.get_backend("auto").name == "cupy") is gpu
+        if not gpu:
+            with pytest.raises(RuntimeError, match="compute capability 8.0 or newer"):
+                backend.get_backend("cupy")
+        assert K._pdl_device(0) is pdl
+        monkeypatch.setattr(K, "FORCED_ARCH", "80")
+        K._pdl_device.cache_clear()
+        assert K._pdl_device(0) is False and not K.builds_here("grouped_wg")
+    finally:
+        K._capability.cache_clear()
+        K._pdl_device.cache_clear()

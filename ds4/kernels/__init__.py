@@ -52,12 +52,14 @@ def builds_here(family: str) -> bool:
     return build_capability() == ARCH[family][1]
 
 
-def build_capability() -> str:
+def build_capability(device: int | None = None) -> str:
     """The compute capability the families are built for, as CuPy spells it ("90": 9.0): the
-    current device's, or DS4_CUDA_ARCH's."""
+    device's (default: the current one), or DS4_CUDA_ARCH's."""
+    if FORCED_ARCH:
+        return FORCED_ARCH
     import cupy
 
-    return FORCED_ARCH or _capability(cupy.cuda.runtime.getDevice())
+    return _capability(cupy.cuda.runtime.getDevice() if device is None else device)
 
 
 @functools.cache
@@ -186,7 +188,7 @@ PDL = os.environ.get("DS4_PDL", "1") != "0"  # DS4_PDL=0: plain launches in grap
 def _pdl_device(device: int) -> bool:
     """Programmatic dependent launch needs compute capability 9.0 (Hopper) or later, in the
     device and in the code (wait_inputs compiles to nothing before sm_90)."""
-    return int(FORCED_ARCH or _capability(device)) >= 90
+    return int(build_capability(device)) >= 90
 
 
 def launch(family: str, name: str, grid, block, args, shared: int = 0) -> None:
