@@ -57,6 +57,26 @@ class Backend:
         return np.asarray(a)
 
 
+def describe(backend: Backend) -> str:
+    """Where the model runs, for the server's start line: the GPU's name, or NumPy and, where
+    a CUDA device was passed over for being too old, why."""
+    if backend.is_gpu:
+        cupy = backend.xp
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+        name = props["name"]
+        return f"on {name.decode() if isinstance(name, bytes) else name} (CuPy)"
+    try:
+        import cupy
+
+        cc = cupy.cuda.Device().compute_capability if cupy.cuda.runtime.getDeviceCount() else ""
+    except Exception:  # no CuPy or no device
+        cc = ""
+    if cc and int(cc) < MIN_CAPABILITY:
+        return (f"on NumPy: the GPU's compute capability {cc[:-1]}.{cc[-1]} is older than the "
+                f"kernels' {MIN_CAPABILITY // 10}.0")
+    return "on NumPy"
+
+
 def get_backend(name: str = "auto") -> Backend:
     """Resolve "auto" | "numpy" | "cupy" to a Backend; "cupy" without a GPU is an error."""
     if name not in ("auto", "numpy", "cupy"):

@@ -134,3 +134,18 @@ def test_the_gpu_backend_takes_compute_capability_8_and_pdl_9(monkeypatch, capab
     finally:
         K._capability.cache_clear()
         K._pdl_device.cache_clear()
+
+
+@pytest.mark.parametrize("capability,said", [
+    ("75", "on NumPy: the GPU's compute capability 7.5 is older than the kernels' 8.0"),
+    ("90", "on NumPy")])
+def test_the_start_line_says_why_an_old_gpu_is_passed_over(monkeypatch, capability, said):
+    """ds4-server's "model loaded" line ends with where the model runs (backend.describe)."""
+    from ds4 import backend
+
+    fake_cupy(monkeypatch, capability)
+    try:
+        assert backend.describe(backend.Backend("numpy", np)) == said
+    finally:
+        K._capability.cache_clear()
+        K._pdl_device.cache_clear()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from ds4.backend import describe
 from ds4.cli.flags import (
     ShowDefaults,
     add_gpus,
@@ -146,7 +147,8 @@ def load_and_report(runtime: Runtime, server: Server) -> None:
         return
     cfg = runtime.config
     print(f"ds4-server: model loaded from {runtime.model_dir()} "
-          f"({cfg.parallel} slot(s) of {cfg.ctx} tokens)", flush=True)
+          f"({cfg.parallel} slot(s) of {cfg.ctx} tokens) {describe(runtime.engine.backend)}",
+          flush=True)
     report_memory(runtime.engine, cfg)
 
 
