@@ -12,6 +12,7 @@ import numpy as np
 
 # Re-exported so layers above the engine never import ds4.backend or ds4.model themselves.
 from ds4.backend import cuda_available as cuda_available
+from ds4.backend import describe as describe
 from ds4.backend import get_backend
 from ds4.builtin_model import default_model_dir as default_model_dir
 from ds4.builtin_model import make_tiny as make_tiny

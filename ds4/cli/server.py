@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from ds4.backend import describe
 from ds4.cli.flags import (
     ShowDefaults,
     add_gpus,
@@ -24,6 +23,7 @@ from ds4.cli.flags import (
     port_number,
     positive_float,
 )
+from ds4.engine import describe
 from ds4.jobs.ssd_streaming import ssd_streaming_refusal
 from ds4.server.config import DEFAULT_MAX_TOKENS, ServerConfig
 
