@@ -22,16 +22,22 @@ KERNEL_DIR = Path(__file__).parent / "kernels"
 MIN_CAPABILITY = 80  # the kernels' tensor-core mma and cp.async: A100, RTX 30xx and newer
 
 
+def gpu_capability() -> str:
+    """The current CUDA device's compute capability as CuPy spells it ("90": 9.0), or "" where
+    CuPy does not import or sees no device."""
+    try:
+        import cupy
+
+        return cupy.cuda.Device().compute_capability if cupy.cuda.runtime.getDeviceCount() else ""
+    except Exception:  # ImportError, CUDARuntimeError: no usable GPU here
+        return ""
+
+
 def cuda_available() -> bool:
     """True when CuPy imports and its current CUDA device runs the kernels (compute capability
     8.0 or newer); an older GPU is left to NumPy."""
-    try:
-        import cupy  # noqa: F401
-
-        return (cupy.cuda.runtime.getDeviceCount() > 0
-                and int(cupy.cuda.Device().compute_capability) >= MIN_CAPABILITY)
-    except Exception:  # ImportError, CUDARuntimeError: no usable GPU here
-        return False
+    cc = gpu_capability()
+    return bool(cc) and int(cc) >= MIN_CAPABILITY
 
 
 @dataclass(frozen=True)
@@ -65,12 +71,7 @@ def describe(backend: Backend) -> str:
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
         name = props["name"]
         return f"on {name.decode() if isinstance(name, bytes) else name} (CuPy)"
-    try:
-        import cupy
-
-        cc = cupy.cuda.Device().compute_capability if cupy.cuda.runtime.getDeviceCount() else ""
-    except Exception:  # no CuPy or no device
-        cc = ""
+    cc = gpu_capability()
     if cc and int(cc) < MIN_CAPABILITY:
         return (f"on NumPy: the GPU's compute capability {cc[:-1]}.{cc[-1]} is older than the "
                 f"kernels' {MIN_CAPABILITY // 10}.0")
