@@ -49,7 +49,7 @@ FORMAT_CODE = {FP8: 0, FP4: 1, "bf16": 2, FP8H: 3}  # rows_many's table
 KERNEL_NAME = {FP8: "Fp8", FP8H: "Fp8h", FP4: "Fp4", "bf16": "Bf16"}
 X_SHIFT = {FP8: 32, FP4: 32, "bf16": 0}  # x is scaled by 2^X_SHIFT, the weights by its inverse
 STAGE_X = True  # matvec's blocks split x once into shared memory where it fits (docs/PERF.md)
-STAGE_BATCH = 4  # ... at batches up to this (measured: 3-7% faster at B = 1, 2; even at 4; slower at 8)
+STAGE_BATCH = 4  # ... at batches up to this (measured: 3-7% faster at B = 1, 2; even at 4; not 8)
 STAGED = {(1, 4), (2, 2), (2, 4)}  # the variants with such kernels (rows.cu's MATVEC_SX)
 
 
