@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 from test_batch_tools import load_tool
 
@@ -39,6 +40,15 @@ def test_stamps_take_the_names_of_launches_with_their_grid_and_block():
     launches = [("a", 1, 32), ("b", 2, 32), ("c", 1, 32)]
     got = [(0, 0, 2, 32), (0, 0, 1, 32), (0, 0, 1, 32), (0, 0, 9, 32)]  # b ran ahead of a
     assert tool.match(launches, got) == ["b", "a", "c", "?"]
+
+
+def test_a_kernel_that_waits_again_keeps_its_first_stamp_alone():
+    from ds4.kernels import timeline
+
+    entries = [(5, 9, 70, 64 << 32 | 256), (20, 30, 71, 4 << 32 | 256),  # 71 waits per item
+               (40, 41, 71, 4 << 32 | 256), (60, 61, 71, 4 << 32 | 256), (62, 90, 72, 1 << 32 | 32)]
+    raw = np.array([len(entries)] + [v for e in entries for v in e], np.uint64)
+    assert timeline.launch_stamps(raw) == [(5, 9, 64, 256), (20, 30, 4, 256), (62, 90, 1, 32)]
 
 
 def test_the_tool_refuses_to_run_on_kernels_built_without_stamps(monkeypatch, capsys):

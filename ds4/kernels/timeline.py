@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 ENTRIES = 4096  # common.cuh's TIMELINE_ENTRIES
-FIELDS = 4  # reached, released, grid x, block x
+FIELDS = 4  # reached, released, the launch's grid id, grid x << 32 | block x
 
 launches: list[tuple[str, int, int]] = []  # (kernel, grid x, block x) as captured
 _buffer = None
@@ -59,7 +59,17 @@ def reset() -> None:
 
 def stamps() -> list[tuple[int, int, int, int]]:
     """(reached, released, grid x, block x) of each kernel since the last reset, in order."""
-    raw = buffer().get()
+    return launch_stamps(buffer().get())
+
+
+def launch_stamps(raw) -> list[tuple[int, int, int, int]]:
+    """The stamps of a buffer's copy (numpy uint64), a launch's first only: a kernel whose
+    block 0 waits again (a loop over items) stamps again under the same grid id, and those
+    come right after its first (the next kernel on the stream is let go once it ends)."""
     count = min(int(raw[0]), ENTRIES)
-    rows = raw[1:1 + count * FIELDS].reshape(count, FIELDS)
-    return [tuple(int(v) for v in row) for row in rows]
+    out, last = [], None
+    for reached, released, grid_id, shape in raw[1:1 + count * FIELDS].reshape(count, FIELDS):
+        if grid_id != last:
+            out.append((int(reached), int(released), int(shape) >> 32, int(shape) & 0xffffffff))
+        last = grid_id
+    return out
