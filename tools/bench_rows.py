@@ -14,6 +14,7 @@ The MoE lines split x and the activations once (rows.split_rows) wherever the sc
 words, as the decoder's does ("spli=0": a scratch without them, the kernels splitting x).
 
     PYTHONPATH=. python3 tools/bench_rows.py [--batches 1,2,4,8] [--no-moe] [--placed]
+    PYTHONPATH=. python3 tools/bench_rows.py --moe-picks 2,4,6,8,12,16 --batches 1,2
 """
 
 from __future__ import annotations
@@ -102,26 +103,26 @@ def expert_bank(cp):
     return gu, dn, shared
 
 
-def pick_sets(batch: int) -> list[np.ndarray]:
-    """8 sets of `batch` tokens' 6 distinct random experts (one per graph launch)."""
+def pick_sets(batch: int, k: int = TOP_K) -> list[np.ndarray]:
+    """8 sets of `batch` tokens' k distinct random experts (one per graph launch)."""
     rng = np.random.default_rng(batch)
-    return [np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(batch)])
+    return [np.stack([rng.choice(EXPERTS, k, replace=False) for _ in range(batch)])
             for _ in range(8)]
 
 
 def bench_moe(cp, bank, batch: int, with_shared: bool, per_expert: float | None = None,
-              split_x: bool = True, **kw) -> tuple[float, float, int]:
-    """(seconds, GB/s, distinct experts) of rows.moe for `batch` tokens of 6 random picks
+              split_x: bool = True, k: int = TOP_K, **kw) -> tuple[float, float, int]:
+    """(seconds, GB/s, distinct experts) of rows.moe for `batch` tokens of k random picks
     (per_expert: an expert's bytes, for placed stacks whose nbytes count the device share;
     split_x False: a scratch without split words, so the kernels split x themselves)."""
     gu, dn, shared = bank
-    scratch = RM.moe_scratch(cp, batch, TOP_K, INTER, HIDDEN, INTER)
+    scratch = RM.moe_scratch(cp, batch, k, INTER, HIDDEN, INTER)
     if not split_x:
         scratch.words = scratch.act_words = None
     x = cp.random.standard_normal((batch, HIDDEN), dtype=cp.float32)
     y = cp.zeros((batch, HIDDEN), cp.float32)
-    wts = cp.full((batch, TOP_K), 0.2, cp.float32)
-    picks = pick_sets(batch)
+    wts = cp.full((batch, k), 0.2, cp.float32)
+    picks = pick_sets(batch, k)
     idxs = [cp.asarray(p.astype(np.int32)) for p in picks]
     sh = shared if with_shared else None
     t = per_launch(cp, [lambda i=i: RM.moe(gu, dn, i, wts, x, scratch, y, batch, INTER, 10.0, sh,
@@ -257,6 +258,28 @@ def moe_splits(cp, copy, batches=(1, 8)) -> None:
         RM.moe_split = chosen
 
 
+def gate_up_items(batch: int, k: int, experts: float) -> float:
+    """The routed gate/up launch's work items for `experts` distinct experts hit by `batch`
+    tokens of k picks, as rows_moe._moe_gate_up counts them (row tiles an expert, times the
+    passes over more than 4 tokens)."""
+    kw = RM.moe_split(k * -(-INTER // 16), -(-HIDDEN // 128))  # FP4 k-tiles of 128 columns
+    return experts * -(-INTER // (16 * (R.WARPS // kw))) * (2 if batch > 4 else 1)
+
+
+def moe_picks(cp, copy, batches, picks) -> None:
+    """The routed experts alone at k picks a token: does the time follow the bytes (a line
+    through the origin) or the work items per block slot (steps)?"""
+    bank = expert_bank(cp)
+    slots = RM.resident_blocks("rows_gate_up_fp4_none_n1")
+    for b in batches:
+        for k in picks:
+            t, rate, distinct = bench_moe(cp, bank, b, False, k=k)
+            items = gate_up_items(b, k, distinct)
+            line(f"moe k={k:2d} {distinct:5.1f} experts", b, t, rate, copy)
+            print(f"{'':28s}   {t * 1e6 / distinct:6.2f} us an expert, gate/up items {items:6.0f}"
+                  f" = {items / slots:4.2f} a block slot ({slots})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,2,4,8")
@@ -265,6 +288,8 @@ def main() -> None:
     ap.add_argument("--only-moe", action="store_true", help="the MoE table alone")
     ap.add_argument("--moe-splits", action="store_true",
                     help="the MoE at each k-split alone (1: a warp an item)")
+    ap.add_argument("--moe-picks", default="",
+                    help="the routed experts alone at these picks a token (e.g. 2,4,6,8,12,16)")
     ap.add_argument("--placed", action="store_true",
                     help="the placed-MoE lines alone (experts partly in mapped host memory)")
     ap.add_argument("--host-every", type=int, default=4,
@@ -277,6 +302,9 @@ def main() -> None:
     print(f"device copy: {copy / 1e9:.0f} GB/s (read + write)\n")
     if args.moe_splits:
         moe_splits(cp, copy, batches)
+        return
+    if args.moe_picks:
+        moe_picks(cp, copy, batches, [int(k) for k in args.moe_picks.split(",")])
         return
     if args.placed:
         moe_table(cp, copy, batches, placed_only=True, host_every=args.host_every)
