@@ -32,6 +32,7 @@ def test_shares_are_the_gaps_between_releases_averaged_over_replays():
     assert rows[1][1] == pytest.approx((3000 + 2980) / 2)
     assert rows[2][1] is None  # (nothing after the last kernel stamps its end)
     assert [r[2] for r in rows] == pytest.approx([100, (1050 + 1070) / 2, 3200])
+    assert [r[3] for r in rows] == [64, 96, 256]  # each launch's blocks
     assert tool.by_kernel(rows)[0] == ("rows_many_n1", pytest.approx(2990), 1)
 
 

@@ -3,7 +3,8 @@ under programmatic dependent launch a kernel is let go when the kernel ahead of 
 time from one kernel's release to the next one's is that kernel's share of the replay, its
 overlap with its neighbours included (ds4/kernels/timeline.py stamps them on the device).
 Nsight Compute's serialized times (profile_decode.py) add launch and cold caches to every
-kernel instead. Also: how long each kernel's block 0 waited for the one ahead (its head start).
+kernel instead. Also: how long each kernel's block 0 waited for the one ahead (its head start),
+and its blocks, and blocks an SM (a launch of 1.45 an SM leaves some SMs twice the work).
 Launches that stamp nothing (CuPy's own kernels, copies) fall into the share of the kernel
 before them.
 
@@ -41,9 +42,9 @@ def match(launches: list[tuple], stamps: list[tuple]) -> list[str]:
 
 
 def critical_path(launches: list[tuple], stamps: list[tuple], replays: int) -> list[tuple]:
-    """(kernel, mean share ns, mean head start ns) per launch of one replay, from `replays`
-    replays' stamps in order. A share is the time from this kernel's release to the next one's
-    (the last kernel's is unknown: None); the head start is release - reached."""
+    """(kernel, mean share ns, mean head start ns, blocks) per launch of one replay, from
+    `replays` replays' stamps in order. A share is the time from this kernel's release to the
+    next one's (the last kernel's is unknown: None); the head start is release - reached."""
     n = len(stamps) // replays
     assert n and n * replays == len(stamps), "every replay stamps the same kernels"
     shares, heads = defaultdict(float), defaultdict(float)
@@ -54,13 +55,14 @@ def critical_path(launches: list[tuple], stamps: list[tuple], replays: int) -> l
             if i + 1 < n:
                 shares[i] += (one[i + 1][1] - released) / replays
     names = match(launches, stamps[:n])
-    return [(names[i], shares[i] if i + 1 < n else None, heads[i]) for i in range(n)]
+    return [(names[i], shares[i] if i + 1 < n else None, heads[i], stamps[i][2])
+            for i in range(n)]
 
 
 def by_kernel(rows: list[tuple]) -> list[tuple[str, float, int]]:
     """(kernel, summed share ns, launches) over a replay, the largest first."""
     total, count = defaultdict(float), defaultdict(int)
-    for name, share, _ in rows:
+    for name, share, *_ in rows:
         total[name] += share or 0.0
         count[name] += 1
     return sorted(((k, total[k], count[k]) for k in total), key=lambda t: -t[1])
@@ -72,6 +74,7 @@ def run(kind: str, ctx: int, batch: int, replays: int) -> None:
     from bench_engine import KINDS, capture, replay_time
     from bench_official import filled_state, layer_model
 
+    from ds4 import kernels
     from ds4.kernels import timeline
     from ds4.model.gpu_decode import KernelDecoder
 
@@ -89,12 +92,14 @@ def run(kind: str, ctx: int, batch: int, replays: int) -> None:
         graph.launch(stream)
     stream.synchronize()
     rows = critical_path(timeline.launches, timeline.stamps(), replays)
-    known = sum(s for _, s, _ in rows if s is not None) / 1e3
+    known = sum(row[1] for row in rows if row[1] is not None) / 1e3
     print(f"\n{kind} layer, position {ctx - 2}, batch {batch}: graph replay {graph_us:.1f} us; "
           f"{len(rows)} kernels, first release to last {known:.1f} us")
-    print("  share us  head start us  kernel")
-    for name, share, head in rows:
-        print(f"  {'-' if share is None else f'{share / 1e3:8.2f}':>8}  {head / 1e3:13.2f}  {name}")
+    sms = kernels.device_limits()[0]
+    print(f"  share us  head start us  blocks (a SM of {sms})  kernel")
+    for name, share, head, blocks in rows:
+        print(f"  {'-' if share is None else f'{share / 1e3:8.2f}':>8}  {head / 1e3:13.2f}  "
+              f"{blocks:6d} ({blocks / sms:5.2f})  {name}")
     print("  by kernel (share us, launches):")
     for name, ns, count in by_kernel(rows):
         print(f"  {ns / 1e3:8.2f}  {count:3d}  {name}")
