@@ -140,13 +140,14 @@ def stage_limit(fmt: str, tiles: tuple[int, int]) -> int:
     launch bounds hold two (rows.cu's MINB), else one; less on a GPU with less (an A100 holds
     164 KB an SM, an RTX 30xx / 40xx 100 KB)."""
     two = (tiles == (1, 4) and fmt != "bf16") or (tiles == (2, 2) and fmt in (FP8, FP8H))
-    return min(STAGE_TWO, _room(2)) if two else min(STAGE_ONE, _room(1))
+    return _room(2 if two else 1)
 
 
 def _room(blocks: int) -> int:
-    """Dynamic shared memory each of `blocks` row kernels an SM may take on this GPU."""
+    """Staged x's shared memory for each of `blocks` (1 or 2) row kernels an SM: the measured
+    limit, or less where this GPU gives less."""
     block, sm = shared_limits()
-    return min(block, sm // blocks) - STATIC
+    return min(STAGE_TWO if blocks == 2 else STAGE_ONE, min(block, sm // blocks) - STATIC)
 
 
 def _staged_fit(need: int, limit: int, batch: int) -> int:
@@ -351,7 +352,7 @@ class ManyPlan:
         """Shared memory of the staged (_sx) launch of this plan at `batch`, or 0 (as matvec's
         `staged`; rows_many holds one block an SM)."""
         return _staged_fit(max(staged_bytes(fmt, self.cols, batch) for fmt in self.fmts),
-                           min(STAGE_ONE, _room(1)), batch)
+                           _room(1), batch)
 
 
 ENTRY = 9  # int64 per table entry (rows.cu)
