@@ -260,10 +260,9 @@ def moe_splits(cp, copy, batches=(1, 8)) -> None:
 
 def gate_up_items(batch: int, k: int, experts: float) -> float:
     """The routed gate/up launch's work items for `experts` distinct experts hit by `batch`
-    tokens of k picks, as rows_moe._moe_gate_up counts them (row tiles an expert, times the
+    tokens of k picks, as rows_moe's launcher counts them (row tiles an expert, times the
     passes over more than 4 tokens)."""
-    kw = RM.moe_split(k * -(-INTER // 16), -(-HIDDEN // 128))  # FP4 k-tiles of 128 columns
-    return experts * -(-INTER // (16 * (R.WARPS // kw))) * (2 if batch > 4 else 1)
+    return experts * RM.gate_up_tiles(k, INTER, FP4, HIDDEN)[1] * RM.moe_passes(batch)
 
 
 def moe_picks(cp, copy, batches, picks) -> None:

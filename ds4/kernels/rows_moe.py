@@ -290,8 +290,7 @@ class MoeCall:
 
     @property
     def passes(self) -> int:
-        """Passes over the tokens of an expert, 4 columns a pass (rows_moe.cu's moe_passes)."""
-        return 2 if self.batch > 4 else 1
+        return moe_passes(self.batch)
 
     def grid(self, name: str, items: int) -> tuple[int]:
         return (min(items, resident_blocks(name)) if self.persistent else items,)
@@ -329,10 +328,21 @@ def moe_split(groups: int, k_tiles: int) -> int:
     return min(pick_split(groups, k_tiles), MOE_SPLIT)
 
 
+def gate_up_tiles(k: int, inter: int, fmt: str, cols: int) -> tuple[int, int]:
+    """(warps splitting k, row tiles of one expert) of the gate/up launch for k picks a token
+    of experts with `inter` rows of gate (and of up) over `cols` columns in format fmt."""
+    kw = moe_split(k * -(-inter // 16), _k_tiles(fmt, cols))
+    return kw, -(-inter // (16 * (WARPS // kw)))
+
+
+def moe_passes(batch: int) -> int:
+    """Passes over an expert's tokens, 4 columns a pass (rows_moe.cu's moe_passes)."""
+    return 2 if batch > 4 else 1
+
+
 def _moe_gate_up(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -> None:
-    kw = moe_split(c.k * -(-c.inter // 16), _k_tiles(c.gu.fmt, c.gu.cols))
+    kw, tiles = gate_up_tiles(c.k, c.inter, c.gu.fmt, c.gu.cols)
     rows_per_block = 16 * (WARPS // kw)
-    tiles = -(-c.inter // rows_per_block)
     tiles_s = -(-c.s_inter // rows_per_block) if sops else 0
     sg, su = (Bank(sops[0]), Bank(sops[1])) if sops else (Bank(None), Bank(None))
     items = ((min(c.gu.count, c.pairs) * tiles if routed else 0) + tiles_s) * c.passes
