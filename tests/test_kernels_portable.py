@@ -30,9 +30,7 @@ def rebuild(monkeypatch, arch: str) -> None:
 def native_after(monkeypatch):
     """The device's own builds again after the test (the module cache is process-wide)."""
     yield
-    monkeypatch.setattr(K, "FORCED_ARCH", "")
-    K._module.cache_clear()
-    K._pdl_device.cache_clear()
+    rebuild(monkeypatch, "")
 
 
 def limits(monkeypatch, kb: int) -> None:
@@ -109,43 +107,49 @@ def fake_cupy(monkeypatch, capability: str) -> None:
         runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDevice=lambda: 0),
         Device=lambda *a: device)
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    forget_capability()
+
+
+def forget_capability() -> None:
+    """Drop the cached compute capabilities (a fake CuPy's, or the real one's after it)."""
     K._capability.cache_clear()
     K._pdl_device.cache_clear()
 
 
+@pytest.fixture
+def real_capability_after():
+    """The real device's compute capability read afresh after a test that faked it."""
+    yield
+    forget_capability()
+
+
 @pytest.mark.parametrize("capability,gpu,pdl", [("75", False, False), ("80", True, False),
                                                 ("89", True, False), ("90", True, True)])
-def test_the_gpu_backend_takes_compute_capability_8_and_pdl_9(monkeypatch, capability, gpu, pdl):
+def test_the_gpu_backend_takes_compute_capability_8_and_pdl_9(monkeypatch, capability, gpu, pdl,
+                                                                real_capability_after):
     """A T4 (7.5) is left to NumPy, and `--backend cupy` says why; PDL only from Hopper on, and
     not for code built as for an older GPU (DS4_CUDA_ARCH)."""
     from ds4 import backend
 
     fake_cupy(monkeypatch, capability)
-    try:
-        assert backend.cuda_available() is gpu
-        assert (backend.get_backend("auto").name == "cupy") is gpu
-        if not gpu:
-            with pytest.raises(RuntimeError, match="compute capability 8.0 or newer"):
-                backend.get_backend("cupy")
-        assert K._pdl_device(0) is pdl
-        monkeypatch.setattr(K, "FORCED_ARCH", "80")
-        K._pdl_device.cache_clear()
-        assert K._pdl_device(0) is False and not K.builds_here("grouped_wg")
-    finally:
-        K._capability.cache_clear()
-        K._pdl_device.cache_clear()
+    assert backend.cuda_available() is gpu
+    assert (backend.get_backend("auto").name == "cupy") is gpu
+    if not gpu:
+        with pytest.raises(RuntimeError, match="compute capability 8.0 or newer"):
+            backend.get_backend("cupy")
+    assert K._pdl_device(0) is pdl
+    monkeypatch.setattr(K, "FORCED_ARCH", "80")
+    K._pdl_device.cache_clear()
+    assert K._pdl_device(0) is False and not K.builds_here("grouped_wg")
 
 
 @pytest.mark.parametrize("capability,said", [
     ("75", "on NumPy: the GPU's compute capability 7.5 is older than the kernels' 8.0"),
     ("90", "on NumPy")])
-def test_the_start_line_says_why_an_old_gpu_is_passed_over(monkeypatch, capability, said):
+def test_the_start_line_says_why_an_old_gpu_is_passed_over(monkeypatch, capability, said,
+                                                           real_capability_after):
     """ds4-server's "model loaded" line ends with where the model runs (backend.describe)."""
     from ds4 import backend
 
     fake_cupy(monkeypatch, capability)
-    try:
-        assert backend.describe(backend.Backend("numpy", np)) == said
-    finally:
-        K._capability.cache_clear()
-        K._pdl_device.cache_clear()
+    assert backend.describe(backend.Backend("numpy", np)) == said
