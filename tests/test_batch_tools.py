@@ -95,11 +95,15 @@ def test_row_ablations_still_patch_the_kernel_sources(tmp_path):
             assert (d / f).read_text() != (base / f).read_text(), (name, f)
 
 
-def test_bench_rows_counts_the_routed_gate_up_items_as_the_launcher_does():
+def test_bench_rows_counts_the_routed_gate_up_items_as_the_launcher_does(monkeypatch):
     bench = load_tool("bench_rows")
     assert bench.gate_up_items(1, 6, 6) == 192  # 6 experts of 32 row tiles (64 rows each)
     assert bench.gate_up_items(8, 6, 44) == 44 * 32 * 2  # two passes over 5..8 tokens
     assert bench.gate_up_items(2, 6, 11.5) == 11.5 * 32  # a mean over pick sets
+    from ds4.kernels import rows_moe
+
+    monkeypatch.setattr(rows_moe, "SMALL_ITEMS", True)  # blocks of 4 warps: half the rows
+    assert bench.gate_up_items(1, 6, 6) == 384
 
 
 def test_profile_prefill_accounts_for_the_whole_chunk_and_unwraps(capsys):

@@ -433,7 +433,7 @@ def crowded(idx) -> None:
 
 
 @gpu_test
-def test_moe_row_is_bitwise_the_same_in_any_batch(moe_case):
+def test_moe_row_is_bitwise_the_same_in_any_batch(moe_case, monkeypatch):
     import cupy as cp
 
     rng = np.random.default_rng(10)
@@ -452,6 +452,12 @@ def test_moe_row_is_bitwise_the_same_in_any_batch(moe_case):
         assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 1, **kw), alone[:1])
     routed = cp.concatenate([run_moe(cp, moe_case, idx[b:b + 1], wts[b:b + 1], x[b:b + 1], 1,
                                      shared=False) for b in range(8)])
+    assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, shared=False), routed)
+    # blocks of half the warps (SMALL_ITEMS): the same rows and sums in twice the items
+    monkeypatch.setattr(RM, "SMALL_ITEMS", True)
+    for kw in ({}, {"persistent": True}, {"ahead": True}):
+        assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, **kw), alone)
+        assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 1, **kw), alone[:1])
     assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, shared=False), routed)
 
 

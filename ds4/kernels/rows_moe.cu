@@ -132,7 +132,7 @@ __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int u
                               const float* wts, float* act, int batch, float limit, int KW,
                               int tile, float* red) {
     int warp = threadIdx.x >> 5, kw = warp % KW, g = first + lane_slot<NT>();
-    int j0 = (tile * (RW / KW) + warp / KW) * 16;
+    int j0 = (tile * ((blockDim.x >> 5) / KW) + warp / KW) * 16;  // (blocks of 4 or 8 warps)
     float v[2][4] = {};
     if (j0 < inter) {
         Tiles<2> tl;
@@ -169,7 +169,7 @@ __device__ void down_group(const Bank& bk, long long e, int rows, int inter, con
                            const u32* as, long long as_ld, const int* unit, int first,
                            float* out, int batch, int KW, int tile, float* red) {
     int warp = threadIdx.x >> 5, kw = warp % KW, g = first + lane_slot<NT>();
-    int r0 = (tile * (RW / KW) + warp / KW) * 32;
+    int r0 = (tile * ((blockDim.x >> 5) / KW) + warp / KW) * 32;
     float v[2][4] = {};
     if (r0 < rows) {
         Tiles<2> tl;
@@ -211,7 +211,8 @@ __device__ void down_group(const Bank& bk, long long e, int rows, int inter, con
 
 // The items of the routed experts hit, then the shared expert's, one block each or (a persistent
 // grid) looped over by resident blocks. XS: x split once, routed words xs (format F) and shared
-// words ss (format FS).
+// words ss (format FS). A block of RW warps takes RW / KW row groups an item, one of RW / 2
+// (rows_moe.py's SMALL_ITEMS) half as many: the same rows, k-spans and sums, in more items.
 template <class F, class FS, bool XS>
 __device__ void moe_gate_up(const Bank& rb, const Bank& sg, const Bank& su, const int* units,
                             int routed, int k, const float* wts, const float* x,

@@ -41,6 +41,10 @@ UNIT = 10  # ints per expert in the grouping table (rows_moe.cu)
 MAX_PAIRS = 64  # tokens x slots of one MoE call
 MOE_KERNELS = {(FP4, FP8), (FP4, "bf16"), (FP8, FP8), ("bf16", "bf16")}
 MOE_SPLIT = 2  # warps splitting an expert's k at most: the best of 1, 2, 4, 8 (docs/PERF.md)
+# The experts' items on blocks of half the warps (half the rows an item, twice the items, the
+# same sums): at B = 1 six experts' 192 items of 8-warp blocks leave 60 of an H100's 132 SMs
+# two items and 72 one, so the busiest SMs bound the launch (docs/PERF.md, stop 46).
+SMALL_ITEMS = False
 
 
 @dataclass
@@ -138,9 +142,15 @@ class Bank:
 
 
 @functools.cache
-def resident_blocks(name: str) -> int:
-    """Blocks of kernel `name` resident on the GPU at once: a persistent grid."""
-    return kernels.resident_blocks(kernel("rows_moe", name), 32 * WARPS)
+def resident_blocks(name: str, warps: int = WARPS) -> int:
+    """Blocks of kernel `name` (`warps` a block) resident on the GPU at once: a persistent
+    grid."""
+    return kernels.resident_blocks(kernel("rows_moe", name), 32 * warps)
+
+
+def item_warps(kw: int) -> int:
+    """Warps of an MoE launch's blocks whose warps split k kw ways (SMALL_ITEMS: half)."""
+    return max(kw, WARPS // 2) if SMALL_ITEMS else WARPS
 
 
 def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, limit: float,
@@ -292,8 +302,8 @@ class MoeCall:
     def passes(self) -> int:
         return moe_passes(self.batch)
 
-    def grid(self, name: str, items: int) -> tuple[int]:
-        return (min(items, resident_blocks(name)) if self.persistent else items,)
+    def grid(self, name: str, items: int, warps: int = WARPS) -> tuple[int]:
+        return (min(items, resident_blocks(name, warps)) if self.persistent else items,)
 
     def split_ready(self, parts: list) -> bool:
         """Whether the launches read x and act split once (rows.cu's xs kernels): one fused
@@ -332,7 +342,7 @@ def gate_up_tiles(k: int, inter: int, fmt: str, cols: int) -> tuple[int, int]:
     """(warps splitting k, row tiles of one expert) of the gate/up launch for k picks a token
     of experts with `inter` rows of gate (and of up) over `cols` columns in format fmt."""
     kw = moe_split(k * -(-inter // 16), _k_tiles(fmt, cols))
-    return kw, -(-inter // (16 * (WARPS // kw)))
+    return kw, -(-inter // (16 * (item_warps(kw) // kw)))
 
 
 def moe_passes(batch: int) -> int:
@@ -342,7 +352,8 @@ def moe_passes(batch: int) -> int:
 
 def _moe_gate_up(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -> None:
     kw, tiles = gate_up_tiles(c.k, c.inter, c.gu.fmt, c.gu.cols)
-    rows_per_block = 16 * (WARPS // kw)
+    warps = item_warps(kw)
+    rows_per_block = 16 * (warps // kw)
     tiles_s = -(-c.s_inter // rows_per_block) if sops else 0
     sg, su = (Bank(sops[0]), Bank(sops[1])) if sops else (Bank(None), Bank(None))
     items = ((min(c.gu.count, c.pairs) * tiles if routed else 0) + tiles_s) * c.passes
@@ -350,20 +361,21 @@ def _moe_gate_up(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -
             i32(c.k), ptr(c.wts), ptr(c.x), np.int64(_ld(c.x)), ptr(c.act.act),
             ptr(c.act.sact), i32(c.inter), i32(c.s_inter), i32(c.gu.cols), i32(c.batch),
             f32(c.limit), i32(kw), i32(tiles), i32(tiles_s), *_words(c.act.words, xs))
-    launch("rows_moe", kname, c.grid(kname, items), (32 * WARPS,), args)
+    launch("rows_moe", kname, c.grid(kname, items, warps), (32 * warps,), args)
 
 
 def _moe_down(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -> None:
     hidden = c.dn.rows
     kw = moe_split(c.k * -(-hidden // 32), _k_tiles(c.dn.fmt, c.inter))
-    tiles = -(-hidden // (32 * (WARPS // kw)))
+    warps = item_warps(kw)
+    tiles = -(-hidden // (32 * (warps // kw)))
     tiles_s = tiles if sops else 0
     items = ((min(c.dn.count, c.pairs) * tiles if routed else 0) + tiles_s) * c.passes
     args = (*Bank(c.dn).args(), *Bank(sops[2] if sops else None).args(), ptr(c.act.units),
             i32(int(routed)), ptr(c.act.act), ptr(c.act.sact), ptr(c.act.part),
             ptr(c.act.spart), i32(hidden), i32(c.inter), i32(c.s_inter), i32(c.batch), i32(kw),
             i32(tiles), i32(tiles_s), *_words(c.act.act_words, xs))
-    launch("rows_moe", kname, c.grid(kname, items), (32 * WARPS,), args)
+    launch("rows_moe", kname, c.grid(kname, items, warps), (32 * warps,), args)
 
 
 def _moe_rows(gate_up, down, idx, wts, x, act, y, batch, inter, limit, shared) -> None:
