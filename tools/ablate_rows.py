@@ -36,7 +36,7 @@ X_FLOATS = "float4 f = ok ? __ldg(v + i) : make_float4(0.f, 0.f, 0.f, 0.f);"
 FP8_BITS = """        const u32 S = 0x80008000u, M = 0x07f007f0u, w = word(q[0], m);
         lo = bf16x2_mul(((w << 8) & S) | ((w << 4) & M), mul);
         hi = bf16x2_mul((w & S) | ((w >> 4) & M), mul);"""
-FP4_BITS = """        pairs(word(q[0], m >> 1), m & 1, lo, hi);
+FP4_BITS = """        e2m1_pairs(word(q[0], m >> 1), m & 1, lo, hi);  // (common.cuh)
         lo = bf16x2_mul(lo, mul), hi = bf16x2_mul(hi, mul);"""
 FP8H_CVT = "        e4m3x4(word(q[0], m), lo, hi);"
 LD_NA = """__device__ __forceinline__ uint4 ld_na(const uint4* p) {

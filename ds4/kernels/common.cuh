@@ -84,6 +84,33 @@ __device__ __forceinline__ void e4m3x4(unsigned int q, unsigned int& lo, unsigne
 #endif
 }
 
+// Bits of a where c is set, of b elsewhere: one LOP3, in asm so that the compiler does not
+// distribute the shifts that follow it back over the select.
+__device__ __forceinline__ unsigned int select_bits(unsigned int a, unsigned int b,
+                                                    unsigned int c) {
+    unsigned int r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xe4;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+// E2M1 pairs 2u and 2u + 1 of a word of eight codes (pair i: codes i and i + 4, low nibble
+// first) as bf16x2 words lo, hi: each code s|eem as (s << 15) | (eem << 6), its value times
+// 2^-126 (the subnormal 0.5 lands on a bf16 subnormal). A code's sign sits 3 bits above its
+// magnitude's low bit and the word needs 9: one select first moves the word's signs 6 up (u =
+// 0) or its magnitudes 6 down (u = 1) for both pairs, then each pair is one shift and one mask
+// (11 instructions for four pairs, where two shifts a pair took 16; the same bits).
+__device__ __forceinline__ void e2m1_pairs(unsigned int w, int u, unsigned int& lo,
+                                           unsigned int& hi) {
+    const unsigned int P = 0x81c081c0u, KA = 0x00770077u, KB = 0x01dc01dcu;
+    if (u == 0) {
+        unsigned int z = select_bits(w, w << 6, KA);
+        lo = (z << 6) & P, hi = (z << 2) & P;
+    } else {
+        unsigned int z = select_bits(w >> 6, w, KB);
+        lo = (z << 4) & P, hi = z & P;
+    }
+}
+
 // A bf16 word widens by a 16-bit shift into a float's high half (exact), so bf16 weights stay
 // bf16 in device memory and every byte is read once.
 __device__ __forceinline__ float widen(unsigned short w) {

@@ -51,15 +51,7 @@ struct Fp4T {
     __device__ static int chunk_cols() { return 32; }
     // The two k pairs of step (j, h) from the lane's words.
     __device__ static void decode(const u32* q, int j, int h, u32& b0, u32& b1) {
-        const u32 S = 0x80008000u, M = 0x01c001c0u;
-        u32 w = q[j];
-        if (h == 0) {
-            b0 = ((w << 12) & S) | ((w << 6) & M);
-            b1 = ((w << 8) & S) | ((w << 2) & M);
-        } else {
-            b0 = ((w << 4) & S) | ((w >> 2) & M);
-            b1 = (w & S) | ((w >> 6) & M);
-        }
+        e2m1_pairs(q[j], h, b0, b1);  // (common.cuh)
     }
 };
 

@@ -60,14 +60,6 @@ __device__ __forceinline__ void split_pair(float x0, float x1, u32& hi, u32& lo)
     lo = bf16x2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
 }
 
-// Bits of a where c is set, of b elsewhere: one LOP3, in asm so that the compiler does not
-// distribute the shifts that follow it back over the select (two shifts a pair again).
-__device__ __forceinline__ u32 select_bits(u32 a, u32 b, u32 c) {
-    u32 r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xe4;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-}
-
 __device__ __forceinline__ u32 word(const uint4& q, int i) {
     return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
 }
@@ -110,24 +102,9 @@ struct Fp4 {
     __device__ static u32 mul(const u8* srow, int col, int) {
         return multiplier(__ldg(srow + (col >> 5)), 126 - 32);
     }
-    // Pairs 2u and 2u + 1 of a word (nibbles i and i + 4 as one bf16x2 pair: columns 8w + i,
-    // 8w + i + 4). A nibble's sign sits 9 bits above its magnitude's low bit in the word, 3 in
-    // the code: one select first moves the signs 6 up (u = 0) or the magnitudes 6 down (u = 1)
-    // for both pairs, then each pair is one shift and one mask (11 instructions for the four
-    // pairs, from 16 with two shifts a pair; the same bits).
-    __device__ static void pairs(u32 w, int u, u32& lo, u32& hi) {
-        const u32 P = 0x81c081c0u, KA = 0x00770077u, KB = 0x01dc01dcu;
-        if (u == 0) {
-            u32 z = select_bits(w, w << 6, KA);
-            lo = (z << 6) & P, hi = (z << 2) & P;
-        } else {
-            u32 z = select_bits(w >> 6, w, KB);
-            lo = (z << 4) & P, hi = z & P;
-        }
-    }
     // mma m = 2w + u: pairs i = 2u (slots 2t..) and i = 2u + 1 (slots 2t+8..) of word w.
     __device__ static void decode(const uint4* q, int m, u32 mul, u32& lo, u32& hi) {
-        pairs(word(q[0], m >> 1), m & 1, lo, hi);
+        e2m1_pairs(word(q[0], m >> 1), m & 1, lo, hi);  // (common.cuh)
         lo = bf16x2_mul(lo, mul), hi = bf16x2_mul(hi, mul);
     }
     __device__ static constexpr int xcol(int m, int r, int h) {
