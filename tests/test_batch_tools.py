@@ -102,8 +102,10 @@ def test_bench_rows_counts_the_routed_gate_up_items_as_the_launcher_does(monkeyp
     assert bench.gate_up_items(2, 6, 11.5) == 11.5 * 32  # a mean over pick sets
     from ds4.kernels import rows_moe
 
-    monkeypatch.setattr(rows_moe, "SMALL_ITEMS", True)  # blocks of 4 warps: half the rows
+    monkeypatch.setattr(rows_moe, "ITEM_WARPS", 4)  # blocks of 4 warps: half the rows
     assert bench.gate_up_items(1, 6, 6) == 384
+    monkeypatch.setattr(rows_moe, "ITEM_WARPS", 2)
+    assert bench.gate_up_items(1, 6, 6) == 768
 
 
 def test_profile_prefill_accounts_for_the_whole_chunk_and_unwraps(capsys):

@@ -267,15 +267,15 @@ def gate_up_items(batch: int, k: int, experts: float) -> float:
 
 def moe_picks(cp, copy, batches, picks) -> None:
     """The routed experts alone at k picks a token: does the time follow the bytes (a line
-    through the origin) or the work items per block slot (steps)? (rows_moe.SMALL_ITEMS as
-    set: --small-items.)"""
+    through the origin) or the work items per block slot (steps)? (rows_moe.ITEM_WARPS as
+    set: --item-warps.)"""
     bank = expert_bank(cp)
     for b in batches:
         for k in picks:
             t, rate, distinct = bench_moe(cp, bank, b, False, k=k)
             items = gate_up_items(b, k, distinct)
             kw = RM.gate_up_tiles(k, INTER, FP4, HIDDEN)[0]
-            slots = RM.resident_blocks("rows_gate_up_fp4_none_n1", RM.item_warps(kw))
+            slots = RM.resident_blocks("rows_gate_up_fp4_none_n1", max(kw, RM.ITEM_WARPS))
             line(f"moe k={k:2d} {distinct:5.1f} experts", b, t, rate, copy)
             print(f"{'':28s}   {t * 1e6 / distinct:6.2f} us an expert, gate/up items {items:6.0f}"
                   f" = {items / slots:4.2f} a block slot ({slots})", flush=True)
@@ -291,8 +291,8 @@ def main() -> None:
                     help="the MoE at each k-split alone (1: a warp an item)")
     ap.add_argument("--moe-picks", default="",
                     help="the routed experts alone at these picks a token (e.g. 2,4,6,8,12,16)")
-    ap.add_argument("--small-items", action="store_true",
-                    help="the MoE lines on blocks of half the warps (rows_moe.SMALL_ITEMS)")
+    ap.add_argument("--item-warps", type=int, default=RM.WARPS,
+                    help="warps of the MoE lines' blocks: 8, 4 or 2 (rows_moe.ITEM_WARPS)")
     ap.add_argument("--placed", action="store_true",
                     help="the placed-MoE lines alone (experts partly in mapped host memory)")
     ap.add_argument("--host-every", type=int, default=4,
@@ -301,7 +301,7 @@ def main() -> None:
     import cupy as cp
 
     batches = [int(b) for b in args.batches.split(",")]
-    RM.SMALL_ITEMS = args.small_items or RM.SMALL_ITEMS
+    RM.ITEM_WARPS = args.item_warps
     copy = copy_rate(cp)
     print(f"device copy: {copy / 1e9:.0f} GB/s (read + write)\n")
     if args.moe_splits:

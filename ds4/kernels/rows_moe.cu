@@ -211,8 +211,8 @@ __device__ void down_group(const Bank& bk, long long e, int rows, int inter, con
 
 // The items of the routed experts hit, then the shared expert's, one block each or (a persistent
 // grid) looped over by resident blocks. XS: x split once, routed words xs (format F) and shared
-// words ss (format FS). A block of RW warps takes RW / KW row groups an item, one of RW / 2
-// (rows_moe.py's SMALL_ITEMS) half as many: the same rows, k-spans and sums, in more items.
+// words ss (format FS). A block of RW warps takes RW / KW row groups an item, one of RW / 2 or
+// RW / 4 warps (rows_moe.py's item_warps) fewer: the same rows, k-spans and sums in more items.
 template <class F, class FS, bool XS>
 __device__ void moe_gate_up(const Bank& rb, const Bank& sg, const Bank& su, const int* units,
                             int routed, int k, const float* wts, const float* x,
