@@ -164,21 +164,6 @@ def picks(rng, batch, k, experts):
     return idx.astype(np.int32), wts
 
 
-def test_balanced_items_leave_the_busiest_sm_the_fewest_row_groups(monkeypatch):
-    """BALANCED_ITEMS: each MoE launch takes the block size whose items, spread over the SMs,
-    give the busiest SM the fewest row groups; the larger blocks on a tie."""
-    monkeypatch.setattr(RM, "_multiprocessors", lambda: 132)
-    b1 = lambda w: 7 * 128 // (w // 2)  # noqa: E731  B = 1: 6 routed + 1 shared expert, kw 2
-    b8 = lambda w: 45 * 2 * 128 // (w // 2)  # noqa: E731  B = 8: 45 experts, 2 passes
-    assert RM.item_warps(2, b1) == RM.WARPS  # off: ITEM_WARPS
-    monkeypatch.setattr(RM, "BALANCED_ITEMS", True)
-    # 224 items of 8 warps: 2 (8 groups) on the busiest SM; 896 of 2 warps: 7 (7 groups)
-    assert RM.item_warps(2, b1) == 2
-    assert RM.item_warps(2, b8) == RM.WARPS  # 22 x 4 = 44 x 2 = 88 x 1 groups: a tie
-    assert RM.item_warps(4, lambda w: 7 * 128 // (w // 4)) == 4  # no block below the k-split
-    assert RM.item_warps(8, b1) == 8
-
-
 def test_moe_twin_matches_the_packed_expert_twins():
     rng = np.random.default_rng(4)
     inter, hidden, k, batch, limit = 64, 128, 3, 4, 10.0
@@ -468,10 +453,9 @@ def test_moe_row_is_bitwise_the_same_in_any_batch(moe_case, monkeypatch):
     routed = cp.concatenate([run_moe(cp, moe_case, idx[b:b + 1], wts[b:b + 1], x[b:b + 1], 1,
                                      shared=False) for b in range(8)])
     assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, shared=False), routed)
-    # blocks of 4 or 2 warps (ITEM_WARPS), or picked by balance: the same rows and sums in
-    # more items
-    for name, value in (("ITEM_WARPS", 4), ("ITEM_WARPS", 2), ("BALANCED_ITEMS", True)):
-        monkeypatch.setattr(RM, name, value)
+    # blocks of 4 or 2 warps (ITEM_WARPS): the same rows and sums in more items
+    for warps in (4, 2):
+        monkeypatch.setattr(RM, "ITEM_WARPS", warps)
         for kw in ({}, {"persistent": True}, {"ahead": True}):
             assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, **kw), alone)
             assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 1, **kw), alone[:1])

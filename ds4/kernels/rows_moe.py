@@ -41,12 +41,10 @@ UNIT = 10  # ints per expert in the grouping table (rows_moe.cu)
 MAX_PAIRS = 64  # tokens x slots of one MoE call
 MOE_KERNELS = {(FP4, FP8), (FP4, "bf16"), (FP8, FP8), ("bf16", "bf16")}
 MOE_SPLIT = 2  # warps splitting an expert's k at most: the best of 1, 2, 4, 8 (docs/PERF.md)
-# Warps of an MoE block (WARPS, or 4 or 2: the same rows, k-spans and sums in more, smaller
-# items), and whether each launch picks them by balance instead (item_warps): at B = 1 six
-# experts' 192 items of 8-warp blocks leave 60 of an H100's 132 SMs two items and 72 one, and
-# the busiest SMs bound the launch (docs/PERF.md, stops 46 and 47).
+# Warps of an MoE block: WARPS, or 4 or 2 (the same rows, k-spans and sums in more, smaller
+# items). Alone, six routed experts at B = 1 ran a third faster on 4-warp blocks; in a layer,
+# where the shared expert makes them seven, neither 4 nor 2 warps gained (docs/PERF.md, stop 47).
 ITEM_WARPS = WARPS
-BALANCED_ITEMS = False
 
 
 @dataclass
@@ -150,25 +148,9 @@ def resident_blocks(name: str, warps: int = WARPS) -> int:
     return kernels.resident_blocks(kernel("rows_moe", name), 32 * warps)
 
 
-def item_warps(kw: int, items_of) -> int:
-    """Warps of the blocks of an MoE launch whose warps split k kw ways, items_of(warps) its
-    items on blocks of that many: ITEM_WARPS, or (BALANCED_ITEMS) of WARPS, WARPS / 2 and
-    WARPS / 4 the one that leaves the busiest SM the fewest row groups (its items spread
-    evenly over the SMs), the larger blocks on a tie."""
-    if not BALANCED_ITEMS:
-        return max(kw, ITEM_WARPS)
-    sms = _multiprocessors()
-    return min((w for w in (WARPS, WARPS // 2, WARPS // 4) if w >= kw),
-               key=lambda w: (-(-items_of(w) // sms) * w, -w))
-
-
-@functools.cache
-def _multiprocessors() -> int:
-    """SMs of the current device (a Hopper's 132 without one: the CPU tests' plans)."""
-    try:
-        return kernels.device_limits()[0]
-    except Exception:
-        return 132
+def item_warps(kw: int) -> int:
+    """Warps of the blocks of an MoE launch whose warps split k kw ways."""
+    return max(kw, ITEM_WARPS)
 
 
 def moe(gate_up, down, idx, wts, x, act: MoeScratch, y, batch: int, inter: int, limit: float,
@@ -356,13 +338,11 @@ def moe_split(groups: int, k_tiles: int) -> int:
     return min(pick_split(groups, k_tiles), MOE_SPLIT)
 
 
-def gate_up_tiles(k: int, inter: int, fmt: str, cols: int,
-                  warps: int | None = None) -> tuple[int, int]:
+def gate_up_tiles(k: int, inter: int, fmt: str, cols: int) -> tuple[int, int]:
     """(warps splitting k, row tiles of one expert) of the gate/up launch for k picks a token
-    of experts with `inter` rows of gate (and of up) over `cols` columns in format fmt, on
-    blocks of `warps` (ITEM_WARPS where None)."""
+    of experts with `inter` rows of gate (and of up) over `cols` columns in format fmt."""
     kw = moe_split(k * -(-inter // 16), _k_tiles(fmt, cols))
-    return kw, -(-inter // (16 * (max(kw, warps or ITEM_WARPS) // kw)))
+    return kw, -(-inter // (16 * (item_warps(kw) // kw)))
 
 
 def moe_passes(batch: int) -> int:
@@ -371,14 +351,10 @@ def moe_passes(batch: int) -> int:
 
 
 def _moe_gate_up(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -> None:
-    kw = gate_up_tiles(c.k, c.inter, c.gu.fmt, c.gu.cols)[0]
-
-    def shape(warps: int) -> tuple[int, int, int]:  # (tiles, shared tiles, items)
-        tiles = gate_up_tiles(c.k, c.inter, c.gu.fmt, c.gu.cols, warps)[1]
-        return _items(c, routed, tiles, -(-c.s_inter // (16 * (warps // kw))) if sops else 0)
-
-    warps = item_warps(kw, lambda w: shape(w)[2])
-    tiles, tiles_s, items = shape(warps)
+    kw, tiles = gate_up_tiles(c.k, c.inter, c.gu.fmt, c.gu.cols)
+    warps = item_warps(kw)
+    tiles_s = -(-c.s_inter // (16 * (warps // kw))) if sops else 0
+    items = _items(c, routed, tiles, tiles_s)
     sg, su = (Bank(sops[0]), Bank(sops[1])) if sops else (Bank(None), Bank(None))
     args = (*Bank(c.gu).args(), *sg.args(), *su.args(), ptr(c.act.units), i32(int(routed)),
             i32(c.k), ptr(c.wts), ptr(c.x), np.int64(_ld(c.x)), ptr(c.act.act),
@@ -390,13 +366,10 @@ def _moe_gate_up(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -
 def _moe_down(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -> None:
     hidden = c.dn.rows
     kw = moe_split(c.k * -(-hidden // 32), _k_tiles(c.dn.fmt, c.inter))
-
-    def shape(warps: int) -> tuple[int, int, int]:  # (tiles, shared tiles, items)
-        tiles = -(-hidden // (32 * (warps // kw)))
-        return _items(c, routed, tiles, tiles if sops else 0)
-
-    warps = item_warps(kw, lambda w: shape(w)[2])
-    tiles, tiles_s, items = shape(warps)
+    warps = item_warps(kw)
+    tiles = -(-hidden // (32 * (warps // kw)))
+    tiles_s = tiles if sops else 0
+    items = _items(c, routed, tiles, tiles_s)
     args = (*Bank(c.dn).args(), *Bank(sops[2] if sops else None).args(), ptr(c.act.units),
             i32(int(routed)), ptr(c.act.act), ptr(c.act.sact), ptr(c.act.part),
             ptr(c.act.spart), i32(hidden), i32(c.inter), i32(c.s_inter), i32(c.batch), i32(kw),
@@ -404,11 +377,10 @@ def _moe_down(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -> N
     launch("rows_moe", kname, c.grid(kname, items, warps), (32 * warps,), args)
 
 
-def _items(c: MoeCall, routed: bool, tiles: int, tiles_s: int) -> tuple[int, int, int]:
-    """(tiles, shared tiles, items) of an MoE launch: the row tiles of each routed expert the
-    call can hit (at most one a pick) and the shared expert's, once a pass."""
-    return tiles, tiles_s, ((min(c.gu.count, c.pairs) * tiles if routed else 0)
-                            + tiles_s) * c.passes
+def _items(c: MoeCall, routed: bool, tiles: int, tiles_s: int) -> int:
+    """Items of an MoE launch: the row tiles of each routed expert the call can hit (at most
+    one a pick) and the shared expert's, once a pass."""
+    return ((min(c.gu.count, c.pairs) * tiles if routed else 0) + tiles_s) * c.passes
 
 
 def _moe_rows(gate_up, down, idx, wts, x, act, y, batch, inter, limit, shared) -> None:
