@@ -52,6 +52,17 @@ def test_a_kernel_that_waits_again_keeps_its_first_stamp_alone():
     assert timeline.launch_stamps(raw) == [(5, 9, 64, 256), (20, 30, 4, 256), (62, 90, 1, 32)]
 
 
+def test_a_launch_counts_its_blocks_over_every_grid_dimension(monkeypatch):
+    """A (heads, splits, members) grid is its product of blocks, as the stamps count them, so
+    a batch's attention shows 1280 blocks, not its 8 head groups."""
+    from ds4.kernels import timeline
+
+    monkeypatch.setattr(timeline, "launches", [])
+    timeline.record("attention_partial_m", (8, 20, 8), (256,))
+    timeline.record("rows_split", (24,), (256, 1, 1))
+    assert timeline.launches == [("attention_partial_m", 1280, 256), ("rows_split", 24, 256)]
+
+
 def test_the_tool_refuses_to_run_on_kernels_built_without_stamps(monkeypatch, capsys):
     monkeypatch.delenv("DS4_TIMELINE", raising=False)
     with pytest.raises(SystemExit) as stop:
@@ -67,7 +78,7 @@ def test_the_stamps_are_built_in_only_when_asked(monkeypatch):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-@pytest.mark.parametrize("family", ["rows", "hc_unit"])
+@pytest.mark.parametrize("family", ["rows", "hc_unit", "attention"])
 def test_stamped_kernels_compile_for_sm90(family: str, tmp_path):
     proc = subprocess.run(
         ["nvcc", "-arch=sm_90", "--cubin", "-std=c++17", "-DDS4_TIMELINE", "-I", str(KERNEL_DIR),

@@ -23,8 +23,8 @@
 // Built with -DDS4_TIMELINE only (ds4/kernels/timeline.py, tools/timeline_decode.py): block 0's
 // thread 0 of each kernel stamps when it reached wait_inputs and when the kernel ahead let it go
 // (the global timer, ns) into entry i of ds4_timeline, i from the buffer's count: [count, then
-// per entry (reached, released, the launch's %gridid, grid x << 32 | block x)]. A kernel that
-// waits again (a loop over items) stamps again under the same grid id.
+// per entry (reached, released, the launch's %gridid, its blocks << 32 | threads a block)]. A
+// kernel that waits again (a loop over items) stamps again under the same grid id.
 __device__ unsigned long long* ds4_timeline;
 __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
@@ -50,7 +50,8 @@ __device__ __forceinline__ void wait_inputs() {
             e[0] = reached;
             e[1] = released;
             asm volatile("mov.u64 %0, %%gridid;" : "=l"(e[2]));
-            e[3] = (unsigned long long)gridDim.x << 32 | blockDim.x;
+            e[3] = (unsigned long long)(gridDim.x * gridDim.y * gridDim.z) << 32 |
+                   blockDim.x * blockDim.y * blockDim.z;
         }
     }
 #endif

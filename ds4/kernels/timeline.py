@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import os
 
-ENTRIES = 4096  # common.cuh's TIMELINE_ENTRIES
-FIELDS = 4  # reached, released, the launch's grid id, grid x << 32 | block x
+import numpy as np
 
-launches: list[tuple[str, int, int]] = []  # (kernel, grid x, block x) as captured
+ENTRIES = 4096  # common.cuh's TIMELINE_ENTRIES
+FIELDS = 4  # reached, released, the launch's grid id, its blocks << 32 | threads a block
+
+launches: list[tuple[str, int, int]] = []  # (kernel, blocks, threads a block) as captured
 _buffer = None
 
 
@@ -48,8 +50,9 @@ def attach(module) -> None:
 
 
 def record(name: str, grid, block) -> None:
-    """Note a launch while a stream captures."""
-    launches.append((name, int(grid[0]), int(block[0])))
+    """Note a launch while a stream captures (its blocks over every grid dimension: a
+    (heads, splits, members) grid is that many blocks, not its x)."""
+    launches.append((name, int(np.prod(grid)), int(np.prod(block))))
 
 
 def reset() -> None:
@@ -58,7 +61,8 @@ def reset() -> None:
 
 
 def stamps() -> list[tuple[int, int, int, int]]:
-    """(reached, released, grid x, block x) of each kernel since the last reset, in order."""
+    """(reached, released, blocks, threads a block) of each kernel since the last reset, in
+    order."""
     return launch_stamps(buffer().get())
 
 
