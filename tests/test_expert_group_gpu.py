@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_batch_engine import packed_tiny
 from test_expert_group import greedy
-from test_kernels_rows import picks, small_moe
+from test_kernels_rows_moe import picks, small_moe
 
 from ds4.backend import cuda_available
 from ds4.kernels import moe as M

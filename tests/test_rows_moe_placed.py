@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_kernels_rows import picks, small_moe, v4_moe
+from test_kernels_rows_moe import picks, small_moe, v4_moe
 
 from ds4.backend import cuda_available
 from ds4.kernels import rows_moe as RM

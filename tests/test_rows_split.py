@@ -1,13 +1,13 @@
 """x split once per launch (ds4/kernels/rows.py's `split_rows`, rows.cu's rows_split): the
 twin's word layout holds exactly the hi + lo of every column on CPU; on the GPU the kernel
 writes the twin's words, and the MoE kernels reading them give bitwise what the kernels that
-split x themselves give, in any batch (graph replay: tests/test_kernels_rows.py)."""
+split x themselves give, in any batch (graph replay: tests/test_kernels_rows_moe.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_kernels_rows import gpu_test, make_moe_case, picks, run_moe
+from test_kernels_rows_moe import gpu_test, make_moe_case, picks, run_moe
 
 from ds4.kernels import rows as R
 from ds4.model.packed import FP4, FP8

@@ -8,6 +8,7 @@ ratio on / off. What a switch buys is measured against the path it replaces in t
         --batch 1,8
     python3 bench_switches.py --list                 # the switches (no GPU needed)
     python3 bench_switches.py --switch rows.STAGE_X --set rows.STAGE_BATCH=8 --batch 1,4,8
+    python3 bench_switches.py --switch SHARED_AHEAD --set rows_moe.ITEM_WARPS=4
 """
 
 from __future__ import annotations
