@@ -43,7 +43,8 @@ MOE_KERNELS = {(FP4, FP8), (FP4, "bf16"), (FP8, FP8), ("bf16", "bf16")}
 MOE_SPLIT = 2  # warps splitting an expert's k at most: the best of 1, 2, 4, 8 (docs/PERF.md)
 # Warps of an MoE block: WARPS, or 4 or 2 (the same rows, k-spans and sums in more, smaller
 # items). Alone, six routed experts at B = 1 ran a third faster on 4-warp blocks; in a layer,
-# where the shared expert makes them seven, neither 4 nor 2 warps gained (docs/PERF.md, stop 47).
+# where the shared expert makes them seven, neither 4 nor 2 warps gained (docs/PERF.md's stop
+# 47).
 ITEM_WARPS = WARPS
 
 
