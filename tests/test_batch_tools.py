@@ -106,6 +106,8 @@ def test_bench_rows_counts_the_routed_gate_up_items_as_the_launcher_does(monkeyp
     assert bench.gate_up_items(1, 6, 6) == 384
     monkeypatch.setattr(rows_moe, "ITEM_WARPS", 2)
     assert bench.gate_up_items(1, 6, 6) == 768
+    monkeypatch.setattr(rows_moe, "ITEM_WARPS", 8)
+    assert bench.gate_up_items(1, 6, 6, shared=True) == 224  # the layer's: 7 x 32 tiles
 
 
 def test_profile_prefill_accounts_for_the_whole_chunk_and_unwraps(capsys):

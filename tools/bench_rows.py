@@ -15,6 +15,7 @@ words, as the decoder's does ("spli=0": a scratch without them, the kernels spli
 
     PYTHONPATH=. python3 tools/bench_rows.py [--batches 1,2,4,8] [--no-moe] [--placed]
     PYTHONPATH=. python3 tools/bench_rows.py --moe-picks 2,4,6,8,12,16 --batches 1,2
+    PYTHONPATH=. python3 tools/bench_rows.py --moe-picks 2,4,5,6,8 --batches 1 --moe-shared
 """
 
 from __future__ import annotations
@@ -258,24 +259,28 @@ def moe_splits(cp, copy, batches=(1, 8)) -> None:
         RM.moe_split = chosen
 
 
-def gate_up_items(batch: int, k: int, experts: float) -> float:
-    """The routed gate/up launch's work items for `experts` distinct experts hit by `batch`
-    tokens of k picks, as rows_moe's launcher counts them (row tiles an expert, times the
-    passes over more than 4 tokens)."""
-    return experts * RM.gate_up_tiles(k, INTER, FP4, HIDDEN)[1] * RM.moe_passes(batch)
+def gate_up_items(batch: int, k: int, experts: float, shared: bool = False) -> float:
+    """The gate/up launch's work items for `experts` distinct experts hit by `batch` tokens of
+    k picks, as rows_moe's launcher counts them (row tiles an expert, and the shared expert's
+    where fused, times the passes over more than 4 tokens)."""
+    kw, tiles = RM.gate_up_tiles(k, INTER, FP4, HIDDEN)
+    tiles_s = -(-INTER // (16 * (RM.item_warps(kw) // kw))) if shared else 0
+    return (experts * tiles + tiles_s) * RM.moe_passes(batch)
 
 
-def moe_picks(cp, copy, batches, picks) -> None:
-    """The routed experts alone at k picks a token: does the time follow the bytes (a line
+def moe_picks(cp, copy, batches, picks, shared: bool = False) -> None:
+    """The routed experts at k picks a token (shared: with the FP8 shared expert fused, the
+    layer's own launch, which reads x split once): does the time follow the bytes (a line
     through the origin) or the work items per block slot (steps)? (rows_moe.ITEM_WARPS as
     set: --item-warps.)"""
     bank = expert_bank(cp)
+    name = "rows_gate_up_xs_fp4_fp8_n1" if shared else "rows_gate_up_fp4_none_n1"
     for b in batches:
         for k in picks:
-            t, rate, distinct = bench_moe(cp, bank, b, False, k=k)
-            items = gate_up_items(b, k, distinct)
+            t, rate, distinct = bench_moe(cp, bank, b, shared, k=k)
+            items = gate_up_items(b, k, distinct, shared)
             kw = RM.gate_up_tiles(k, INTER, FP4, HIDDEN)[0]
-            slots = RM.resident_blocks("rows_gate_up_fp4_none_n1", max(kw, RM.ITEM_WARPS))
+            slots = RM.resident_blocks(name, RM.item_warps(kw))
             line(f"moe k={k:2d} {distinct:5.1f} experts", b, t, rate, copy)
             print(f"{'':28s}   {t * 1e6 / distinct:6.2f} us an expert, gate/up items {items:6.0f}"
                   f" = {items / slots:4.2f} a block slot ({slots})", flush=True)
@@ -291,6 +296,8 @@ def main() -> None:
                     help="the MoE at each k-split alone (1: a warp an item)")
     ap.add_argument("--moe-picks", default="",
                     help="the routed experts alone at these picks a token (e.g. 2,4,6,8,12,16)")
+    ap.add_argument("--moe-shared", action="store_true",
+                    help="--moe-picks with the shared expert fused (the layer's launch)")
     ap.add_argument("--item-warps", type=int, default=RM.WARPS,
                     help="warps of the MoE lines' blocks: 8, 4 or 2 (rows_moe.ITEM_WARPS)")
     ap.add_argument("--placed", action="store_true",
@@ -308,7 +315,8 @@ def main() -> None:
         moe_splits(cp, copy, batches)
         return
     if args.moe_picks:
-        moe_picks(cp, copy, batches, [int(k) for k in args.moe_picks.split(",")])
+        moe_picks(cp, copy, batches, [int(k) for k in args.moe_picks.split(",")],
+                  args.moe_shared)
         return
     if args.placed:
         moe_table(cp, copy, batches, placed_only=True, host_every=args.host_every)
