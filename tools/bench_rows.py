@@ -263,8 +263,7 @@ def gate_up_items(batch: int, k: int, experts: float, shared: bool = False) -> f
     """The gate/up launch's work items for `experts` distinct experts hit by `batch` tokens of
     k picks, as rows_moe's launcher counts them (row tiles an expert, and the shared expert's
     where fused, times the passes over more than 4 tokens)."""
-    kw, tiles = RM.gate_up_tiles(k, INTER, FP4, HIDDEN)
-    tiles_s = -(-INTER // (16 * (RM.item_warps(kw) // kw))) if shared else 0
+    _, tiles, tiles_s = RM.gate_up_tiles(k, INTER, FP4, HIDDEN, INTER if shared else 0)
     return (experts * tiles + tiles_s) * RM.moe_passes(batch)
 
 

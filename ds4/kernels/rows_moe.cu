@@ -132,7 +132,7 @@ __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int u
                               const float* wts, float* act, int batch, float limit, int KW,
                               int tile, float* red) {
     int warp = threadIdx.x >> 5, kw = warp % KW, g = first + lane_slot<NT>();
-    int j0 = (tile * ((blockDim.x >> 5) / KW) + warp / KW) * 16;  // (blocks of 4 or 8 warps)
+    int j0 = (tile * ((blockDim.x >> 5) / KW) + warp / KW) * 16;  // (blocks of 2, 4 or 8 warps)
     float v[2][4] = {};
     if (j0 < inter) {
         Tiles<2> tl;

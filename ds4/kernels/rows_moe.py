@@ -303,7 +303,7 @@ class MoeCall:
     def passes(self) -> int:
         return moe_passes(self.batch)
 
-    def grid(self, name: str, items: int, warps: int = WARPS) -> tuple[int]:
+    def grid(self, name: str, items: int, warps: int) -> tuple[int]:
         return (min(items, resident_blocks(name, warps)) if self.persistent else items,)
 
     def split_ready(self, parts: list) -> bool:
@@ -339,11 +339,14 @@ def moe_split(groups: int, k_tiles: int) -> int:
     return min(pick_split(groups, k_tiles), MOE_SPLIT)
 
 
-def gate_up_tiles(k: int, inter: int, fmt: str, cols: int) -> tuple[int, int]:
-    """(warps splitting k, row tiles of one expert) of the gate/up launch for k picks a token
-    of experts with `inter` rows of gate (and of up) over `cols` columns in format fmt."""
+def gate_up_tiles(k: int, inter: int, fmt: str, cols: int,
+                  s_inter: int = 0) -> tuple[int, int, int]:
+    """(warps splitting k, row tiles of one expert, of the shared expert) of the gate/up launch
+    for k picks a token of experts with `inter` rows of gate (and of up) over `cols` columns
+    in format fmt, and a fused shared expert of s_inter rows (0: none)."""
     kw = moe_split(k * -(-inter // 16), _k_tiles(fmt, cols))
-    return kw, -(-inter // (16 * (item_warps(kw) // kw)))
+    rows = 16 * (item_warps(kw) // kw)  # of an item
+    return kw, -(-inter // rows), -(-s_inter // rows)
 
 
 def moe_passes(batch: int) -> int:
@@ -352,9 +355,9 @@ def moe_passes(batch: int) -> int:
 
 
 def _moe_gate_up(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -> None:
-    kw, tiles = gate_up_tiles(c.k, c.inter, c.gu.fmt, c.gu.cols)
+    kw, tiles, tiles_s = gate_up_tiles(c.k, c.inter, c.gu.fmt, c.gu.cols,
+                                       c.s_inter if sops else 0)
     warps = item_warps(kw)
-    tiles_s = -(-c.s_inter // (16 * (warps // kw))) if sops else 0
     items = _items(c, routed, tiles, tiles_s)
     sg, su = (Bank(sops[0]), Bank(sops[1])) if sops else (Bank(None), Bank(None))
     args = (*Bank(c.gu).args(), *sg.args(), *su.args(), ptr(c.act.units), i32(int(routed)),

@@ -15,9 +15,8 @@ wait).
 
 from __future__ import annotations
 
+import math
 import os
-
-import numpy as np
 
 ENTRIES = 4096  # common.cuh's TIMELINE_ENTRIES
 FIELDS = 4  # reached, released, the launch's grid id, its blocks << 32 | threads a block
@@ -52,7 +51,7 @@ def attach(module) -> None:
 def record(name: str, grid, block) -> None:
     """Note a launch while a stream captures (its blocks over every grid dimension: a
     (heads, splits, members) grid is that many blocks, not its x)."""
-    launches.append((name, int(np.prod(grid)), int(np.prod(block))))
+    launches.append((name, math.prod(map(int, grid)), math.prod(map(int, block))))
 
 
 def reset() -> None:
