@@ -108,6 +108,23 @@ def test_bench_rows_counts_the_routed_gate_up_items_as_the_launcher_does(monkeyp
     assert bench.gate_up_items(1, 6, 6) == 768
     monkeypatch.setattr(rows_moe, "ITEM_WARPS", 8)
     assert bench.gate_up_items(1, 6, 6, shared=True) == 224  # the layer's: 7 x 32 tiles
+    monkeypatch.setattr(rows_moe, "SHARED_SPAN", True)  # FP8 shared rows split four ways
+    assert bench.gate_up_items(1, 6, 6, shared=True) == 192 + 64
+
+
+def test_shared_split_matches_a_routed_items_bytes_a_warp(monkeypatch):
+    """SHARED_SPAN: the FP8 shared expert's warps split k until a warp reads no more of a row
+    than a routed FP4 warp (gate/up 4096 columns, down 2048); off: the routed split."""
+    from ds4.kernels import rows_moe as RM
+
+    assert RM.gate_up_tiles(6, 2048, "fp4", 4096, 2048) == (2, 32, 2, 32)
+    assert RM.down_tiles(6, 4096, "fp4", 2048, 2048) == (2, 32, 2, 32)
+    monkeypatch.setattr(RM, "SHARED_SPAN", True)
+    assert RM.gate_up_tiles(6, 2048, "fp4", 4096, 2048) == (2, 32, 4, 64)
+    assert RM.down_tiles(6, 4096, "fp4", 2048, 2048) == (2, 32, 4, 64)
+    assert RM.down_tiles(6, 4096, "fp4", 2048)[3] == 0  # no shared expert: no items
+    assert RM.gate_up_tiles(6, 2048, "fp8", 4096, 2048, "fp8")[2] == 2  # rows alike: as routed
+    assert RM.gate_up_tiles(6, 2048, "fp4", 4096, 2048, "bf16")[2] == 8  # four times the bytes
 
 
 def test_profile_prefill_accounts_for_the_whole_chunk_and_unwraps(capsys):

@@ -156,6 +156,15 @@ def test_moe_row_is_bitwise_the_same_in_any_batch(moe_case, monkeypatch):
             assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, **kw), alone)
             assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 1, **kw), alone[:1])
         assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, shared=False), routed)
+    monkeypatch.setattr(RM, "ITEM_WARPS", RM.WARPS)
+    # the shared expert's k split four ways (SHARED_SPAN): other sums, as batch-blind
+    monkeypatch.setattr(RM, "SHARED_SPAN", True)
+    split = cp.concatenate([run_moe(cp, moe_case, idx[b:b + 1], wts[b:b + 1], x[b:b + 1], 1)
+                            for b in range(8)])
+    assert cp.allclose(split, alone, rtol=1e-5, atol=1e-5 * float(cp.abs(alone).max()))
+    for kw in ({}, {"persistent": True}, {"fuse_shared": False}, {"ahead": True}):
+        assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, **kw), split)
+        assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 4, **kw), split[:4])
 
 
 @gpu_test

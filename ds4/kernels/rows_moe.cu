@@ -202,22 +202,26 @@ __device__ void down_group(const Bank& bk, long long e, int rows, int inter, con
 #define MOE_GATE_UP_ARGS BANK_ARGS(rb), BANK_ARGS(sg), BANK_ARGS(su), \
     const int* __restrict__ units, int routed, int k, const float* __restrict__ wts, \
     const float* __restrict__ x, long long x_ld, float* act, float* sact, int inter, \
-    int s_inter, int cols, int batch, float limit, int KW, int tiles, int tiles_s, \
+    int s_inter, int cols, int batch, float limit, int KW, int KWs, int tiles, int tiles_s, \
     const u32* __restrict__ xs, long long xs_ld, const u32* __restrict__ ss, long long ss_ld
 #define MOE_DOWN_ARGS BANK_ARGS(rb), BANK_ARGS(sd), const int* __restrict__ units, \
     int routed, const float* __restrict__ act, const float* __restrict__ sact, float* part, \
-    float* spart, int rows, int inter, int s_inter, int batch, int KW, int tiles, int tiles_s, \
+    float* spart, int rows, int inter, int s_inter, int batch, int KW, int KWs, int tiles, \
+    int tiles_s, \
     const u32* __restrict__ as, long long as_ld, const u32* __restrict__ sas, long long sas_ld
 
 // The items of the routed experts hit, then the shared expert's, one block each or (a persistent
 // grid) looped over by resident blocks. XS: x split once, routed words xs (format F) and shared
 // words ss (format FS). A block of RW warps takes RW / KW row groups an item, one of RW / 2 or
 // RW / 4 warps (rows_moe.py's item_warps) fewer: the same rows, k-spans and sums in more items.
+// The shared expert's warps split k KWs ways (rows_moe.py's shared_split: a shared item no
+// more bytes a warp than a routed one).
 template <class F, class FS, bool XS>
 __device__ void moe_gate_up(const Bank& rb, const Bank& sg, const Bank& su, const int* units,
                             int routed, int k, const float* wts, const float* x,
                             long long x_ld, float* act, float* sact, int inter, int s_inter,
-                            int cols, int batch, float limit, int KW, int tiles, int tiles_s,
+                            int cols, int batch, float limit, int KW, int KWs, int tiles,
+                            int tiles_s,
                             const u32* xs, long long xs_ld, const u32* ss, long long ss_ld) {
     __shared__ float red[RW * 2 * 4 * 32];
     int n_units = routed ? units[0] : 0, passes = moe_passes(batch), unit, pass, tile;
@@ -232,7 +236,7 @@ __device__ void moe_gate_up(const Bank& rb, const Bank& sg, const Bank& su, cons
                                  wts, act, batch, limit, KW, tile, red);
         } else if constexpr (!FS::NONE) {
             gate_up_group<FS, XS>(sg, su, 0, 0, s_inter, cols, x, x_ld, ss, ss_ld, nullptr, first,
-                                  k, wts, sact, batch, limit, KW, tile, red);
+                                  k, wts, sact, batch, limit, KWs, tile, red);
         }
     }
 }
@@ -240,8 +244,8 @@ __device__ void moe_gate_up(const Bank& rb, const Bank& sg, const Bank& su, cons
 template <class F, class FS, bool XS>
 __device__ void moe_down(const Bank& rb, const Bank& sd, const int* units, int routed,
                          const float* act, const float* sact, float* part, float* spart,
-                         int rows, int inter, int s_inter, int batch, int KW, int tiles,
-                         int tiles_s, const u32* as, long long as_ld, const u32* sas,
+                         int rows, int inter, int s_inter, int batch, int KW, int KWs,
+                         int tiles, int tiles_s, const u32* as, long long as_ld, const u32* sas,
                          long long sas_ld) {
     __shared__ float red[RW * 2 * 4 * 32];
     int n_units = routed ? units[0] : 0, passes = moe_passes(batch), unit, pass, tile;
@@ -255,7 +259,7 @@ __device__ void moe_down(const Bank& rb, const Bank& sd, const int* units, int r
                               KW, tile, red);
         } else if constexpr (!FS::NONE) {
             down_group<FS, XS>(sd, 0, rows, s_inter, sact, sas, sas_ld, nullptr, first, spart,
-                               batch, KW, tile, red);
+                               batch, KWs, tile, red);
         }
     }
 }
@@ -268,13 +272,14 @@ __device__ void moe_down(const Bank& rb, const Bank& sd, const int* units, int r
     rows_gate_up_##name##_n1(MOE_GATE_UP_ARGS) { \
         wait_inputs(); \
         moe_gate_up<F, FS, XS>(BANK(rb), BANK(sg), BANK(su), units, routed, k, wts, x, x_ld, act, \
-                               sact, inter, s_inter, cols, batch, limit, KW, tiles, tiles_s, xs, \
-                               xs_ld, ss, ss_ld); } \
+                               sact, inter, s_inter, cols, batch, limit, KW, KWs, tiles, tiles_s, \
+                               xs, xs_ld, ss, ss_ld); } \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__) \
     rows_down_##name##_n1(MOE_DOWN_ARGS) { \
         wait_inputs(); \
         moe_down<F, FS, XS>(BANK(rb), BANK(sd), units, routed, act, sact, part, spart, rows, \
-                            inter, s_inter, batch, KW, tiles, tiles_s, as, as_ld, sas, sas_ld); }
+                            inter, s_inter, batch, KW, KWs, tiles, tiles_s, as, as_ld, sas, \
+                            sas_ld); }
 #define MOE(name, F, FS) MOE_KERNELS(name, F, FS, false, 32 * RW)
 
 MOE_KERNELS(fp4_fp8, Fp4, Fp8, false, 32 * RW, 1)
