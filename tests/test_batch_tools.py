@@ -112,6 +112,26 @@ def test_bench_rows_counts_the_routed_gate_up_items_as_the_launcher_does(monkeyp
     assert bench.gate_up_items(1, 6, 6, shared=True) == 192 + 64
 
 
+def test_ring_runs_the_xs_kernels_ring_twins_with_their_shared_memory(monkeypatch):
+    """RING: the decoder's MoE launches (x split once) take the ring kernels and a ring a warp
+    of dynamic shared memory; the other MoE kernels have no ring and keep theirs."""
+    from ds4.kernels import rows_moe as RM
+
+    assert RM.ring_name("rows_gate_up_xs_fp4_fp8_n1") == "rows_gate_up_xs_fp4_fp8_n1"
+    monkeypatch.setattr(RM, "RING", True)
+    for name in ("rows_gate_up_xs_fp4_fp8_n1", "rows_down_xs_fp4_none_n1"):
+        ring = RM.ring_name(name)
+        assert ring == name.replace("_n1", "_ring_n1")
+        assert RM.ring_bytes(ring, 8) == 8 * RM.RING_WARP_BYTES
+    assert RM.ring_name("rows_gate_up_fp4_fp8_n1") == "rows_gate_up_fp4_fp8_n1"
+    assert RM.ring_bytes("rows_gate_up_fp4_fp8_n1", 8) == 0
+    src = (Path(RM.__file__).parent / "rows_moe.cu").read_text()
+    for name in ("xs_fp4_fp8", "xs_fp4_none"):  # each ring kernel exists
+        assert f"MOE_KERNELS({name}_ring," in src
+    cuh = (Path(RM.__file__).parent / "rows.cuh").read_text()
+    assert f"RING_WARP_BYTES = {RM.RING_WARP_BYTES};" in cuh
+
+
 def test_shared_split_matches_a_routed_items_bytes_a_warp(monkeypatch):
     """SHARED_SPAN: the FP8 shared expert's warps split k until a warp reads no more of a row
     than a routed FP4 warp (gate/up 4096 columns, down 2048); off: the routed split."""

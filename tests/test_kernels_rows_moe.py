@@ -168,6 +168,29 @@ def test_moe_row_is_bitwise_the_same_in_any_batch(moe_case, monkeypatch):
 
 
 @gpu_test
+def test_moe_through_the_ring_gives_the_same_bits(moe_case, monkeypatch):
+    """RING: the decoder's kernels with their weights staged in shared memory give the
+    register path's sums bit for bit (the same stages in the same order): fused, ahead and on
+    a persistent grid, with either shared split, at any batch, with and without the shared
+    expert."""
+    import cupy as cp
+
+    rng = np.random.default_rng(12)
+    idx, wts = picks(rng, 8, 6, 256)
+    crowded(idx)
+    x = rng.standard_normal((8, 4096), dtype=np.float32)
+    for span in (False, True):
+        monkeypatch.setattr(RM, "SHARED_SPAN", span)
+        for kw in ({}, {"ahead": True}, {"persistent": True}, {"shared": False}):
+            for batch in (1, 3, 8):
+                monkeypatch.setattr(RM, "RING", False)
+                want = run_moe(cp, moe_case, idx, wts, x, batch, **kw)
+                monkeypatch.setattr(RM, "RING", True)
+                got = run_moe(cp, moe_case, idx, wts, x, batch, **kw)
+                assert cp.array_equal(got, want), (span, kw, batch)
+
+
+@gpu_test
 @pytest.mark.parametrize("fmt,shared_fmt", [(FP8, FP8), ("bf16", "bf16"), (FP4, "bf16")])
 def test_small_moe_kernel_matches_twin(fmt, shared_fmt):
     import cupy as cp

@@ -302,6 +302,9 @@ def main() -> None:
     ap.add_argument("--shared-span", action="store_true",
                     help="the shared expert's items split to a routed item's bytes a warp "
                          "(rows_moe.SHARED_SPAN)")
+    ap.add_argument("--ring", action="store_true",
+                    help="the decoder's MoE kernels through their shared-memory ring "
+                         "(rows_moe.RING)")
     ap.add_argument("--placed", action="store_true",
                     help="the placed-MoE lines alone (experts partly in mapped host memory)")
     ap.add_argument("--host-every", type=int, default=4,
@@ -310,7 +313,7 @@ def main() -> None:
     import cupy as cp
 
     batches = [int(b) for b in args.batches.split(",")]
-    RM.ITEM_WARPS, RM.SHARED_SPAN = args.item_warps, args.shared_span
+    RM.ITEM_WARPS, RM.SHARED_SPAN, RM.RING = args.item_warps, args.shared_span, args.ring
     copy = copy_rate(cp)
     print(f"device copy: {copy / 1e9:.0f} GB/s (read + write)\n")
     if args.moe_splits:

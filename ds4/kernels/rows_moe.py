@@ -51,6 +51,10 @@ ITEM_WARPS = WARPS
 # warp than a routed one. At B = 1 the launches are one wave of items whose warps stream
 # their spans at a latency-bound rate, so the largest item sets the launch's time.
 SHARED_SPAN = False
+# The decoder's MoE kernels (those reading x split once) with their weights through a ring in
+# shared memory (rows.cuh's ring_rows): more bytes in flight a warp than its registers hold.
+RING = False
+RING_WARP_BYTES = 12800  # a warp's ring (rows.cuh's RING_WARP_BYTES)
 
 
 @dataclass
@@ -151,7 +155,18 @@ class Bank:
 def resident_blocks(name: str, warps: int = WARPS) -> int:
     """Blocks of kernel `name` (`warps` a block) resident on the GPU at once: a persistent
     grid."""
-    return kernels.resident_blocks(kernel("rows_moe", name), 32 * warps)
+    return kernels.resident_blocks(kernel("rows_moe", name), 32 * warps, ring_bytes(name, warps))
+
+
+def ring_bytes(name: str, warps: int) -> int:
+    """Dynamic shared memory of an MoE launch: a ring kernel's warps' rings, else none."""
+    return warps * RING_WARP_BYTES if name.endswith("_ring_n1") else 0
+
+
+def ring_name(name: str) -> str:
+    """The kernel an MoE launch runs: under RING, the ring twin of a kernel reading x split
+    once (rows_moe.cu's xs kernels)."""
+    return name.replace("_n1", "_ring_n1") if RING and "_xs_" in name else name
 
 
 def item_warps(kw: int) -> int:
@@ -396,8 +411,7 @@ def _moe_gate_up(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -
             ptr(c.act.sact), i32(c.inter), i32(c.s_inter), i32(c.gu.cols), i32(c.batch),
             f32(c.limit), i32(kw), i32(kw_s), i32(tiles), i32(tiles_s),
             *_words(c.act.words, xs))
-    warps = item_warps(kw)
-    launch("rows_moe", kname, c.grid(kname, items, warps), (32 * warps,), args)
+    _launch(kname, c, items, item_warps(kw), args)
 
 
 def _moe_down(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -> None:
@@ -409,8 +423,22 @@ def _moe_down(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -> N
             i32(int(routed)), ptr(c.act.act), ptr(c.act.sact), ptr(c.act.part),
             ptr(c.act.spart), i32(hidden), i32(c.inter), i32(c.s_inter), i32(c.batch), i32(kw),
             i32(kw_s), i32(tiles), i32(tiles_s), *_words(c.act.act_words, xs))
-    warps = item_warps(kw)
-    launch("rows_moe", kname, c.grid(kname, items, warps), (32 * warps,), args)
+    _launch(kname, c, items, item_warps(kw), args)
+
+
+def _launch(kname: str, c: MoeCall, items: int, warps: int, args: tuple) -> None:
+    """One MoE launch of `items` work items on blocks of `warps` (ring_name's kernel)."""
+    kname = ring_name(kname)
+    shared = ring_bytes(kname, warps)
+    if shared:
+        _carveout(kname)
+    launch("rows_moe", kname, c.grid(kname, items, warps), (32 * warps,), args, shared=shared)
+
+
+@functools.cache
+def _carveout(kname: str) -> None:
+    """A ring kernel asks for the most shared memory an SM gives (two blocks an SM)."""
+    kernel("rows_moe", kname).preferred_shared_memory_carveout = 100
 
 
 def _s_fmt(sops) -> str:
