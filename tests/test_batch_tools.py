@@ -177,3 +177,17 @@ def test_bench_cpu_prints_prefill_against_its_floor_and_sampled_decode(capsys):
     assert float(prefill.split("(")[-1].rstrip("x)")) > 1.0  # slower than its FLOP floor
     decode = next(ln for ln in out.splitlines() if ln.startswith("decode, 2 streams"))
     assert float(decode.split(": ")[1].split(" ms")[0]) > 0
+
+
+def test_head_loops_keep_the_target_blocks_and_stay_off_by_default(monkeypatch):
+    """LOOP_HEADS: CSA at B = 8 (8 groups of 8 heads, 20 splits of a 640-key selection) takes
+    all 8 groups a block (160 blocks), HCA at B = 8 (5 splits) two, B = 1 one; off: one."""
+    from ds4.kernels import attention as at
+
+    assert at.head_loops(64, 8, 20, 8) == 1
+    monkeypatch.setattr(at, "LOOP_HEADS", True)
+    assert at.head_loops(64, 8, 20, 8) == 8
+    assert at.head_loops(64, 8, 5, 8) == 2
+    assert at.head_loops(64, 8, 20, 1) == 1
+    assert at.head_loops(64, 4, 20, 4) == 8  # 16 groups of 4: 2 * 20 * 4 = 160 blocks
+    assert at.head_loops(48, 8, 1, 8) == 1  # 6 groups: no power of two past 1 keeps 128
