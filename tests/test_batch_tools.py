@@ -128,7 +128,7 @@ def test_ring_runs_the_xs_kernels_ring_twins_with_their_shared_memory(monkeypatc
     src = (Path(RM.__file__).parent / "rows_moe.cu").read_text()
     for name in ("xs_fp4_fp8", "xs_fp4_none"):  # each ring kernel exists
         assert f"MOE_KERNELS({name}_ring," in src
-    cuh = (Path(RM.__file__).parent / "rows.cuh").read_text()
+    cuh = (Path(RM.__file__).parent / "rows_ring.cuh").read_text()
     assert f"RING_WARP_BYTES = {RM.RING_WARP_BYTES};" in cuh
 
 

@@ -3,7 +3,7 @@
 // loop: rows.cuh).
 
 #include "common.cuh"
-#include "rows.cuh"
+#include "rows_ring.cuh"
 
 // MoE of B tokens: the (token, slot) pairs p = b * k + j grouped by expert, each distinct expert
 // read once with its tokens as the batch columns. units[0] = number of experts hit; unit u at
@@ -137,7 +137,7 @@ __device__ __forceinline__ void rows_of(const Tiles<2>& tl, const XSrc& src, int
 // further), x columns of the unit's tokens (or the batch, for the shared expert) from column
 // `first` on (a pass: up to 4 columns); act[out pair] = silu(min(g, limit)) *
 // clamp(u, +-limit) * weight. XS: x's split words xs instead. RING: the weights through the
-// block's ring in shared memory (rows.cuh's ring_rows: the same sums).
+// block's ring in shared memory (rows_ring.cuh's ring_rows: the same sums).
 template <class F, bool XS, bool RING>
 __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int up_row, int inter,
                               int cols, const float* x, long long x_ld, const u32* xs,

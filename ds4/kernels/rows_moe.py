@@ -52,9 +52,9 @@ ITEM_WARPS = WARPS
 # their spans at a latency-bound rate, so the largest item sets the launch's time.
 SHARED_SPAN = False
 # The decoder's MoE kernels (those reading x split once) with their weights through a ring in
-# shared memory (rows.cuh's ring_rows): more bytes in flight a warp than its registers hold.
+# shared memory (rows_ring.cuh's ring_rows): more bytes in flight a warp than its registers hold.
 RING = False
-RING_WARP_BYTES = 12800  # a warp's ring (rows.cuh's RING_WARP_BYTES)
+RING_WARP_BYTES = 12800  # a warp's ring (rows_ring.cuh's RING_WARP_BYTES)
 
 
 @dataclass
