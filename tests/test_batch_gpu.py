@@ -228,12 +228,3 @@ def test_fused_member_kernels_match_their_twins():
                                 None, m, w[:cfg.num_attention_heads], out[0], keys, None, freqs,
                                 r)
     np.testing.assert_allclose(cp.asnumpy(out[1]), out[0], atol=1e-5, rtol=1e-4)
-    # every head group of a member in one block (LOOP_HEADS, a target of 1 block): the same bits
-    looped = cp.zeros(q.shape, cp.float32)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(at, "LOOP_HEADS", True)
-        mp.setattr(at, "TARGET_BLOCKS", 1)
-        at.attention_decode_m(qg, tables[0], i, RAW, COMPRESSOR_ROWS, cfg.sliding_window, None,
-                              None, m, cp.asarray(w[:cfg.num_attention_heads]), looped, keys,
-                              part, cp.asarray(freqs), r)
-    assert cp.array_equal(looped, out[1])

@@ -108,43 +108,6 @@ def test_bench_rows_counts_the_routed_gate_up_items_as_the_launcher_does(monkeyp
     assert bench.gate_up_items(1, 6, 6) == 768
     monkeypatch.setattr(rows_moe, "ITEM_WARPS", 8)
     assert bench.gate_up_items(1, 6, 6, shared=True) == 224  # the layer's: 7 x 32 tiles
-    monkeypatch.setattr(rows_moe, "SHARED_SPAN", True)  # FP8 shared rows split four ways
-    assert bench.gate_up_items(1, 6, 6, shared=True) == 192 + 64
-
-
-def test_ring_runs_the_xs_kernels_ring_twins_with_their_shared_memory(monkeypatch):
-    """RING: the decoder's MoE launches (x split once) take the ring kernels and a ring a warp
-    of dynamic shared memory; the other MoE kernels have no ring and keep theirs."""
-    from ds4.kernels import rows_moe as RM
-
-    assert RM.ring_name("rows_gate_up_xs_fp4_fp8_n1") == "rows_gate_up_xs_fp4_fp8_n1"
-    monkeypatch.setattr(RM, "RING", True)
-    for name in ("rows_gate_up_xs_fp4_fp8_n1", "rows_down_xs_fp4_none_n1"):
-        ring = RM.ring_name(name)
-        assert ring == name.replace("_n1", "_ring_n1")
-        assert RM.ring_bytes(ring, 8) == 8 * RM.RING_WARP_BYTES
-    assert RM.ring_name("rows_gate_up_fp4_fp8_n1") == "rows_gate_up_fp4_fp8_n1"
-    assert RM.ring_bytes("rows_gate_up_fp4_fp8_n1", 8) == 0
-    src = (Path(RM.__file__).parent / "rows_moe.cu").read_text()
-    for name in ("xs_fp4_fp8", "xs_fp4_none"):  # each ring kernel exists
-        assert f"MOE_KERNELS({name}_ring," in src
-    cuh = (Path(RM.__file__).parent / "rows_ring.cuh").read_text()
-    assert f"RING_WARP_BYTES = {RM.RING_WARP_BYTES};" in cuh
-
-
-def test_shared_split_matches_a_routed_items_bytes_a_warp(monkeypatch):
-    """SHARED_SPAN: the FP8 shared expert's warps split k until a warp reads no more of a row
-    than a routed FP4 warp (gate/up 4096 columns, down 2048); off: the routed split."""
-    from ds4.kernels import rows_moe as RM
-
-    assert RM.gate_up_tiles(6, 2048, "fp4", 4096, 2048) == (2, 32, 2, 32)
-    assert RM.down_tiles(6, 4096, "fp4", 2048, 2048) == (2, 32, 2, 32)
-    monkeypatch.setattr(RM, "SHARED_SPAN", True)
-    assert RM.gate_up_tiles(6, 2048, "fp4", 4096, 2048) == (2, 32, 4, 64)
-    assert RM.down_tiles(6, 4096, "fp4", 2048, 2048) == (2, 32, 4, 64)
-    assert RM.down_tiles(6, 4096, "fp4", 2048)[3] == 0  # no shared expert: no items
-    assert RM.gate_up_tiles(6, 2048, "fp8", 4096, 2048, "fp8")[2] == 2  # rows alike: as routed
-    assert RM.gate_up_tiles(6, 2048, "fp4", 4096, 2048, "bf16")[2] == 8  # four times the bytes
 
 
 def test_profile_prefill_accounts_for_the_whole_chunk_and_unwraps(capsys):
@@ -177,17 +140,3 @@ def test_bench_cpu_prints_prefill_against_its_floor_and_sampled_decode(capsys):
     assert float(prefill.split("(")[-1].rstrip("x)")) > 1.0  # slower than its FLOP floor
     decode = next(ln for ln in out.splitlines() if ln.startswith("decode, 2 streams"))
     assert float(decode.split(": ")[1].split(" ms")[0]) > 0
-
-
-def test_head_loops_keep_the_target_blocks_and_stay_off_by_default(monkeypatch):
-    """LOOP_HEADS: CSA at B = 8 (8 groups of 8 heads, 20 splits of a 640-key selection) takes
-    all 8 groups a block (160 blocks), HCA at B = 8 (5 splits) two, B = 1 one; off: one."""
-    from ds4.kernels import attention as at
-
-    assert at.head_loops(64, 8, 20, 8) == 1
-    monkeypatch.setattr(at, "LOOP_HEADS", True)
-    assert at.head_loops(64, 8, 20, 8) == 8
-    assert at.head_loops(64, 8, 5, 8) == 2
-    assert at.head_loops(64, 8, 20, 1) == 1
-    assert at.head_loops(64, 4, 20, 4) == 8  # 16 groups of 4: 2 * 20 * 4 = 160 blocks
-    assert at.head_loops(48, 8, 1, 8) == 1  # 6 groups: no power of two past 1 keeps 128

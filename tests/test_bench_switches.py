@@ -8,7 +8,7 @@ from test_batch_tools import load_tool
 
 
 def test_lists_the_decoders_switches_with_their_defaults(capsys):
-    from ds4.kernels import attention, rows, rows_moe
+    from ds4.kernels import rows, rows_moe
     from ds4.model import gpu_decode
 
     bench = load_tool("bench_switches")
@@ -16,8 +16,7 @@ def test_lists_the_decoders_switches_with_their_defaults(capsys):
     lines = dict(line.split(" = ") for line in capsys.readouterr().out.splitlines())
     assert lines["SHARED_AHEAD"] == str(gpu_decode.SHARED_AHEAD)
     assert lines["rows.STAGE_X"] == str(rows.STAGE_X)
-    assert lines["attention.LOOP_HEADS"] == str(attention.LOOP_HEADS)
-    module = {"": gpu_decode, "rows": rows, "rows_moe": rows_moe, "attention": attention}
+    module = {"": gpu_decode, "rows": rows, "rows_moe": rows_moe}
     assert all(lines[name] == str(getattr(module[name.rpartition(".")[0]], name.split(".")[-1]))
                for name in lines)
 

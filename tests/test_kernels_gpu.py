@@ -167,30 +167,6 @@ def test_attention(cp, rng, t, ratio, use_sel):
     assert rel_err(g, n) < 1e-5
 
 
-@pytest.mark.parametrize("target", [128, 1])
-def test_attention_head_loops_give_the_same_bits(cp, rng, monkeypatch, target):
-    """LOOP_HEADS: a block taking 2 (TARGET_BLOCKS 128) or all 8 head groups (1) on one
-    staging of its keys gives each head the bits of a block of its own."""
-    from ds4.kernels import attention as at
-
-    heads, width, t = 64, 512, 4000
-    q, raw, sinks = randn(rng, heads, width, scale=0.1), randn(rng, 128, width), randn(rng, heads)
-    comp, pos = randn(rng, 1024, width), np.array([t], np.int32)
-    sel = rng.choice(t // 4, 512, replace=False).astype(np.int32)
-    dev = [cp.asarray(a) for a in (q, raw, pos, comp, sel, np.array([512], np.int32), sinks)]
-
-    def run():
-        out = cp.full((heads, width), cp.nan, cp.float32)
-        part = cp.full(at.partial_size(heads, width, 1200), cp.nan, cp.float32)
-        return at.attention_decode(*dev[:6], 4, dev[6], out, 1200, part)
-
-    want = run()
-    monkeypatch.setattr(at, "LOOP_HEADS", True)
-    monkeypatch.setattr(at, "TARGET_BLOCKS", target)
-    assert at.head_loops(heads, 8, 38) == (2 if target == 128 else 8)
-    assert cp.array_equal(run(), want)
-
-
 @pytest.mark.parametrize("ratio,hd,overlap", [(4, 512, True), (4, 128, True), (128, 512, False)])
 def test_compressor_windows(cp, rng, ratio, hd, overlap):
     """Push 3 windows of tokens through both twins and compare state and pooled rows."""

@@ -156,38 +156,6 @@ def test_moe_row_is_bitwise_the_same_in_any_batch(moe_case, monkeypatch):
             assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, **kw), alone)
             assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 1, **kw), alone[:1])
         assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, shared=False), routed)
-    monkeypatch.setattr(RM, "ITEM_WARPS", RM.WARPS)
-    # the shared expert's k split four ways (SHARED_SPAN): other sums, as batch-blind
-    monkeypatch.setattr(RM, "SHARED_SPAN", True)
-    split = cp.concatenate([run_moe(cp, moe_case, idx[b:b + 1], wts[b:b + 1], x[b:b + 1], 1)
-                            for b in range(8)])
-    assert cp.allclose(split, alone, rtol=1e-5, atol=1e-5 * float(cp.abs(alone).max()))
-    for kw in ({}, {"persistent": True}, {"fuse_shared": False}, {"ahead": True}):
-        assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 8, **kw), split)
-        assert cp.array_equal(run_moe(cp, moe_case, idx, wts, x, 4, **kw), split[:4])
-
-
-@gpu_test
-def test_moe_through_the_ring_gives_the_same_bits(moe_case, monkeypatch):
-    """RING: the decoder's kernels with their weights staged in shared memory give the
-    register path's sums bit for bit (the same stages in the same order): fused, ahead and on
-    a persistent grid, with either shared split, at any batch, with and without the shared
-    expert."""
-    import cupy as cp
-
-    rng = np.random.default_rng(12)
-    idx, wts = picks(rng, 8, 6, 256)
-    crowded(idx)
-    x = rng.standard_normal((8, 4096), dtype=np.float32)
-    for span in (False, True):
-        monkeypatch.setattr(RM, "SHARED_SPAN", span)
-        for kw in ({}, {"ahead": True}, {"persistent": True}, {"shared": False}):
-            for batch in (1, 3, 8):
-                monkeypatch.setattr(RM, "RING", False)
-                want = run_moe(cp, moe_case, idx, wts, x, batch, **kw)
-                monkeypatch.setattr(RM, "RING", True)
-                got = run_moe(cp, moe_case, idx, wts, x, batch, **kw)
-                assert cp.array_equal(got, want), (span, kw, batch)
 
 
 @gpu_test

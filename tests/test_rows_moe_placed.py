@@ -144,22 +144,6 @@ def test_placed_kernel_rows_are_the_plain_stacks_bitwise_in_any_batch(v4_placed)
 
 @gpu_test
 @needs_cuda
-def test_placed_experts_through_the_ring_give_the_same_bits(v4_placed, monkeypatch):
-    """RING: the ring's copies read host experts (mapped memory) as the loads do."""
-    import cupy as cp
-
-    gu, down, shared, placed = v4_placed
-    rng = np.random.default_rng(23)
-    idx, wts = picks(rng, 8, 6, 256)
-    x = rng.standard_normal((8, 4096), dtype=np.float32)
-    want = run(cp, gu, down, shared, idx, wts, x, 8)[0]
-    monkeypatch.setattr(RM, "RING", True)
-    for batch in (1, 8):
-        assert cp.array_equal(run(cp, *placed, shared, idx, wts, x, batch)[0], want[:batch])
-
-
-@gpu_test
-@needs_cuda
 def test_the_kernels_grouping_equals_its_twin_host_experts_first(v4_placed):
     import cupy as cp
 

@@ -263,7 +263,7 @@ def gate_up_items(batch: int, k: int, experts: float, shared: bool = False) -> f
     """The gate/up launch's work items for `experts` distinct experts hit by `batch` tokens of
     k picks, as rows_moe's launcher counts them (row tiles an expert, and the shared expert's
     where fused, times the passes over more than 4 tokens)."""
-    _, tiles, _, tiles_s = RM.gate_up_tiles(k, INTER, FP4, HIDDEN, INTER if shared else 0)
+    _, tiles, tiles_s = RM.gate_up_tiles(k, INTER, FP4, HIDDEN, INTER if shared else 0)
     return (experts * tiles + tiles_s) * RM.moe_passes(batch)
 
 
@@ -299,12 +299,6 @@ def main() -> None:
                     help="--moe-picks with the shared expert fused (the layer's launch)")
     ap.add_argument("--item-warps", type=int, default=RM.WARPS,
                     help="warps of the MoE lines' blocks: 8, 4 or 2 (rows_moe.ITEM_WARPS)")
-    ap.add_argument("--shared-span", action="store_true",
-                    help="the shared expert's items split to a routed item's bytes a warp "
-                         "(rows_moe.SHARED_SPAN)")
-    ap.add_argument("--ring", action="store_true",
-                    help="the decoder's MoE kernels through their shared-memory ring "
-                         "(rows_moe.RING)")
     ap.add_argument("--placed", action="store_true",
                     help="the placed-MoE lines alone (experts partly in mapped host memory)")
     ap.add_argument("--host-every", type=int, default=4,
@@ -313,7 +307,7 @@ def main() -> None:
     import cupy as cp
 
     batches = [int(b) for b in args.batches.split(",")]
-    RM.ITEM_WARPS, RM.SHARED_SPAN, RM.RING = args.item_warps, args.shared_span, args.ring
+    RM.ITEM_WARPS = args.item_warps
     copy = copy_rate(cp)
     print(f"device copy: {copy / 1e9:.0f} GB/s (read + write)\n")
     if args.moe_splits:

@@ -1,6 +1,5 @@
 """A/B of the kernel decoder's switches (the boolean constants of ds4/model/gpu_decode.py, and
-ds4/kernels/rows.py's, rows_moe.py's and attention.py's as `rows.NAME`, `rows_moe.NAME`,
-`attention.NAME`): one
+ds4/kernels/rows.py's and rows_moe.py's as `rows.NAME`, `rows_moe.NAME`): one
 official-format layer at V4-Flash dimensions per kind, its decode graph per layer-token with a
 switch off and on, alternating in one process (`--rounds` pairs), at each batch size, and the
 ratio on / off. What a switch buys is measured against the path it replaces in the same run.
@@ -23,16 +22,15 @@ from bench_engine import KINDS
 
 def _modules() -> dict:
     """The modules whose booleans are switches, by prefix ("" for gpu_decode)."""
-    from ds4.kernels import attention, rows, rows_moe
+    from ds4.kernels import rows, rows_moe
     from ds4.model import gpu_decode
 
-    return {"": gpu_decode, "rows.": rows, "rows_moe.": rows_moe, "attention.": attention}
+    return {"": gpu_decode, "rows.": rows, "rows_moe.": rows_moe}
 
 
 def switches() -> dict[str, bool]:
     """The decoder's switches and their defaults: gpu_decode's module-level booleans, then
-    the row kernels' (rows.NAME), the MoE kernels' (rows_moe.NAME) and decode attention's
-    (attention.NAME)."""
+    the row kernels' (rows.NAME) and the MoE kernels' (rows_moe.NAME)."""
     return {prefix + name: value for prefix, module in _modules().items()
             for name, value in vars(module).items() if name.isupper() and isinstance(value, bool)}
 

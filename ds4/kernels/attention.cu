@@ -59,21 +59,9 @@ __device__ __forceinline__ const float* key_ptr(int code, const float* raw, cons
     return code < 0 ? raw + (size_t)(-code - 1) * width : comp + (size_t)code * width;
 }
 
-// Query heads [h0, h0 + hpb) into shared memory qs.
-__device__ __forceinline__ void load_queries(const float* __restrict__ q, int h0, int hpb,
-                                             int width, float* qs) {
-    const float4* q4 = (const float4*)(q + (size_t)h0 * width);
-#pragma unroll 4
-    for (int i = threadIdx.x; i < hpb * width / 4; i += blockDim.x) {
-        float4 v = q4[i];
-        qs[4 * i] = v.x; qs[4 * i + 1] = v.y; qs[4 * i + 2] = v.z; qs[4 * i + 3] = v.w;
-    }
-}
-
-// Flash-decoding split: block (g, s) takes the `loops` head groups [g * loops, (g + 1) * loops)
-// of hpb heads each (hpb <= 8), one after the other, and keys [s * 32, (s + 1) * 32), stages
-// those key rows once in shared memory for all of them (all heads share the one K=V head;
-// attention.py's head_loops), and writes per head its partial max m, sum l = sum exp(l_j - m) and
+// Flash-decoding split: block (g, s) takes heads [g * hpb, (g + 1) * hpb) (hpb <= 8) and keys
+// [s * 32, (s + 1) * 32), stages those key rows once in shared memory (all heads share the one
+// K=V head), and writes per head its partial max m, sum l = sum exp(l_j - m) and
 // o = sum exp(l_j - m) k_j into part[(h * splits + s) * (width + 2)] as [m, l, o...].
 // Raw keys: min(pos + 1, cap) ring rows; compressed keys: none when ratio == 0, else
 // sel[0..sel_count) when sel is given, else rows 0..(pos + 1) / ratio. 256 threads; dynamic
@@ -86,21 +74,26 @@ __device__ __forceinline__ void partial(const float* __restrict__ q,
                                         const int* __restrict__ sel,
                                         const int* __restrict__ sel_count, int ratio,
                                         float* part, int width, float scale, int max_keys,
-                                        int hpb, int loops) {
+                                        int hpb) {
     extern __shared__ float smem[];
     int stride = key_stride(width);
     float* ks = smem;
     float* qs = ks + SPLIT_KEYS * stride;
     float* ps = qs + hpb * width;
     int* codes = (int*)(ps + hpb * SPLIT_KEYS);
-    int split = blockIdx.y, splits = gridDim.y;
+    int h0 = blockIdx.x * hpb, split = blockIdx.y, splits = gridDim.y;
     int t = pos[0];
     int n_raw = min(t + 1, cap);
     int n_comp = ratio == 0 ? 0 : (sel ? sel_count[0] : (t + 1) / ratio);
     int n = min(n_raw + n_comp, max_keys);
     int first = split * SPLIT_KEYS, count = max(0, min(SPLIT_KEYS, n - first));
     if (threadIdx.x < count) codes[threadIdx.x] = key_code(first + threadIdx.x, n_raw, sel);
-    load_queries(q, blockIdx.x * loops * hpb, hpb, width, qs);
+    const float4* q4 = (const float4*)(q + (size_t)h0 * width);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < hpb * width / 4; i += blockDim.x) {
+        float4 v = q4[i];
+        qs[4 * i] = v.x; qs[4 * i + 1] = v.y; qs[4 * i + 2] = v.z; qs[4 * i + 3] = v.w;
+    }
     __syncthreads();
     int w4 = width >> 2, total = count * w4;
     // Eight 16-byte loads in flight per thread before any store: the staging is latency bound.
@@ -121,15 +114,8 @@ __device__ __forceinline__ void partial(const float* __restrict__ q,
             }
         }
     }
-    for (int loop = 0; loop < loops; loop++) {
-        int h0 = (blockIdx.x * loops + loop) * hpb;
-        if (loop > 0) {
-            __syncthreads();  // the last group's readers of qs are done
-            load_queries(q, h0, hpb, width, qs);
-        }
-        __syncthreads();
-        staged_partial(qs, ks, ps, stride, width, count, hpb, scale, part, h0, split, splits);
-    }
+    __syncthreads();
+    staged_partial(qs, ks, ps, stride, width, count, hpb, scale, part, h0, split, splits);
 }
 
 extern "C" __global__ void attention_partial(const float* __restrict__ q,
@@ -139,10 +125,9 @@ extern "C" __global__ void attention_partial(const float* __restrict__ q,
                                              const int* __restrict__ sel,
                                              const int* __restrict__ sel_count, int ratio,
                                              float* part, int width, float scale, int max_keys,
-                                             int hpb, int loops) {
+                                             int hpb) {
     wait_inputs();  // (pdl.py)
-    partial(q, raw, pos, cap, comp, sel, sel_count, ratio, part, width, scale, max_keys, hpb,
-            loops);
+    partial(q, raw, pos, cap, comp, sel, sel_count, ratio, part, width, scale, max_keys, hpb);
 }
 
 // attention_partial of member b = blockIdx.z: q [B, heads, width], its raw ring and compressed
@@ -154,14 +139,13 @@ extern "C" __global__ void attention_partial_m(const float* __restrict__ q,
                                                const int* __restrict__ sel,
                                                const int* __restrict__ sel_count, int sel_stride,
                                                int ratio, float* part, int part_stride,
-                                               int width, float scale, int max_keys, int hpb,
-                                               int loops) {
+                                               int width, float scale, int max_keys, int hpb) {
     wait_inputs();  // (pdl.py)
-    int b = blockIdx.z, heads = gridDim.x * loops * hpb;
+    int b = blockIdx.z, heads = gridDim.x * hpb;
     const float* comp = comp_ptrs ? (const float*)comp_ptrs[b] : nullptr;
     partial(q + (size_t)b * heads * width, (const float*)raw_ptrs[b], positions + b, cap, comp,
             sel ? sel + (size_t)b * sel_stride : nullptr, sel ? sel_count + b : nullptr, ratio,
-            part + (size_t)b * part_stride, width, scale, max_keys, hpb, loops);
+            part + (size_t)b * part_stride, width, scale, max_keys, hpb);
 }
 
 // out[h] = (sum_s exp(m_s - M) o_s) / (exp(sink_h - M) + sum_s exp(m_s - M) l_s), M the largest

@@ -31,10 +31,6 @@ def attention_store_kv_numpy(kv_in, w, freqs, pos, raw, rope_dim: int, eps: floa
 
 KEYS_PER_BLOCK = 32  # keys one attention_partial block stages (SPLIT_KEYS in common.cuh)
 TARGET_BLOCKS = 128  # (head group, split, member) blocks of a launch that keep the SMs busy
-# A block takes several head groups in turn on one staging of its keys, as many as keep
-# TARGET_BLOCKS blocks (head_loops): at B = 8 a CSA layer's 1280 blocks staged each member's
-# keys once a head group, eight times.
-LOOP_HEADS = False
 
 
 def heads_per_block(heads: int, splits: int, batch: int = 1) -> int:
@@ -45,17 +41,6 @@ def heads_per_block(heads: int, splits: int, batch: int = 1) -> int:
     the heads a block; so a batch of 8 stages each key tile once for 8 heads, not for 2."""
     fits = [g for g in (8, 4, 2, 1) if heads % g == 0]
     return next((g for g in fits if heads // g * splits * batch >= TARGET_BLOCKS), fits[-1])
-
-
-def head_loops(heads: int, hpb: int, splits: int, batch: int = 1) -> int:
-    """Head groups (of hpb heads) one block takes in turn (LOOP_HEADS; else 1): the most, a
-    power of two dividing the groups, that leave TARGET_BLOCKS blocks. A head's sums are the
-    same whichever block takes it (staged_partial on the same keys in the same order)."""
-    groups, loops = heads // hpb, 1
-    while (LOOP_HEADS and groups % (2 * loops) == 0
-           and groups // (2 * loops) * splits * batch >= TARGET_BLOCKS):
-        loops *= 2
-    return loops
 
 
 def staged_shared(width: int, hpb: int) -> int:
@@ -80,13 +65,10 @@ def attention_decode(q, raw, pos, comp, sel, sel_count, ratio: int, sinks, out, 
     splits = -(-max_keys // KEYS_PER_BLOCK)
     assert width <= 1024 and part.size >= partial_size(heads, width, max_keys)
     hpb = heads_per_block(heads, splits)
-    loops = head_loops(heads, hpb, splits)
     args = (ptr(q), ptr(raw), ptr(pos), i32(cap), ptr(comp), ptr(sel), ptr(sel_count),
-            i32(ratio), ptr(part), i32(width), f32(width ** -0.5), i32(max_keys), i32(hpb),
-            i32(loops))
+            i32(ratio), ptr(part), i32(width), f32(width ** -0.5), i32(max_keys), i32(hpb))
     shared = staged_shared(width, hpb)
-    launch("attention", "attention_partial", (heads // hpb // loops, splits), (256,), args,
-           shared=shared)
+    launch("attention", "attention_partial", (heads // hpb, splits), (256,), args, shared=shared)
     launch("attention", "attention_combine", (heads,), (256,),
            (ptr(part), ptr(sinks), ptr(out), i32(width), i32(splits), i32(0), NULL, NULL, i32(0)),
            shared=8 * splits)
@@ -125,15 +107,13 @@ def attention_decode_m(q, table, layer: int, raw_slot: int, comp_slot, cap: int,
     splits = -(-max_keys // KEYS_PER_BLOCK)
     assert width <= 1024 and part.shape[1] >= partial_size(heads, width, max_keys)
     hpb = heads_per_block(heads, splits, batch)
-    loops = head_loops(heads, hpb, splits, batch)
     comp = NULL if comp_slot is None else table.group(layer, comp_slot)
     args = (ptr(q), table.group(layer, raw_slot), ptr(table.pos), i32(cap), comp, ptr(sel),
             ptr(sel_count), i32(0 if sel is None else sel.shape[1]), i32(ratio), ptr(part),
-            i32(part.shape[1]), i32(width), f32(width ** -0.5), i32(max_keys), i32(hpb),
-            i32(loops))
+            i32(part.shape[1]), i32(width), f32(width ** -0.5), i32(max_keys), i32(hpb))
     shared = staged_shared(width, hpb)
-    launch("attention", "attention_partial_m", (heads // hpb // loops, splits, batch), (256,),
-           args, shared=shared)
+    launch("attention", "attention_partial_m", (heads // hpb, splits, batch), (256,), args,
+           shared=shared)
     launch("attention", "attention_combine", (heads, 1, batch), (256,),
            (ptr(part), ptr(sinks), ptr(out), i32(width), i32(splits), i32(part.shape[1]),
             ptr(table.pos), ptr(freqs), i32(rope_dim)), shared=8 * splits)

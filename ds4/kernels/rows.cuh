@@ -80,13 +80,6 @@ __device__ __forceinline__ void load_stage(Stage<F, MT, DEPTH>& st, const Tiles<
     }
 }
 
-// Copies of 16 bytes into shared memory that need no registers; bytes < 16 zero the rest.
-__device__ __forceinline__ void copy16_async(void* dst, const void* src, int bytes) {
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(bytes)
-                 : "memory");
-}
-
 // The lane's CH floats of its x column at chunk column col, times 2^32 for scaled formats
 // (zeros outside the matrix or for a lane without a column).
 template <class F>
@@ -271,21 +264,6 @@ __device__ __forceinline__ void mma_stage(const Stage<F, MT, DEPTH>& st, const X
     }
 }
 
-// v[mt] = the lane's outputs of acc[mt]: hi + lo (NT = 1: lanes g and g + 4 of one tile).
-template <int MT, int NT>
-__device__ __forceinline__ void lane_sums(const float (&acc)[MT][NT][4], float (&v)[MT][4]) {
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            if constexpr (NT == 1) {
-                v[mt][i] = acc[mt][0][i] + __shfl_down_sync(0xffffffffu, acc[mt][0][i], 2);
-            } else {
-                v[mt][i] = acc[mt][0][i] + acc[mt][1][i];
-            }
-        }
-}
-
 // v[mt][i] = this warp's sum over k-tiles [kt0, kt1) of its tiles for the lane's outputs
 // (i: row g col 2t, row g col 2t + 1, row g + 8 col 2t, row g + 8 col 2t + 1; column = slot
 // of the batch), hi + lo already added. src: the lane's B column (XSrc). ready() runs once the
@@ -313,7 +291,16 @@ __device__ __forceinline__ void warp_rows(const Tiles<MT>& tl, const XSrc& src, 
         mma_stage<F, MT, DEPTH, NT, XS>(cur, src, kt, kt1, cols, acc);
         cur = nxt;
     }
-    lane_sums<MT, NT>(acc, v);
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if constexpr (NT == 1) {
+                v[mt][i] = acc[mt][0][i] + __shfl_down_sync(0xffffffffu, acc[mt][0][i], 2);
+            } else {
+                v[mt][i] = acc[mt][0][i] + acc[mt][1][i];
+            }
+        }
 }
 
 // The block's KW warps of one row group add their partial sums in warp order (deterministic);
@@ -392,6 +379,13 @@ __device__ void split_rows(const float* x, int n, int K, long long x_ld, u32* ou
     split_pair(v0, v1, hi, lo);
     out[row * out_ld + j] = hi;
     out[row * out_ld + half + j] = lo;
+}
+
+// Copies of 16 bytes into shared memory that need no registers; bytes < 16 zero the rest.
+__device__ __forceinline__ void copy16_async(void* dst, const void* src, int bytes) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(bytes)
+                 : "memory");
 }
 
 // x rows b < batch (row stride x_ld, columns [0, cols)) as format F's B words in shared memory

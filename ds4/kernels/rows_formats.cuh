@@ -72,8 +72,7 @@ __device__ __forceinline__ u32 multiplier(u32 s, int bias) {
 
 // A format: CH columns per lane-chunk (LOADS 16-byte loads per row), MMAS mmas per chunk.
 // decode(q, m, mul, lo, hi): the A words of mma m for one row (slots 2t.. and 2t+8..).
-// xcol(m, r, h): the chunk column in half h of B register r of mma m. mul(srow, col, shift):
-// the multiplier of column col's scale, mul_of(the scale byte at scale_at(srow, col, shift)).
+// xcol(m, r, h): the chunk column in half h of B register r of mma m.
 struct Fp8 {
     static constexpr int CH = 16, LOADS = 1, MMAS = 4;
     static constexpr bool SCALED = true, NONE = false, POST = false;
@@ -81,12 +80,8 @@ struct Fp8 {
     __device__ static const u8* scale_row(const u8* s, int row, int ld, int shift) {
         return s + (size_t)(row >> shift) * ld;
     }
-    __device__ static const u8* scale_at(const u8* srow, int col, int shift) {
-        return srow + (col >> shift);
-    }
-    __device__ static u32 mul_of(u32 s) { return multiplier(s, 120 - 32); }
     __device__ static u32 mul(const u8* srow, int col, int shift) {
-        return mul_of(__ldg(scale_at(srow, col, shift)));
+        return multiplier(__ldg(srow + (col >> shift)), 120 - 32);
     }
     // Word m holds columns 4m..4m+3: pairs (4m, 4m+2) and (4m+1, 4m+3).
     __device__ static void decode(const uint4* q, int m, u32 mul, u32& lo, u32& hi) {
@@ -104,12 +99,8 @@ struct Fp4 {
     __device__ static const u8* scale_row(const u8* s, int row, int ld, int) {
         return s + (size_t)row * ld;
     }
-    __device__ static const u8* scale_at(const u8* srow, int col, int) {
-        return srow + (col >> 5);
-    }
-    __device__ static u32 mul_of(u32 s) { return multiplier(s, 126 - 32); }
-    __device__ static u32 mul(const u8* srow, int col, int shift) {
-        return mul_of(__ldg(scale_at(srow, col, shift)));
+    __device__ static u32 mul(const u8* srow, int col, int) {
+        return multiplier(__ldg(srow + (col >> 5)), 126 - 32);
     }
     // mma m = 2w + u: pairs i = 2u (slots 2t..) and i = 2u + 1 (slots 2t+8..) of word w.
     __device__ static void decode(const uint4* q, int m, u32 mul, u32& lo, u32& hi) {
@@ -126,8 +117,6 @@ struct Bf16 {
     static constexpr bool SCALED = false, NONE = false, POST = false;
     __device__ static size_t bytes(long long cols) { return cols * 2; }
     __device__ static const u8* scale_row(const u8*, int, int, int) { return nullptr; }
-    __device__ static const u8* scale_at(const u8*, int, int) { return nullptr; }
-    __device__ static u32 mul_of(u32) { return 0; }
     __device__ static u32 mul(const u8*, int, int) { return 0; }
     __device__ static void decode(const uint4* q, int m, u32, u32& lo, u32& hi) {
         lo = word(q[m >> 1], (2 * m) & 3);
@@ -144,9 +133,8 @@ struct Bf16 {
 // (Fp8's chunk, bytes and scale rows.)
 struct Fp8h : Fp8 {
     static constexpr bool POST = true;
-    __device__ static u32 mul_of(u32 s) { return s << 23; }
     __device__ static u32 mul(const u8* srow, int col, int shift) {
-        return mul_of(__ldg(scale_at(srow, col, shift)));
+        return (u32)__ldg(srow + (col >> shift)) << 23;
     }
     // Word m holds columns 4m..4m+3: lo = (4m, 4m+1), hi = (4m+2, 4m+3).
     __device__ static void decode(const uint4* q, int m, u32, u32& lo, u32& hi) {

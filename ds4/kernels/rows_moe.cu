@@ -3,7 +3,7 @@
 // loop: rows.cuh).
 
 #include "common.cuh"
-#include "rows_ring.cuh"
+#include "rows.cuh"
 
 // MoE of B tokens: the (token, slot) pairs p = b * k + j grouped by expert, each distinct expert
 // read once with its tokens as the batch columns. units[0] = number of experts hit; unit u at
@@ -121,29 +121,16 @@ __device__ __forceinline__ bool moe_item(int item, int n_units, int passes, int 
 constexpr int NT = 1;
 __device__ __forceinline__ int moe_passes(int batch) { return batch > 4 ? 2 : 1; }
 
-// A warp's two tiles over k-tiles [kt0, kt1): through registers, or (RING) the warp's share of
-// the block's ring.
-template <class F, bool XS, bool RING>
-__device__ __forceinline__ void rows_of(const Tiles<2>& tl, const XSrc& src, int kt0, int kt1,
-                                        int cols, int shift, float (&v)[2][4], char* ring) {
-    if constexpr (RING)
-        ring_rows<F, 2, 1, NT, XS>(tl, src, kt0, kt1, cols, shift, v,
-                                   ring + (threadIdx.x >> 5) * RING_WARP_BYTES);
-    else
-        warp_rows<F, 2, 2, NT, XS>(tl, src, kt0, kt1, cols, shift, v);
-}
-
 // gate/up of one row group: rows j0.. of gate (tile 0) and of up (tile 1, `up_row` rows
 // further), x columns of the unit's tokens (or the batch, for the shared expert) from column
 // `first` on (a pass: up to 4 columns); act[out pair] = silu(min(g, limit)) *
-// clamp(u, +-limit) * weight. XS: x's split words xs instead. RING: the weights through the
-// block's ring in shared memory (rows_ring.cuh's ring_rows: the same sums).
-template <class F, bool XS, bool RING>
+// clamp(u, +-limit) * weight. XS: x's split words xs instead.
+template <class F, bool XS>
 __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int up_row, int inter,
                               int cols, const float* x, long long x_ld, const u32* xs,
                               long long xs_ld, const int* unit, int first, int k,
                               const float* wts, float* act, int batch, float limit, int KW,
-                              int tile, float* red, char* ring) {
+                              int tile, float* red) {
     int warp = threadIdx.x >> 5, kw = warp % KW, g = first + lane_slot<NT>();
     int j0 = (tile * ((blockDim.x >> 5) / KW) + warp / KW) * 16;  // (blocks of 2, 4 or 8 warps)
     float v[2][4] = {};
@@ -156,7 +143,7 @@ __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int u
         XSrc src = lane_src<F, NT, XS>(x, x_ld, xs, xs_ld, g < n ? (unit ? unit[2 + g] / k : g)
                                        : -1, 0);
         k_span<F>(cols, kw, KW, kt0, kt1);
-        rows_of<F, XS, RING>(tl, src, kt0, kt1, cols, bk.shift, v, ring);
+        warp_rows<F, 2, 2, NT, XS>(tl, src, kt0, kt1, cols, bk.shift, v);
     }
     reduce_k<2>(v, kw, KW, red);
     if (kw != 0 || j0 >= inter) return;
@@ -176,11 +163,11 @@ __device__ void gate_up_group(const Bank& bk, const Bank& up, long long e, int u
 }
 
 // down of one row group (32 rows): out[out pair][r] = down_e[r] . act[pair] for the pass's
-// columns from `first` (XS: act's split words as; RING as gate_up_group).
-template <class F, bool XS, bool RING>
+// columns from `first` (XS: act's split words as).
+template <class F, bool XS>
 __device__ void down_group(const Bank& bk, long long e, int rows, int inter, const float* act,
                            const u32* as, long long as_ld, const int* unit, int first,
-                           float* out, int batch, int KW, int tile, float* red, char* ring) {
+                           float* out, int batch, int KW, int tile, float* red) {
     int warp = threadIdx.x >> 5, kw = warp % KW, g = first + lane_slot<NT>();
     int r0 = (tile * ((blockDim.x >> 5) / KW) + warp / KW) * 32;
     float v[2][4] = {};
@@ -193,7 +180,7 @@ __device__ void down_group(const Bank& bk, long long e, int rows, int inter, con
         XSrc src = lane_src<F, NT, XS>(act, inter, as, as_ld, g < n ? (unit ? unit[2 + g] : g)
                                        : -1, 0);
         k_span<F>(inter, kw, KW, kt0, kt1);
-        rows_of<F, XS, RING>(tl, src, kt0, kt1, inter, bk.shift, v, ring);
+        warp_rows<F, 2, 2, NT, XS>(tl, src, kt0, kt1, inter, bk.shift, v);
     }
     reduce_k<2>(v, kw, KW, red);
     if (kw != 0 || r0 >= rows) return;
@@ -215,30 +202,24 @@ __device__ void down_group(const Bank& bk, long long e, int rows, int inter, con
 #define MOE_GATE_UP_ARGS BANK_ARGS(rb), BANK_ARGS(sg), BANK_ARGS(su), \
     const int* __restrict__ units, int routed, int k, const float* __restrict__ wts, \
     const float* __restrict__ x, long long x_ld, float* act, float* sact, int inter, \
-    int s_inter, int cols, int batch, float limit, int KW, int KWs, int tiles, int tiles_s, \
+    int s_inter, int cols, int batch, float limit, int KW, int tiles, int tiles_s, \
     const u32* __restrict__ xs, long long xs_ld, const u32* __restrict__ ss, long long ss_ld
 #define MOE_DOWN_ARGS BANK_ARGS(rb), BANK_ARGS(sd), const int* __restrict__ units, \
     int routed, const float* __restrict__ act, const float* __restrict__ sact, float* part, \
-    float* spart, int rows, int inter, int s_inter, int batch, int KW, int KWs, int tiles, \
-    int tiles_s, \
+    float* spart, int rows, int inter, int s_inter, int batch, int KW, int tiles, int tiles_s, \
     const u32* __restrict__ as, long long as_ld, const u32* __restrict__ sas, long long sas_ld
 
 // The items of the routed experts hit, then the shared expert's, one block each or (a persistent
 // grid) looped over by resident blocks. XS: x split once, routed words xs (format F) and shared
 // words ss (format FS). A block of RW warps takes RW / KW row groups an item, one of RW / 2 or
 // RW / 4 warps (rows_moe.py's item_warps) fewer: the same rows, k-spans and sums in more items.
-// The shared expert's warps split k KWs ways (rows_moe.py's shared_split: a shared item no
-// more bytes a warp than a routed one).
-template <class F, class FS, bool XS, bool RING>
+template <class F, class FS, bool XS>
 __device__ void moe_gate_up(const Bank& rb, const Bank& sg, const Bank& su, const int* units,
                             int routed, int k, const float* wts, const float* x,
                             long long x_ld, float* act, float* sact, int inter, int s_inter,
-                            int cols, int batch, float limit, int KW, int KWs, int tiles,
-                            int tiles_s,
+                            int cols, int batch, float limit, int KW, int tiles, int tiles_s,
                             const u32* xs, long long xs_ld, const u32* ss, long long ss_ld) {
     __shared__ float red[RW * 2 * 4 * 32];
-    extern __shared__ uint4 moe_ring[];  // (RING: RING_WARP_BYTES a warp)
-    char* ring = (char*)moe_ring;
     int n_units = routed ? units[0] : 0, passes = moe_passes(batch), unit, pass, tile;
     for (int item = blockIdx.x; moe_item(item, n_units, passes, tiles, tiles_s, unit, pass, tile);
          item += gridDim.x) {
@@ -247,24 +228,22 @@ __device__ void moe_gate_up(const Bank& rb, const Bank& sg, const Bank& su, cons
             const int* u = units + 1 + UNIT * unit;
             if (first >= u[1]) continue;  // (a block-wide skip: every warp takes the same item)
             Bank ex = rb.at(u[0]);
-            gate_up_group<F, XS, RING>(ex, ex, 0, inter, inter, cols, x, x_ld, xs, xs_ld, u, first,
-                                       k, wts, act, batch, limit, KW, tile, red, ring);
+            gate_up_group<F, XS>(ex, ex, 0, inter, inter, cols, x, x_ld, xs, xs_ld, u, first, k,
+                                 wts, act, batch, limit, KW, tile, red);
         } else if constexpr (!FS::NONE) {
-            gate_up_group<FS, XS, RING>(sg, su, 0, 0, s_inter, cols, x, x_ld, ss, ss_ld, nullptr,
-                                        first, k, wts, sact, batch, limit, KWs, tile, red, ring);
+            gate_up_group<FS, XS>(sg, su, 0, 0, s_inter, cols, x, x_ld, ss, ss_ld, nullptr, first,
+                                  k, wts, sact, batch, limit, KW, tile, red);
         }
     }
 }
 
-template <class F, class FS, bool XS, bool RING>
+template <class F, class FS, bool XS>
 __device__ void moe_down(const Bank& rb, const Bank& sd, const int* units, int routed,
                          const float* act, const float* sact, float* part, float* spart,
-                         int rows, int inter, int s_inter, int batch, int KW, int KWs,
-                         int tiles, int tiles_s, const u32* as, long long as_ld, const u32* sas,
+                         int rows, int inter, int s_inter, int batch, int KW, int tiles,
+                         int tiles_s, const u32* as, long long as_ld, const u32* sas,
                          long long sas_ld) {
     __shared__ float red[RW * 2 * 4 * 32];
-    extern __shared__ uint4 moe_ring[];  // (RING: RING_WARP_BYTES a warp)
-    char* ring = (char*)moe_ring;
     int n_units = routed ? units[0] : 0, passes = moe_passes(batch), unit, pass, tile;
     for (int item = blockIdx.x; moe_item(item, n_units, passes, tiles, tiles_s, unit, pass, tile);
          item += gridDim.x) {
@@ -272,11 +251,11 @@ __device__ void moe_down(const Bank& rb, const Bank& sd, const int* units, int r
         if (unit >= 0) {
             const int* u = units + 1 + UNIT * unit;
             if (first >= u[1]) continue;  // (block-wide, as in moe_gate_up)
-            down_group<F, XS, RING>(rb.at(u[0]), 0, rows, inter, act, as, as_ld, u, first, part,
-                                    batch, KW, tile, red, ring);
+            down_group<F, XS>(rb.at(u[0]), 0, rows, inter, act, as, as_ld, u, first, part, batch,
+                              KW, tile, red);
         } else if constexpr (!FS::NONE) {
-            down_group<FS, XS, RING>(sd, 0, rows, s_inter, sact, sas, sas_ld, nullptr, first,
-                                     spart, batch, KWs, tile, red, ring);
+            down_group<FS, XS>(sd, 0, rows, s_inter, sact, sas, sas_ld, nullptr, first, spart,
+                               batch, KW, tile, red);
         }
     }
 }
@@ -284,30 +263,26 @@ __device__ void moe_down(const Bank& rb, const Bank& sd, const int* units, int r
 // The kernels (suffix _n1: one mma tile a row tile); the trailing arguments are the launch
 // bounds (`32 * RW, 1` where ptxas would otherwise squeeze a kernel that needs more than 128
 // registers, one block per SM either way, into 128 and spill).
-#define MOE_KERNELS(name, F, FS, XS, RING, ...) \
+#define MOE_KERNELS(name, F, FS, XS, ...) \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__) \
     rows_gate_up_##name##_n1(MOE_GATE_UP_ARGS) { \
         wait_inputs(); \
-        moe_gate_up<F, FS, XS, RING>(BANK(rb), BANK(sg), BANK(su), units, routed, k, wts, x, \
-                                     x_ld, act, sact, inter, s_inter, cols, batch, limit, KW, \
-                                     KWs, tiles, tiles_s, xs, xs_ld, ss, ss_ld); } \
+        moe_gate_up<F, FS, XS>(BANK(rb), BANK(sg), BANK(su), units, routed, k, wts, x, x_ld, act, \
+                               sact, inter, s_inter, cols, batch, limit, KW, tiles, tiles_s, xs, \
+                               xs_ld, ss, ss_ld); } \
     extern "C" __global__ void __launch_bounds__(__VA_ARGS__) \
     rows_down_##name##_n1(MOE_DOWN_ARGS) { \
         wait_inputs(); \
-        moe_down<F, FS, XS, RING>(BANK(rb), BANK(sd), units, routed, act, sact, part, spart, \
-                                  rows, inter, s_inter, batch, KW, KWs, tiles, tiles_s, as, \
-                                  as_ld, sas, sas_ld); }
-#define MOE(name, F, FS) MOE_KERNELS(name, F, FS, false, false, 32 * RW)
+        moe_down<F, FS, XS>(BANK(rb), BANK(sd), units, routed, act, sact, part, spart, rows, \
+                            inter, s_inter, batch, KW, tiles, tiles_s, as, as_ld, sas, sas_ld); }
+#define MOE(name, F, FS) MOE_KERNELS(name, F, FS, false, 32 * RW)
 
-MOE_KERNELS(fp4_fp8, Fp4, Fp8, false, false, 32 * RW, 1)
+MOE_KERNELS(fp4_fp8, Fp4, Fp8, false, 32 * RW, 1)
 // the decoder's experts reading x and the activations split once (rows_split, rows.cu)
-MOE_KERNELS(xs_fp4_fp8, Fp4, Fp8, true, false, 32 * RW, 2)
+MOE_KERNELS(xs_fp4_fp8, Fp4, Fp8, true, 32 * RW, 2)
 // their routed experts alone, where the shared expert runs on a side stream (rows_moe.py's
 // shared_ahead: the launches above with routed = 0 take its items)
-MOE_KERNELS(xs_fp4_none, Fp4, NoShared, true, false, 32 * RW, 2)
-// the same two through the ring (rows_moe.py's RING)
-MOE_KERNELS(xs_fp4_fp8_ring, Fp4, Fp8, true, true, 32 * RW, 2)
-MOE_KERNELS(xs_fp4_none_ring, Fp4, NoShared, true, true, 32 * RW, 2)
+MOE_KERNELS(xs_fp4_none, Fp4, NoShared, true, 32 * RW, 2)
 MOE(fp4_bf16, Fp4, Bf16)
 MOE(fp8_fp8, Fp8, Fp8)
 MOE(bf16_bf16, Bf16, Bf16)

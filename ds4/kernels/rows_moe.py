@@ -46,15 +46,6 @@ MOE_SPLIT = 2  # warps splitting an expert's k at most: the best of 1, 2, 4, 8 (
 # where the shared expert makes them seven, neither 4 nor 2 warps gained (docs/PERF.md's stop
 # 47).
 ITEM_WARPS = WARPS
-# The shared expert's warps split k more ways where its rows hold more bytes than the routed
-# experts' (an FP8 shared expert beside FP4 ones: twice), so none of its items reads more a
-# warp than a routed one. At B = 1 the launches are one wave of items whose warps stream
-# their spans at a latency-bound rate, so the largest item sets the launch's time.
-SHARED_SPAN = False
-# The decoder's MoE kernels (those reading x split once) with their weights through a ring in
-# shared memory (rows_ring.cuh's ring_rows): more bytes in flight a warp than its registers hold.
-RING = False
-RING_WARP_BYTES = 12800  # a warp's ring (rows_ring.cuh's RING_WARP_BYTES)
 
 
 @dataclass
@@ -155,18 +146,7 @@ class Bank:
 def resident_blocks(name: str, warps: int = WARPS) -> int:
     """Blocks of kernel `name` (`warps` a block) resident on the GPU at once: a persistent
     grid."""
-    return kernels.resident_blocks(kernel("rows_moe", name), 32 * warps, ring_bytes(name, warps))
-
-
-def ring_bytes(name: str, warps: int) -> int:
-    """Dynamic shared memory of an MoE launch: a ring kernel's warps' rings, else none."""
-    return warps * RING_WARP_BYTES if name.endswith("_ring_n1") else 0
-
-
-def ring_name(name: str) -> str:
-    """The kernel an MoE launch runs: under RING, the ring twin of a kernel reading x split
-    once (rows_moe.cu's xs kernels)."""
-    return name.replace("_n1", "_ring_n1") if RING and "_xs_" in name else name
+    return kernels.resident_blocks(kernel("rows_moe", name), 32 * warps)
 
 
 def item_warps(kw: int) -> int:
@@ -359,41 +339,14 @@ def moe_split(groups: int, k_tiles: int) -> int:
     return min(pick_split(groups, k_tiles), MOE_SPLIT)
 
 
-def gate_up_tiles(k: int, inter: int, fmt: str, cols: int, s_inter: int = 0,
-                  s_fmt: str = FP8) -> tuple[int, int, int, int]:
-    """(warps splitting k, row tiles of one expert; the same of the shared expert) of the
-    gate/up launch for k picks a token of experts with `inter` rows of gate (and of up) over
-    `cols` columns in format fmt, and a fused shared expert of s_inter rows in s_fmt (0: none)."""
+def gate_up_tiles(k: int, inter: int, fmt: str, cols: int,
+                  s_inter: int = 0) -> tuple[int, int, int]:
+    """(warps splitting k, row tiles of one expert, of the shared expert) of the gate/up launch
+    for k picks a token of experts with `inter` rows of gate (and of up) over `cols` columns
+    in format fmt, and a fused shared expert of s_inter rows (0: none)."""
     kw = moe_split(k * -(-inter // 16), _k_tiles(fmt, cols))
-    kw_s = shared_split(kw, fmt, cols, s_fmt, cols)
-    warps = item_warps(kw)
-    return kw, -(-inter // (16 * (warps // kw))), kw_s, -(-s_inter // (16 * (warps // kw_s)))
-
-
-def down_tiles(k: int, rows: int, fmt: str, inter: int, s_inter: int = 0,
-               s_fmt: str = FP8) -> tuple[int, int, int, int]:
-    """gate_up_tiles of the down launch: experts of `rows` rows (32 an item's row group) over
-    `inter` columns, a fused shared expert over s_inter columns (0: none)."""
-    kw = moe_split(k * -(-rows // 32), _k_tiles(fmt, inter))
-    kw_s = shared_split(kw, fmt, inter, s_fmt, max(s_inter, 1))
-    warps = item_warps(kw)
-    return kw, -(-rows // (32 * (warps // kw))), kw_s, \
-        -(-rows // (32 * (warps // kw_s))) if s_inter else 0
-
-
-def shared_split(kw: int, fmt: str, cols: int, s_fmt: str, s_cols: int) -> int:
-    """Warps splitting k in the shared expert's items (SHARED_SPAN): kw doubled while a warp's
-    span of a shared row holds more bytes than of a routed row (and keeps >= 2 k-tiles)."""
-    kw_s, span = kw, _row_bytes(fmt, cols) / kw
-    while (SHARED_SPAN and kw_s < item_warps(kw) and _row_bytes(s_fmt, s_cols) / kw_s > span
-           and _k_tiles(s_fmt, s_cols) // (2 * kw_s) >= 2):
-        kw_s *= 2
-    return kw_s
-
-
-def _row_bytes(fmt: str, cols: int) -> int:
-    """Bytes of one row as the row kernels read it: 64 a k-tile (bf16: 128)."""
-    return _k_tiles(fmt, cols) * (128 if fmt == "bf16" else 64)
+    rows = 16 * (item_warps(kw) // kw)  # of an item
+    return kw, -(-inter // rows), -(-s_inter // rows)
 
 
 def moe_passes(batch: int) -> int:
@@ -402,48 +355,30 @@ def moe_passes(batch: int) -> int:
 
 
 def _moe_gate_up(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -> None:
-    kw, tiles, kw_s, tiles_s = gate_up_tiles(c.k, c.inter, c.gu.fmt, c.gu.cols,
-                                             c.s_inter if sops else 0, _s_fmt(sops))
+    kw, tiles, tiles_s = gate_up_tiles(c.k, c.inter, c.gu.fmt, c.gu.cols,
+                                       c.s_inter if sops else 0)
+    warps = item_warps(kw)
     items = _items(c, routed, tiles, tiles_s)
     sg, su = (Bank(sops[0]), Bank(sops[1])) if sops else (Bank(None), Bank(None))
     args = (*Bank(c.gu).args(), *sg.args(), *su.args(), ptr(c.act.units), i32(int(routed)),
             i32(c.k), ptr(c.wts), ptr(c.x), np.int64(_ld(c.x)), ptr(c.act.act),
             ptr(c.act.sact), i32(c.inter), i32(c.s_inter), i32(c.gu.cols), i32(c.batch),
-            f32(c.limit), i32(kw), i32(kw_s), i32(tiles), i32(tiles_s),
-            *_words(c.act.words, xs))
-    _launch(kname, c, items, item_warps(kw), args)
+            f32(c.limit), i32(kw), i32(tiles), i32(tiles_s), *_words(c.act.words, xs))
+    launch("rows_moe", kname, c.grid(kname, items, warps), (32 * warps,), args)
 
 
 def _moe_down(kname: str, routed: bool, sops, c: MoeCall, xs: bool = False) -> None:
     hidden = c.dn.rows
-    kw, tiles, kw_s, tiles_s = down_tiles(c.k, hidden, c.dn.fmt, c.inter,
-                                          c.s_inter if sops else 0, _s_fmt(sops))
+    kw = moe_split(c.k * -(-hidden // 32), _k_tiles(c.dn.fmt, c.inter))
+    warps = item_warps(kw)
+    tiles = -(-hidden // (32 * (warps // kw)))
+    tiles_s = tiles if sops else 0
     items = _items(c, routed, tiles, tiles_s)
     args = (*Bank(c.dn).args(), *Bank(sops[2] if sops else None).args(), ptr(c.act.units),
             i32(int(routed)), ptr(c.act.act), ptr(c.act.sact), ptr(c.act.part),
             ptr(c.act.spart), i32(hidden), i32(c.inter), i32(c.s_inter), i32(c.batch), i32(kw),
-            i32(kw_s), i32(tiles), i32(tiles_s), *_words(c.act.act_words, xs))
-    _launch(kname, c, items, item_warps(kw), args)
-
-
-def _launch(kname: str, c: MoeCall, items: int, warps: int, args: tuple) -> None:
-    """One MoE launch of `items` work items on blocks of `warps` (ring_name's kernel)."""
-    kname = ring_name(kname)
-    shared = ring_bytes(kname, warps)
-    if shared:
-        _carveout(kname)
-    launch("rows_moe", kname, c.grid(kname, items, warps), (32 * warps,), args, shared=shared)
-
-
-@functools.cache
-def _carveout(kname: str) -> None:
-    """A ring kernel asks for the most shared memory an SM gives (two blocks an SM)."""
-    kernel("rows_moe", kname).preferred_shared_memory_carveout = 100
-
-
-def _s_fmt(sops) -> str:
-    """The shared expert's format (FP8 where there is none: its split is then unused)."""
-    return sops[0].fmt if sops else FP8
+            i32(tiles), i32(tiles_s), *_words(c.act.act_words, xs))
+    launch("rows_moe", kname, c.grid(kname, items, warps), (32 * warps,), args)
 
 
 def _items(c: MoeCall, routed: bool, tiles: int, tiles_s: int) -> int:
