@@ -3,7 +3,7 @@
 // table of device addresses instead, codes[e] and scales[e], so an expert can sit in either
 // memory and be read in place (a mapped host expert travels over PCIe as it is read). A
 // re-placement rewrites the tables between steps, so a captured decode graph stays valid.
-// The row math (decoding, x staging, dot products) is packed.cu's own.
+// The row math (decoding, x staging, dot products) is packed.cu's own (packed.cuh).
 //
 // Host reads are slow (~51 GB/s over PCIe against ~4 TB/s resident), so the kernels start them
 // first: a block orders the picks host experts first (host_first) and walks them in that order,
@@ -12,7 +12,7 @@
 // resident ones. The sum over picks is the same; only its order changes.
 
 #include "common.cuh"
-#include "packed.cu"
+#include "packed.cuh"
 
 // order[0..n) = the pick positions k, those whose expert is in host memory first (each group
 // in k order); n <= 32 (the launchers check).

@@ -10,12 +10,10 @@ so they can be captured in a CUDA graph. `moe_placed_numpy` is the twin with the
 from __future__ import annotations
 
 import functools
-import zlib
 
 import numpy as np
 
-from ds4.backend import KERNEL_DIR, load_module
-from ds4.kernels import compile_options, f32, i32, ptr, resident_blocks
+from ds4.kernels import f32, i32, kernel, ptr, resident_blocks
 from ds4.kernels.packed import (
     CHUNK_CODES,
     WARPS_PER_BLOCK,
@@ -25,16 +23,8 @@ from ds4.kernels.packed import (
 
 
 @functools.cache
-def _module():
-    # CuPy caches modules by source and options; the source includes packed.cu, so its
-    # checksum joins the options and an edit there rebuilds this module too
-    digest = zlib.crc32((KERNEL_DIR / "packed.cu").read_bytes())
-    return load_module("placed", options=compile_options() + (f"-DDS4_PACKED_CU={digest}",))
-
-
-@functools.cache
 def _kernel(name: str):
-    return _module().get_function(name)
+    return kernel("placed", name)
 
 
 @functools.cache
