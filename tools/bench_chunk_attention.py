@@ -22,8 +22,8 @@ import json
 import sys
 
 import numpy as np
-from bench_engine import ceilings, timed
 from bench_flash import FLASH
+from timing import ceilings, timed
 
 KINDS = {"sliding": 0, "csa": 4, "hca": 128}
 

@@ -31,64 +31,10 @@ from bench_flash import (
     matrix_flops,
     prefill_floor,
 )
+from timing import ceilings, graph_time, timed
 
 KINDS = {"sliding": "sliding_attention", "csa": "compressed_sparse_attention",
          "hca": "heavily_compressed_attention"}
-
-
-def timed(cp, fn, repeat: int = 20, warmup: int = 3) -> float:
-    """Median seconds of fn() measured with device events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
-    return float(np.median(times))
-
-
-def ceilings(cp) -> dict:
-    """Device copy bandwidth (bytes read + written per second) and fp16 GEMM FLOP/s."""
-    a = cp.empty(1 << 30, dtype=cp.float32)  # 4 GiB, far past the 60 MB L2
-    b = cp.empty_like(a)
-    a.fill(1.0)
-    copy = timed(cp, lambda: cp.copyto(b, a), repeat=10)
-    a = b = None
-    n = 8192
-    x = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
-    gemm = timed(cp, lambda: x @ x, repeat=10)
-    return {"copy_bytes_per_s": 2 * 4 * (1 << 30) / copy, "gemm_flop_per_s": 2 * n ** 3 / gemm}
-
-
-def graph_time(cp, stream, fn, repeat: int = 50) -> float:
-    """Median seconds of one replay of fn captured as a CUDA graph."""
-    return replay_time(cp, stream, capture(cp, stream, fn), repeat)
-
-
-def capture(cp, stream, fn):
-    """fn's launches on stream as a CUDA graph (captured once, ready to replay)."""
-    with stream:
-        stream.begin_capture()
-        fn()
-        graph = stream.end_capture()
-    cp.cuda.Device().synchronize()
-    return graph
-
-
-def replay_time(cp, stream, graph, repeat: int = 50) -> float:
-    """Median seconds of one replay of a captured graph."""
-
-    def replays():
-        """Ten back-to-back replays (one timing sample)."""
-        for _ in range(10):
-            graph.launch(stream)
-
-    with stream:
-        return timed(cp, replays, repeat=max(3, repeat // 10)) / 10
 
 
 def decode_bench(cp, stack: FlashStack, ctx: int, batches=(1, 2, 4, 8), gemv: bool = True) -> dict:

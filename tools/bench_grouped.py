@@ -20,7 +20,7 @@ import json
 import os
 
 import numpy as np
-from bench_engine import ceilings, timed
+from timing import ceilings, timed
 
 from ds4.kernels import grouped
 from ds4.model import moe

@@ -94,7 +94,7 @@ def decode_layer(cp, model, ctx: int) -> dict:
     """Seconds of one token through the layer (no embedding, no head) and the bytes it reads:
     a CUDA-graph replay of the kernel decoder where the kernels cover the model, else the
     model code run eagerly."""
-    from bench_engine import graph_time, timed
+    from timing import graph_time, timed
 
     from ds4.model.gpu_decode import KernelDecoder
 
@@ -125,7 +125,7 @@ def decode_layer(cp, model, ctx: int) -> dict:
 
 def prefill_layer(cp, model, chunk: int) -> float:
     """Seconds of one chunk of random tokens from an empty context through the layer."""
-    from bench_engine import timed
+    from timing import timed
 
     from ds4.model.state import SessionState
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from bench_engine import timed as engine_timed
+from timing import timed as engine_timed
 
 from ds4.kernels import gemv as G
 from ds4.kernels import packed as P

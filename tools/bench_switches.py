@@ -44,8 +44,8 @@ def _owner(name: str) -> tuple:
 def layer_seconds(cp, model, ctx: int, batch: int) -> float:
     """Median replay seconds of layer 0 for `batch` members at position ctx - 2, through a
     decoder built now (a switch read at construction takes effect)."""
-    from bench_engine import graph_time
     from bench_official import filled_state
+    from timing import graph_time
 
     from ds4.model.gpu_decode import KernelDecoder
 

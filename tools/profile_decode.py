@@ -28,8 +28,9 @@ TOOLS = Path(__file__).resolve().parent
 def child(kind: str, ctx: int, batch: int) -> None:
     """Capture layer 0's decode for `batch` members, time its replays, profile one."""
     import cupy as cp
-    from bench_engine import KINDS, capture, replay_time
+    from bench_engine import KINDS
     from bench_official import filled_state, layer_model
+    from timing import capture, replay_time
 
     from ds4.model.gpu_decode import KernelDecoder
 

@@ -71,8 +71,9 @@ def by_kernel(rows: list[tuple]) -> list[tuple[str, float, int]]:
 def run(kind: str, ctx: int, batch: int, replays: int) -> None:
     """Capture layer 0 of a `kind` layer for `batch` members, replay it, print its path."""
     import cupy as cp
-    from bench_engine import KINDS, capture, replay_time
+    from bench_engine import KINDS
     from bench_official import filled_state, layer_model
+    from timing import capture, replay_time
 
     from ds4 import kernels
     from ds4.kernels import timeline
