@@ -140,3 +140,33 @@ def test_bench_cpu_prints_prefill_against_its_floor_and_sampled_decode(capsys):
     assert float(prefill.split("(")[-1].rstrip("x)")) > 1.0  # slower than its FLOP floor
     decode = next(ln for ln in out.splitlines() if ln.startswith("decode, 2 streams"))
     assert float(decode.split(": ")[1].split(" ms")[0]) > 0
+
+
+def test_ablate_rows_squeezes_the_l1_of_the_expert_launches_alone(monkeypatch):
+    """ablate_rows' l1_squeezed: the MoE's gate/up and down launches ask for its unused shared
+    memory and the largest carveout; the grouping and the sum launch as they are; off, the
+    launcher is rows_moe's own again."""
+    import ds4.kernels as K
+    from ds4.kernels import rows_moe
+
+    ablate, calls, carveouts = load_tool("ablate_rows"), [], {}
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __setattr__(self, key, value):
+            if key == "preferred_shared_memory_carveout":
+                carveouts[self.name] = value
+            object.__setattr__(self, key, value)
+
+    monkeypatch.setattr(K, "kernel", lambda family, name: Kernel(name))
+    monkeypatch.setattr(rows_moe, "launch", rows_moe.launch)  # (restored should an assert fail)
+    ablate.squeeze_l1(True, plain=lambda *a, shared=0: calls.append((a[1], shared)))
+    for name in ("rows_gate_up_xs_fp4_fp8_n1", "rows_down_xs_fp4_none_n1", "rows_moe_sum"):
+        rows_moe.launch("rows_moe", name, (1,), (256,), ())
+    assert calls == [("rows_gate_up_xs_fp4_fp8_n1", ablate.SQUEEZE_BYTES),
+                     ("rows_down_xs_fp4_none_n1", ablate.SQUEEZE_BYTES), ("rows_moe_sum", 0)]
+    assert carveouts == {"rows_gate_up_xs_fp4_fp8_n1": 100, "rows_down_xs_fp4_none_n1": 100}
+    ablate.squeeze_l1(False)
+    assert rows_moe.launch is K.launch

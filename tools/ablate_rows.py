@@ -13,7 +13,10 @@ q_b and o_b at B = 1 and 8. Ablations (ABLATIONS):
   g + 8; 512 contiguous bytes a warp load) instead of 64 bytes from each of 16 rows: the
   addressing of weights repacked at load into the mma's fragment order (codes only; the scale
   bytes are read as before);
-- frag_nox_nodec: frag with neither x nor the decode (the loads alone).
+- frag_nox_nodec: frag with neither x nor the decode (the loads alone);
+- l1_squeezed: the kernels unchanged, but every MoE launch asks for 100 KB of dynamic shared
+  memory it does not use and the largest carveout, so two blocks an SM leave ~28 KB of L1:
+  what the shared-memory ring of stop 48 did besides its staging (its x words' L1 hits).
 
     cd tools && python3 ablate_rows.py [--only nox,nodec] [--rounds 2]
 """
@@ -61,7 +64,9 @@ FRAG = [("rows.cuh", "tl.w[mt][h] = W + (size_t)r * F::bytes(cols);",
         ("rows.cuh", "(tl.w[mt][h] + F::bytes(col));",
          "(tl.w[mt][h] + F::bytes(col) + (size_t)(kt + d) * 960);")]
 ABLATIONS = {"base": [], "nox": NOX, "nodec": NODEC, "nox_nodec": NOX + NODEC,
-             "noalloc": NOALLOC, "frag": FRAG, "frag_nox_nodec": FRAG + NOX + NODEC}
+             "noalloc": NOALLOC, "frag": FRAG, "frag_nox_nodec": FRAG + NOX + NODEC,
+             "l1_squeezed": []}
+SQUEEZE_BYTES = 100 * 1024  # l1_squeezed: unused dynamic shared memory a block
 FAMILIES = ("rows", "rows_moe")
 MATRICES = ("q_b 32768x1024", "o_b 4096x8192")
 
@@ -97,6 +102,20 @@ def use(cp, source: Path | None, plain=K._module) -> None:
     RM.resident_blocks.cache_clear()
 
 
+def squeeze_l1(on: bool, plain=K.launch) -> None:
+    """l1_squeezed on or off: the MoE's gate/up and down launches with SQUEEZE_BYTES of
+    dynamic shared memory and the largest carveout (the same kernels, grids and sums; the
+    grouping and the sum as they are), or every launch as it is."""
+
+    def squeezed(family, name, grid, block, args, shared=0):
+        if name.startswith(("rows_gate_up_", "rows_down_")):
+            K.kernel(family, name).preferred_shared_memory_carveout = 100
+            shared = max(shared, SQUEEZE_BYTES)
+        plain(family, name, grid, block, args, shared=shared)
+
+    RM.launch = squeezed if on else plain
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=",".join(ABLATIONS), help="ablations to time")
@@ -113,6 +132,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, source in sources.items():
                 use(cp, source)
+                squeeze_l1(name == "l1_squeezed")
                 for b in (1, 8):
                     t, rate, _ = BR.bench_moe(cp, bank, b, True)
                     BR.line(f"{name} moe+shared", b, t, rate, copy)
@@ -121,6 +141,7 @@ def main() -> None:
                         t, rate = BR.bench_matvec(cp, ms, None, b)
                         BR.line(f"{name} {n}", b, t, rate, copy)
     use(cp, None)
+    squeeze_l1(False)
 
 
 if __name__ == "__main__":
