@@ -1,7 +1,8 @@
 """Whatever parameters a client sends to a generation endpoint, over real HTTP (tiny model,
 two slots): an answer below 500, a 4xx in the protocol's own error shape that says what is
-wrong, and no slot left busy. The bodies mix every endpoint's knobs with wrong types,
-out-of-range numbers, non-finite floats and nested junk (rendering alone: test_chat_fuzz.py)."""
+wrong, and no slot left busy once the answer is in. The bodies mix every endpoint's knobs
+with wrong types, out-of-range numbers, non-finite floats and nested junk (rendering alone:
+test_chat_fuzz.py)."""
 
 from __future__ import annotations
 
@@ -60,11 +61,7 @@ def test_any_knob_gets_an_answer_or_a_4xx_in_the_protocols_shape(live, case):
         if route.startswith("/v1/messages"):
             assert err["type"] == "error" and err["error"]["type"], err
         assert err["error"]["message"].strip(), err
-
-
-def test_no_slot_is_left_busy_by_the_fuzzed_requests(live):
-    client, _ = live
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 10  # its answer is whole: its slot frees within a turn
     while any(s["busy"] for s in client.get("/slots").json()["slots"]):
-        assert time.monotonic() < deadline, client.get("/slots").text
-        time.sleep(0.05)
+        assert time.monotonic() < deadline, (route, body, client.get("/slots").text)
+        time.sleep(0.01)
