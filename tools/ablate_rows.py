@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 import bench_rows as BR
+from timing import copy_rate
 
 import ds4.kernels as K
 from ds4.backend import KERNEL_DIR
@@ -65,7 +66,7 @@ FRAG = [("rows.cuh", "tl.w[mt][h] = W + (size_t)r * F::bytes(cols);",
          "(tl.w[mt][h] + F::bytes(col) + (size_t)(kt + d) * 960);")]
 ABLATIONS = {"base": [], "nox": NOX, "nodec": NODEC, "nox_nodec": NOX + NODEC,
              "noalloc": NOALLOC, "frag": FRAG, "frag_nox_nodec": FRAG + NOX + NODEC,
-             "l1_squeezed": []}
+             "l1_squeezed": []}  # (its own copy of the sources: the carveout stays on its module)
 SQUEEZE_BYTES = 100 * 1024  # l1_squeezed: unused dynamic shared memory a block
 FAMILIES = ("rows", "rows_moe")
 MATRICES = ("q_b 32768x1024", "o_b 4096x8192")
@@ -123,7 +124,7 @@ def main() -> None:
     args = ap.parse_args()
     import cupy as cp
 
-    copy = BR.copy_rate(cp)
+    copy = copy_rate(cp)
     print(f"device copy: {copy / 1e9:.0f} GB/s (read + write)\n")
     bank = BR.expert_bank(cp)
     mats = {n: BR.weights(cp, *BR.SHAPES[n][:3]) for n in MATRICES}

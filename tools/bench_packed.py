@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+from timing import copy_rate
 from timing import timed as engine_timed
 
 from ds4.kernels import gemv as G
@@ -52,14 +53,6 @@ def per_launch(cp, launches: list) -> float:
         graph = stream.end_capture()
         seconds = timed(cp, lambda: graph.launch(stream))
     return seconds / len(launches)
-
-
-def copy_rate(cp) -> float:
-    """Device copy bandwidth, bytes read + written per second."""
-    a = cp.ones(1 << 29, dtype=cp.float32)  # 2 GiB
-    b = cp.empty_like(a)
-    s = timed(cp, lambda: cp.copyto(b, a), repeat=10)
-    return 2 * a.nbytes / s
 
 
 def copies(nbytes: int) -> int:

@@ -31,11 +31,11 @@ from bench_packed import (
     bench_bf16,
     bench_gemv,
     copies,
-    copy_rate,
     fp4_matrix,
     fp8_matrix,
     per_launch,
 )
+from timing import copy_rate
 
 from ds4.kernels import packed as P
 from ds4.kernels import placed as PL

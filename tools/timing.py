@@ -22,17 +22,22 @@ def timed(cp, fn, repeat: int = 20, warmup: int = 3) -> float:
     return float(np.median(times))
 
 
-def ceilings(cp) -> dict:
-    """Device copy bandwidth (bytes read + written per second) and fp16 GEMM FLOP/s."""
-    a = cp.empty(1 << 30, dtype=cp.float32)  # 4 GiB, far past the 60 MB L2
+def copy_rate(cp, floats: int = 1 << 29) -> float:
+    """Device copy bandwidth (bytes read + written per second) over `floats` fp32 values
+    (default 2 GiB, far past the 50-60 MB L2)."""
+    a = cp.ones(floats, dtype=cp.float32)
     b = cp.empty_like(a)
-    a.fill(1.0)
-    copy = timed(cp, lambda: cp.copyto(b, a), repeat=10)
-    a = b = None
+    return 2 * a.nbytes / timed(cp, lambda: cp.copyto(b, a), repeat=10)
+
+
+def ceilings(cp) -> dict:
+    """Device copy bandwidth (bytes read + written per second, over 4 GiB) and fp16 GEMM
+    FLOP/s."""
+    copy = copy_rate(cp, 1 << 30)
     n = 8192
     x = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
     gemm = timed(cp, lambda: x @ x, repeat=10)
-    return {"copy_bytes_per_s": 2 * 4 * (1 << 30) / copy, "gemm_flop_per_s": 2 * n ** 3 / gemm}
+    return {"copy_bytes_per_s": copy, "gemm_flop_per_s": 2 * n ** 3 / gemm}
 
 
 def graph_time(cp, stream, fn, repeat: int = 50) -> float:
