@@ -10,6 +10,10 @@ it for the graph time (bench_engine's median replay), then once between cudaProf
 for ncu.
 
     python3 tools/profile_decode.py [--layers csa,sliding,hca] [--ctx 4096] [--batch 1]
+        [--detail KERNEL_REGEX]
+
+--detail prints ncu's own report (speed of light, occupancy, warp stall reasons, memory
+workload) for the graph's kernels whose names match the regex, instead of the table.
 """
 
 from __future__ import annotations
@@ -59,6 +63,21 @@ def kernel_times(text: str) -> list[tuple[str, float]]:
     return [(r[name], float(r[value].replace(",", "")) * scale[r[unit]]) for r in rows[1:]]
 
 
+DETAIL = ("SpeedOfLight", "Occupancy", "LaunchStats", "SchedulerStats", "WarpStateStats",
+          "MemoryWorkloadAnalysis")
+
+
+def detail(kind: str, ctx: int, batch: int, ncu: str, kernels: str) -> None:
+    """Run the child under ncu with the stall and memory sections of the matching kernels."""
+    me = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--ctx", str(ctx),
+          "--batch", str(batch)]
+    sections = [a for s in DETAIL for a in ("--section", s)]
+    out = subprocess.run([ncu, "--graph-profiling", "node", "--profile-from-start", "off",
+                          "--clock-control", "none", "--kernel-name", f"regex:{kernels}",
+                          *sections, *me], capture_output=True, text=True, check=True).stdout
+    print(f"\n{kind} layer, position {ctx - 2}, batch {batch}:\n{out}")
+
+
 def profile(kind: str, ctx: int, batch: int, ncu: str) -> None:
     """Run the child under ncu and print its kernels' table."""
     me = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--ctx", str(ctx),
@@ -80,6 +99,7 @@ def main() -> None:
     ap.add_argument("--layers", default="csa,sliding,hca")
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--detail", help="ncu's sections for the kernels matching this regex")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sys.path.insert(0, str(TOOLS))
@@ -91,7 +111,10 @@ def main() -> None:
     if ncu is None:
         sys.exit("profile_decode needs Nsight Compute's ncu on PATH")
     for kind in args.layers.split(","):
-        profile(kind, args.ctx, args.batch, str(ncu))
+        if args.detail:
+            detail(kind, args.ctx, args.batch, str(ncu), args.detail)
+        else:
+            profile(kind, args.ctx, args.batch, str(ncu))
 
 
 if __name__ == "__main__":
