@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import zlib
 from pathlib import Path
+
+import pytest
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
@@ -170,3 +173,35 @@ def test_ablate_rows_squeezes_the_l1_of_the_expert_launches_alone(monkeypatch):
     assert carveouts == {"rows_gate_up_xs_fp4_fp8_n1": 100, "rows_down_xs_fp4_none_n1": 100}
     ablate.squeeze_l1(False)
     assert rows_moe.launch is K.launch
+
+
+def test_bench_sources_builds_the_named_families_from_the_base_copy(monkeypatch, tmp_path):
+    """bench_sources' base build: a family it takes compiles the base copy's text with that
+    directory on the include path and its own headers' checksum (not the repository's); the
+    other families and, after use(None), every family come from the repository's loader."""
+    import ds4.kernels as K
+    from ds4.backend import KERNEL_DIR
+
+    sources, built = load_tool("bench_sources"), []
+    (tmp_path / "common.cuh").write_text("// base header\n")
+    (tmp_path / "attention.cu").write_text("// base attention\n")
+
+    class CuPy:
+        @staticmethod
+        def RawModule(code, options):  # noqa: N802 (CuPy's name)
+            built.append((code, options))
+            return "base module"
+
+    monkeypatch.setattr(K, "_module", K._module)  # (restored should an assert fail)
+    plain = lambda family: f"repository {family}"  # noqa: E731
+    sources.use(CuPy, tmp_path, {"attention"}, plain=plain)
+    assert K._module("attention") == "base module" and K._module("rows") == "repository rows"
+    K._module("attention")  # built once
+    assert len(built) == 1 and built[0][0] == "// base attention\n"
+    assert f"-I{tmp_path}" in built[0][1] and f"-I{KERNEL_DIR}" not in built[0][1]
+    assert f"-DDS4_HEADERS={zlib.crc32(b'// base header' + bytes([10]))}" in built[0][1]
+    sources.use(CuPy, None, plain=plain)
+    assert K._module("attention") == "repository attention"
+    with pytest.raises(SystemExit) as exit_:  # no common.cuh there: a usage error, no GPU
+        sources.main(["--base", str(tmp_path / "none")])
+    assert exit_.value.code == 2

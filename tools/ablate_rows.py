@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 import bench_rows as BR
+from bench_sources import use
 from timing import copy_rate
 
 import ds4.kernels as K
@@ -85,24 +86,6 @@ def patched(name: str, root: Path) -> Path:
     return d
 
 
-def use(cp, source: Path | None, plain=K._module) -> None:
-    """Launch the row families from the sources in `source` (None: the repository's own
-    loader back). The include path is the patched copy's alone: ds4.kernels.compile_options
-    would put the unpatched headers first."""
-    built: dict = {}
-
-    def module(family: str):
-        if family not in FAMILIES:
-            return plain(family)
-        if family not in built:
-            built[family] = cp.RawModule(code=(source / f"{family}.cu").read_text(),
-                                         options=("--std=c++17", f"-I{source}"))
-        return built[family]
-
-    K._module = plain if source is None else module
-    RM.resident_blocks.cache_clear()
-
-
 def squeeze_l1(on: bool, plain=K.launch) -> None:
     """l1_squeezed on or off: the MoE's gate/up and down launches with SQUEEZE_BYTES of
     dynamic shared memory and the largest carveout (the same kernels, grids and sums; the
@@ -132,7 +115,7 @@ def main() -> None:
         sources = {n: patched(n, Path(tmp)) for n in args.only.split(",")}
         for _ in range(args.rounds):
             for name, source in sources.items():
-                use(cp, source)
+                use(cp, source, FAMILIES)
                 squeeze_l1(name == "l1_squeezed")
                 for b in (1, 8):
                     t, rate, _ = BR.bench_moe(cp, bank, b, True)

@@ -12,6 +12,7 @@ import functools
 import os
 import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 
@@ -22,13 +23,15 @@ NULL = np.uint64(0)  # a null device pointer as a kernel argument
 HEADERS = sorted(KERNEL_DIR.glob("*.cuh"))  # common.cuh (every family) and shared cores
 
 
-def compile_options() -> tuple[str, ...]:
+def compile_options(kernel_dir: Path = KERNEL_DIR) -> tuple[str, ...]:
     """NVRTC options of every family: C++17, the kernel directory on the include path, and the
     headers' checksum as a define, since CuPy's compile cache keys on source and options only
-    and would otherwise keep a module built against an older header."""
-    digest = zlib.crc32(b"".join(p.read_bytes() for p in HEADERS))
+    and would otherwise keep a module built against an older header. (kernel_dir: another
+    copy of the sources, as tools/bench_sources.py builds its base from.)"""
+    headers = HEADERS if kernel_dir == KERNEL_DIR else sorted(kernel_dir.glob("*.cuh"))
+    digest = zlib.crc32(b"".join(p.read_bytes() for p in headers))
     stamps = ("-DDS4_TIMELINE",) if timeline.enabled() else ()  # (timeline.py)
-    return ("--std=c++17", f"-I{KERNEL_DIR}", f"-DDS4_HEADERS={digest}", *stamps)
+    return ("--std=c++17", f"-I{kernel_dir}", f"-DDS4_HEADERS={digest}", *stamps)
 
 
 # Families built for one architecture's own instructions (sm_90a: Hopper's wgmma), which run on
@@ -70,11 +73,16 @@ def _capability(device: int) -> str:
     return cupy.cuda.Device(device).compute_capability
 
 
-@functools.cache
-def _module(family: str):
+def family_options(family: str, kernel_dir: Path = KERNEL_DIR) -> tuple[str, ...]:
+    """compile_options plus the family's architecture (ARCH, or DS4_CUDA_ARCH's paths)."""
     arch = ((f"-arch={ARCH[family][0]}",) if family in ARCH
             else (f"-DDS4_ARCH={FORCED_ARCH}0",) if FORCED_ARCH else ())
-    module = load_module(family, options=compile_options() + arch)
+    return compile_options(kernel_dir) + arch
+
+
+@functools.cache
+def _module(family: str):
+    module = load_module(family, options=family_options(family))
     if timeline.enabled():
         timeline.attach(module)
     return module
