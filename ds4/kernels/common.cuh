@@ -260,31 +260,32 @@ constexpr int SPLIT_KEYS = 32;
 __device__ __forceinline__ int key_stride(int width) { return width + 4; }
 
 // The partial softmax of one split once its `count` keys are staged (ks, row stride
-// key_stride(width)) beside the block's hpb query heads (qs): for the scores warp w takes part
+// key_stride(width)) beside the block's HPB query heads (qs): for the scores warp w takes part
 // w of 8 parts of the channels (fewer where the width does not split into them), lane = key,
-// and runs all hpb heads side by side (a float4 of its key serves every head; reading the key
+// and runs all HPB heads side by side (a float4 of its key serves every head; reading the key
 // again per head bounded the kernel by shared-memory traffic), and each head adds its parts in
 // part order; then one channel for all heads per thread, four keys' weights a float4, so each
-// staged key value is read once for hpb accumulators (adding keys in order). part[(head *
-// splits + split)] = (max, sum of exp, weighted sum [width]). 256 threads.
-__device__ __forceinline__ void staged_partial(const float* qs, const float* ks, float* ps,
-                                               int stride, int width, int count, int hpb,
-                                               float scale, float* part, int h0, int split,
-                                               int splits) {
-    __shared__ float dots[8 * 8 * SPLIT_KEYS];  // [part][head][key] of the split scores
+// staged key value is read once for HPB accumulators (adding keys in order). part[(head *
+// splits + split)] = (max, sum of exp, weighted sum [width]). 256 threads. HPB is a template
+// argument so the head loops unroll without a branch a head: with a runtime count every
+// shared-memory read waited for the one before it (one load in flight a warp).
+template <int HPB>
+__device__ __forceinline__ void staged_partial_h(const float* qs, const float* ks, float* ps,
+                                                 int stride, int width, int count, float scale,
+                                                 float* part, int h0, int split, int splits,
+                                                 float* dots) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int parts = 8;
     while (parts > 1 && width % (4 * parts) != 0) parts >>= 1;
     if (warp < parts) {
         int span4 = width / parts / 4, c0 = warp * span4 * 4;
-        float a[8][4] = {};  // four chains per head: loads overlap
+        float a[HPB][4] = {};  // four chains per head: loads overlap
         if (lane < count) {
             const float4* k = (const float4*)(ks + lane * stride + c0);
             for (int c = 0; c < span4; c++) {
                 float4 kv = k[c];
 #pragma unroll
-                for (int hh = 0; hh < 8; hh++) {
-                    if (hh >= hpb) break;
+                for (int hh = 0; hh < HPB; hh++) {
                     float4 qv = ((const float4*)(qs + hh * width + c0))[c];
                     a[hh][0] += qv.x * kv.x;
                     a[hh][1] += qv.y * kv.y;
@@ -294,13 +295,12 @@ __device__ __forceinline__ void staged_partial(const float* qs, const float* ks,
             }
         }
 #pragma unroll
-        for (int hh = 0; hh < 8; hh++)
-            if (hh < hpb)
-                dots[(warp * 8 + hh) * SPLIT_KEYS + lane] = (a[hh][0] + a[hh][1])
-                                                            + (a[hh][2] + a[hh][3]);
+        for (int hh = 0; hh < HPB; hh++)
+            dots[(warp * 8 + hh) * SPLIT_KEYS + lane] = (a[hh][0] + a[hh][1])
+                                                        + (a[hh][2] + a[hh][3]);
     }
     __syncthreads();
-    if (warp < hpb) {
+    if (warp < HPB) {
         float s = -INFINITY;
         if (lane < count) {
             s = dots[warp * SPLIT_KEYS + lane];
@@ -319,14 +319,13 @@ __device__ __forceinline__ void staged_partial(const float* qs, const float* ks,
     }
     __syncthreads();
     for (int c = threadIdx.x; c < width; c += blockDim.x) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        float acc[HPB] = {};
         int e = 0;
         for (; e + 4 <= count; e += 4) {
             float k0 = ks[e * stride + c], k1 = ks[(e + 1) * stride + c];
             float k2 = ks[(e + 2) * stride + c], k3 = ks[(e + 3) * stride + c];
 #pragma unroll
-            for (int hh = 0; hh < 8; hh++) {
-                if (hh >= hpb) break;
+            for (int hh = 0; hh < HPB; hh++) {
                 float4 w = *(const float4*)(ps + hh * SPLIT_KEYS + e);
                 acc[hh] += w.x * k0;
                 acc[hh] += w.y * k1;
@@ -337,12 +336,30 @@ __device__ __forceinline__ void staged_partial(const float* qs, const float* ks,
         for (; e < count; e++) {
             float k = ks[e * stride + c];
 #pragma unroll
-            for (int hh = 0; hh < 8; hh++)
-                if (hh < hpb) acc[hh] += ps[hh * SPLIT_KEYS + e] * k;
+            for (int hh = 0; hh < HPB; hh++) acc[hh] += ps[hh * SPLIT_KEYS + e] * k;
         }
 #pragma unroll
-        for (int hh = 0; hh < 8; hh++)
-            if (hh < hpb)
-                part[((size_t)(h0 + hh) * splits + split) * (width + 2) + 2 + c] = acc[hh];
+        for (int hh = 0; hh < HPB; hh++)
+            part[((size_t)(h0 + hh) * splits + split) * (width + 2) + 2 + c] = acc[hh];
     }
+}
+
+// staged_partial_h for the block's hpb (1, 2, 4 or 8) heads.
+__device__ __forceinline__ void staged_partial(const float* qs, const float* ks, float* ps,
+                                               int stride, int width, int count, int hpb,
+                                               float scale, float* part, int h0, int split,
+                                               int splits) {
+    __shared__ float dots[8 * 8 * SPLIT_KEYS];  // [part][head][key] of the split scores
+    if (hpb == 8)
+        staged_partial_h<8>(qs, ks, ps, stride, width, count, scale, part, h0, split, splits,
+                            dots);
+    else if (hpb == 4)
+        staged_partial_h<4>(qs, ks, ps, stride, width, count, scale, part, h0, split, splits,
+                            dots);
+    else if (hpb == 2)
+        staged_partial_h<2>(qs, ks, ps, stride, width, count, scale, part, h0, split, splits,
+                            dots);
+    else
+        staged_partial_h<1>(qs, ks, ps, stride, width, count, scale, part, h0, split, splits,
+                            dots);
 }
