@@ -12,6 +12,27 @@
 #define ENTRIES 32
 #define HEADS_AT_ONCE 8  // a thread's dot products in flight (64 heads: all of its 8)
 
+// dot[j] += q[8 j] . k over h4 float4s for the m heads q, q + 8 stride, ... (m <= HPB when
+// HPB > 1; HPB == 1: any m, one head at a time). A whole round (HPB == m) unrolls with no
+// branch between the heads, so their shared-memory reads issue together (a runtime count
+// put each read behind a branch and the one before it).
+template <int HPB>
+__device__ __forceinline__ void head_dots(const float4* k, const float* q, int stride, int h4,
+                                          int m, float* dot) {
+    for (int c = 0; c < h4; c++) {
+        float4 kv = k[c];
+#pragma unroll
+        for (int j = 0; j < (HPB > 1 ? HPB : HEADS_AT_ONCE); j++) {
+            if (HPB == 1 && j >= m) break;
+            float4 qv = ((const float4*)(q + 8 * j * stride))[c];
+            dot[j] += qv.x * kv.x;
+            dot[j] += qv.y * kv.y;
+            dot[j] += qv.z * kv.z;
+            dot[j] += qv.w * kv.w;
+        }
+    }
+}
+
 __device__ __forceinline__ void scores_of(const float* __restrict__ q,
                                           const float* __restrict__ wts,
                                           const float* __restrict__ keys,
@@ -54,21 +75,14 @@ __device__ __forceinline__ void scores_of(const float* __restrict__ q,
     const float4* k = (const float4*)(ks + e * stride);
     for (int h0 = sub; h0 < heads; h0 += 8 * HEADS_AT_ONCE) {
         float dot[HEADS_AT_ONCE] = {};
-        for (int c = 0; c < h4; c++) {
-            float4 kv = k[c];
-#pragma unroll
-            for (int j = 0; j < HEADS_AT_ONCE; j++) {
-                if (h0 + 8 * j >= heads) break;
-                float4 qv = ((const float4*)(qs + (h0 + 8 * j) * stride))[c];
-                dot[j] += qv.x * kv.x;
-                dot[j] += qv.y * kv.y;
-                dot[j] += qv.z * kv.z;
-                dot[j] += qv.w * kv.w;
-            }
-        }
+        int m = min(HEADS_AT_ONCE, (heads - h0 + 7) / 8);  // this thread's heads of the round
+        if (m == HEADS_AT_ONCE)
+            head_dots<HEADS_AT_ONCE>(k, qs + h0 * stride, stride, h4, m, dot);
+        else
+            head_dots<1>(k, qs + h0 * stride, stride, h4, m, dot);
 #pragma unroll
         for (int j = 0; j < HEADS_AT_ONCE; j++)
-            if (h0 + 8 * j < heads) total += wts[h0 + 8 * j] * fmaxf(dot[j], 0.f);
+            if (j < m) total += wts[h0 + 8 * j] * fmaxf(dot[j], 0.f);
     }
     for (int o = 4; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
     if (sub == 0 && first + e < n) scores[first + e] = total * wscale;
