@@ -93,26 +93,7 @@ __device__ __forceinline__ void partial(const float* __restrict__ q,
 #pragma unroll 4
     for (int i = threadIdx.x; i < hpb * width / 4; i += blockDim.x) ((float4*)qs)[i] = q4[i];
     __syncthreads();
-    // Thread t stages float4 t, t + 256, ... of the count x width / 4 block, eight 16-byte
-    // loads in flight before any store (the staging is latency bound). A float4's (row, column)
-    // steps by 256 / w4 rows and 256 % w4 columns, not by a division per float4 (which cost
-    // ~50 instructions a float4, half the kernel's).
-    int w4 = width >> 2, dr = blockDim.x / w4, dc = blockDim.x % w4;
-    int r = threadIdx.x / w4, c = threadIdx.x % w4;
-    while (r < count) {
-        float4 v[8];
-        int rs[8], cs[8];
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            rs[u] = r, cs[u] = c;
-            if (r < count) v[u] = __ldg((const float4*)rows[r] + c);
-            r += dr, c += dc;
-            if (c >= w4) r++, c -= w4;
-        }
-#pragma unroll
-        for (int u = 0; u < 8; u++)
-            if (rs[u] < count) *(float4*)(ks + rs[u] * stride + 4 * cs[u]) = v[u];
-    }
+    stage_key_rows(ks, rows, count, width, stride);
     __syncthreads();
     staged_partial(qs, ks, ps, stride, width, count, hpb, scale, part, h0, split, splits);
 }

@@ -259,6 +259,31 @@ constexpr int SPLIT_KEYS = 32;
 // four passes its 512 bytes need anyway, and the value pass reads columns conflict-free.
 __device__ __forceinline__ int key_stride(int width) { return width + 4; }
 
+// ks[r * stride ..] = the `count` key rows rows[r] (width floats each, width % 4 == 0), by the
+// block's 256 threads: thread t takes float4 t, t + 256, ... of the count x width / 4 block,
+// eight 16-byte loads in flight before any store (the staging is latency bound). A float4's
+// (row, column) steps by 256 / w4 rows and 256 % w4 columns, not by a division per float4
+// (two divisions and the row's address a float4 were ~110 instructions, half a partial's).
+__device__ __forceinline__ void stage_key_rows(float* ks, const float* const* rows, int count,
+                                               int width, int stride) {
+    int w4 = width >> 2, dr = blockDim.x / w4, dc = blockDim.x % w4;
+    int r = threadIdx.x / w4, c = threadIdx.x % w4;
+    while (r < count) {
+        float4 v[8];
+        int rs[8], cs[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            rs[u] = r, cs[u] = c;
+            if (r < count) v[u] = __ldg((const float4*)rows[r] + c);
+            r += dr, c += dc;
+            if (c >= w4) r++, c -= w4;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++)
+            if (rs[u] < count) *(float4*)(ks + rs[u] * stride + 4 * cs[u]) = v[u];
+    }
+}
+
 // The partial softmax of one split once its `count` keys are staged (ks, row stride
 // key_stride(width)) beside the block's HPB query heads (qs): for the scores warp w takes part
 // w of 8 parts of the channels (fewer where the width does not split into them), lane = key,

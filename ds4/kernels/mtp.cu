@@ -21,7 +21,8 @@ __device__ __forceinline__ bool held_visible(int p, int t, int cap) {
 // memory and writes per head [m, l, o...] into part[(h * splits + s) * (width + 2)], the layout
 // attention_combine (ds4/kernels/attention.cu) reads; a split with no visible key writes
 // m = -inf, l = 0, o = 0, which the combine weighs 0. 256 threads; dynamic shared memory:
-// 32 * key_stride(width) key floats, hpb * width query floats, hpb * 32 weights and 32 key codes.
+// 32 * key_stride(width) key floats, hpb * width query floats, hpb * 32 weights and 32 key row
+// addresses.
 extern "C" __global__ void mtp_window_partial(const float* __restrict__ q,
                                               const long long* __restrict__ raw_ptr,
                                               const int* __restrict__ held,
@@ -35,7 +36,7 @@ extern "C" __global__ void mtp_window_partial(const float* __restrict__ q,
     float* ks = smem;
     float* qs = ks + SPLIT_KEYS * stride;
     float* ps = qs + hpb * width;
-    int* codes = (int*)(ps + hpb * SPLIT_KEYS);
+    const float** rows = (const float**)(ps + hpb * SPLIT_KEYS);  // the visible keys' rows
     const float* raw = (const float*)raw_ptr[0];
     int h0 = blockIdx.x * hpb, split = blockIdx.y, splits = gridDim.y;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -44,24 +45,14 @@ extern "C" __global__ void mtp_window_partial(const float* __restrict__ q,
         int j = split * SPLIT_KEYS + lane;
         bool vis = j < cap ? held_visible(held[j], t, cap) : j == cap;
         unsigned mask = __ballot_sync(0xffffffffu, vis);
-        if (vis) codes[__popc(mask & ((1u << lane) - 1u))] = j;
+        if (vis) rows[__popc(mask & ((1u << lane) - 1u))] = j < cap ? raw + (size_t)j * width : kv;
         if (lane == 0) visible_count = __popc(mask);
     }
     const float4* q4 = (const float4*)(q + (size_t)h0 * width);
-    for (int i = threadIdx.x; i < hpb * width / 4; i += blockDim.x) {
-        float4 v = q4[i];
-        qs[4 * i] = v.x; qs[4 * i + 1] = v.y; qs[4 * i + 2] = v.z; qs[4 * i + 3] = v.w;
-    }
+    for (int i = threadIdx.x; i < hpb * width / 4; i += blockDim.x) ((float4*)qs)[i] = q4[i];
     __syncthreads();
     int count = visible_count;
-    int w4 = width >> 2, total = count * w4;
-    for (int i = threadIdx.x; i < total; i += blockDim.x) {
-        int code = codes[i / w4];
-        const float* row = code < cap ? raw + (size_t)code * width : kv;
-        float4 v = *(const float4*)(row + (i % w4) * 4);
-        float* d = ks + (i / w4) * stride + (i % w4) * 4;
-        d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w;
-    }
+    stage_key_rows(ks, rows, count, width, stride);
     __syncthreads();
     staged_partial(qs, ks, ps, stride, width, count, hpb, scale, part, h0, split, splits);
 }
