@@ -259,13 +259,15 @@ constexpr int SPLIT_KEYS = 32;
 // four passes its 512 bytes need anyway, and the value pass reads columns conflict-free.
 __device__ __forceinline__ int key_stride(int width) { return width + 4; }
 
-// ks[r * stride ..] = the `count` key rows rows[r] (width floats each, width % 4 == 0), by the
-// block's 256 threads: thread t takes float4 t, t + 256, ... of the count x width / 4 block,
-// eight 16-byte loads in flight before any store (the staging is latency bound). A float4's
-// (row, column) steps by 256 / w4 rows and 256 % w4 columns, not by a division per float4
-// (two divisions and the row's address a float4 were ~110 instructions, half a partial's).
-__device__ __forceinline__ void stage_key_rows(float* ks, const float* const* rows, int count,
-                                               int width, int stride) {
+// dst[r * stride ..] = row r of `count` rows of width floats (width % 4 == 0), row r read from
+// row(r) (a float4 pointer; null: a row of zeros), by the block's threads: thread t takes
+// float4 t, t + blockDim.x, ... of the count x width / 4 block, eight 16-byte loads in flight
+// before any store (the staging is latency bound). A float4's (row, column) steps by
+// blockDim.x / w4 rows and blockDim.x % w4 columns, not by a division per float4 (two
+// divisions and the row's address a float4 were ~110 instructions, half an attention partial's).
+template <class Row>
+__device__ __forceinline__ void stage_rows(float* dst, int count, int width, int stride,
+                                           Row row) {
     int w4 = width >> 2, dr = blockDim.x / w4, dc = blockDim.x % w4;
     int r = threadIdx.x / w4, c = threadIdx.x % w4;
     while (r < count) {
@@ -274,14 +276,23 @@ __device__ __forceinline__ void stage_key_rows(float* ks, const float* const* ro
 #pragma unroll
         for (int u = 0; u < 8; u++) {
             rs[u] = r, cs[u] = c;
-            if (r < count) v[u] = __ldg((const float4*)rows[r] + c);
+            if (r < count) {
+                const float4* p = row(r);
+                v[u] = p ? __ldg(p + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
             r += dr, c += dc;
             if (c >= w4) r++, c -= w4;
         }
 #pragma unroll
         for (int u = 0; u < 8; u++)
-            if (rs[u] < count) *(float4*)(ks + rs[u] * stride + 4 * cs[u]) = v[u];
+            if (rs[u] < count) *(float4*)(dst + rs[u] * stride + 4 * cs[u]) = v[u];
     }
+}
+
+// The key rows rows[0..count) into ks (rows of key_stride(width) floats).
+__device__ __forceinline__ void stage_key_rows(float* ks, const float* const* rows, int count,
+                                               int width, int stride) {
+    stage_rows(ks, count, width, stride, [&](int r) { return (const float4*)rows[r]; });
 }
 
 // The partial softmax of one split once its `count` keys are staged (ks, row stride

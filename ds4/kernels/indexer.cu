@@ -47,28 +47,15 @@ __device__ __forceinline__ void scores_of(const float* __restrict__ q,
     int stride = hd + 4;
     float* qs = smem;
     float* ks = smem + heads * stride;
-    // 16-byte loads, several in flight per thread before the stores (hd % 4 == 0).
-    int h4 = hd >> 2, nq = heads * h4, nk = ENTRIES * h4;
+    // the heads' query rows, then the block's key rows (zeros past the last entry): one block
+    // of heads + ENTRIES rows (hd % 4 == 0)
+    int h4 = hd >> 2;
     const float4* q4 = (const float4*)q;
     const float4* k4 = (const float4*)(keys + (size_t)first * hd);
-    for (int base = threadIdx.x; base < nq + nk; base += 8 * blockDim.x) {
-        float4 v[8];
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            int i = base + u * blockDim.x;
-            if (i < nq) v[u] = q4[i];
-            else if (i < nq + nk)
-                v[u] = first + (i - nq) / h4 < n ? k4[i - nq] : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            int i = base + u * blockDim.x;
-            if (i >= nq + nk) continue;
-            float* d = i < nq ? qs + (i / h4) * stride + (i % h4) * 4
-                              : ks + ((i - nq) / h4) * stride + ((i - nq) % h4) * 4;
-            *(float4*)d = v[u];
-        }
-    }
+    stage_rows(smem, heads + ENTRIES, hd, stride, [&](int r) -> const float4* {
+        if (r < heads) return q4 + r * h4;
+        return first + r - heads < n ? k4 + (r - heads) * h4 : nullptr;
+    });
     __syncthreads();
     int e = threadIdx.x >> 3, sub = threadIdx.x & 7;
     float total = 0.f;
