@@ -47,7 +47,7 @@ def staged_shared(width: int, hpb: int) -> int:
     """Dynamic shared memory (bytes) of a block that stages KEYS_PER_BLOCK keys for hpb query
     heads (attention_partial, mtp_window_partial): the keys in rows of common.cuh's
     key_stride(width) = width + 4 floats, the queries, the weights and the key rows' 8-byte
-    addresses (mtp_window_partial keeps 4-byte codes there)."""
+    addresses (common.cuh's stage_key_rows reads them)."""
     return 4 * (KEYS_PER_BLOCK * (width + 4) + hpb * width + hpb * KEYS_PER_BLOCK) \
         + 8 * KEYS_PER_BLOCK
 
