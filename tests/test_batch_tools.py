@@ -205,3 +205,23 @@ def test_bench_sources_builds_the_named_families_from_the_base_copy(monkeypatch,
     with pytest.raises(SystemExit) as exit_:  # no common.cuh there: a usage error, no GPU
         sources.main(["--base", str(tmp_path / "none")])
     assert exit_.value.code == 2
+
+
+def test_bench_stream_plans_whole_scale_words_near_the_warps_asked():
+    """bench_stream's launch plan: the k-split doubles while it stays at or under the warps
+    asked and each k-span holds whole groups of four k-tiles (a scale word's); its warps read
+    the whole stack of whole row groups; a row length of no whole four k-tiles is a usage
+    error (before any GPU)."""
+    stream = load_tool("bench_stream")
+    total = 28320 * 2048  # 58 MB of 2 KB rows: a B=1 gate/up
+    assert stream.plan(total, 2048, 1792, 2) == (2, 1770)  # 885 groups of 32 rows
+    assert stream.plan(total, 2048, 1792, 1) == (1, 1770)
+    assert stream.plan(total, 2048, 10 ** 6, 2) == (8, 7080)  # spans of 256 bytes at the most
+    for tiles, depth, scales, contig in stream.PATTERNS:
+        ks, warps = stream.plan(total, 2048, 1792, tiles)
+        assert (2048 // ks) % (4 * stream.STEP) == 0 and warps <= 1792
+        assert warps // ks == total // 2048 // (16 * tiles)  # whole row groups
+        assert scales in (0, 1, 4) and depth in (1, 2, 4)
+    with pytest.raises(SystemExit) as exit_:
+        stream.main(["--row-bytes", "1000"])
+    assert exit_.value.code == 2
