@@ -14,6 +14,10 @@ q_b and o_b at B = 1 and 8. Ablations (ABLATIONS):
   addressing of weights repacked at load into the mma's fragment order (codes only; the scale
   bytes are read as before);
 - frag_nox_nodec: frag with neither x nor the decode (the loads alone);
+- noscale: the FP4 experts' scale bytes not loaded (a multiplier made from the column instead):
+  each code load of theirs comes with a byte load of its row's scale, 8 rows' sectors a warp
+  instruction, where the dense FP8 rows read one scale a tile (bench_stream.py asks the same
+  of loads alone); nox_nodec_noscale: none of x, decode or scales (the code loads alone);
 - l1_squeezed: the kernels unchanged, but every MoE launch asks for 100 KB of dynamic shared
   memory it does not use and the largest carveout, so two blocks an SM leave ~28 KB of L1:
   what the shared-memory ring of stop 48 did besides its staging (its x words' L1 hits).
@@ -65,8 +69,11 @@ FRAG = [("rows.cuh", "tl.w[mt][h] = W + (size_t)r * F::bytes(cols);",
          "tl.w[mt][h] = W + (size_t)(r >> 4) * 16 * F::bytes(cols) + (r & 15) * 64;"),
         ("rows.cuh", "(tl.w[mt][h] + F::bytes(col));",
          "(tl.w[mt][h] + F::bytes(col) + (size_t)(kt + d) * 960);")]
+NOSCALE = [("rows_formats.cuh", "return multiplier(__ldg(srow + (col >> 5)), 126 - 32);",
+            "return multiplier(120u + ((col >> 5) & 3), 126 - 32);")]
 ABLATIONS = {"base": [], "nox": NOX, "nodec": NODEC, "nox_nodec": NOX + NODEC,
              "noalloc": NOALLOC, "frag": FRAG, "frag_nox_nodec": FRAG + NOX + NODEC,
+             "noscale": NOSCALE, "nox_nodec_noscale": NOX + NODEC + NOSCALE,
              "l1_squeezed": []}  # (its own copy of the sources: the carveout stays on its module)
 SQUEEZE_BYTES = 100 * 1024  # l1_squeezed: unused dynamic shared memory a block
 FAMILIES = ("rows", "rows_moe")
