@@ -8,7 +8,7 @@ contiguous run a warp. The figures are GB/s of code bytes read and their ratio t
 copy rate (read + written, timing.copy_rate), the convention of bench_rows.py.
 
 Why: the routed experts stream ~0.5x the copy rate and, with their decode and x taken out,
-0.62x (docs/PERF.md, stops 30 and 42), where the dense FP8 rows, with the same 32 rows x 64
+0.62x (docs/PERF.md's stops 30 and 42), where the dense FP8 rows, with the same 32 rows x 64
 bytes a k-tile, reach 0.85x; their one-scale-a-tile FP8 reads no per-row scale bytes, the FP4
 experts a byte a lane for every 16 bytes of codes. This sweep says whether the rate follows the
 scale loads, the tiles or the k-tiles in flight, before the experts' layout or loop changes.
