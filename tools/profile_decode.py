@@ -67,10 +67,15 @@ DETAIL = ("SpeedOfLight", "Occupancy", "LaunchStats", "SchedulerStats", "WarpSta
           "MemoryWorkloadAnalysis")
 
 
+def child_command(kind: str, ctx: int, batch: int) -> list[str]:
+    """This tool as the child that captures, times and replays one layer kind's graph."""
+    return [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--ctx", str(ctx),
+            "--batch", str(batch)]
+
+
 def detail(kind: str, ctx: int, batch: int, ncu: str, kernels: str) -> None:
     """Run the child under ncu with the stall and memory sections of the matching kernels."""
-    me = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--ctx", str(ctx),
-          "--batch", str(batch)]
+    me = child_command(kind, ctx, batch)
     sections = [a for s in DETAIL for a in ("--section", s)]
     out = subprocess.run([ncu, "--graph-profiling", "node", "--profile-from-start", "off",
                           "--clock-control", "none", "--kernel-name", f"regex:{kernels}",
@@ -80,8 +85,7 @@ def detail(kind: str, ctx: int, batch: int, ncu: str, kernels: str) -> None:
 
 def profile(kind: str, ctx: int, batch: int, ncu: str) -> None:
     """Run the child under ncu and print its kernels' table."""
-    me = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--ctx", str(ctx),
-          "--batch", str(batch)]
+    me = child_command(kind, ctx, batch)
     plain = subprocess.run(me, capture_output=True, text=True, check=True)
     graph_us = float(plain.stdout.split("graph ")[-1].split()[0])
     out = subprocess.run([ncu, "--graph-profiling", "node", "--profile-from-start", "off",
