@@ -39,3 +39,27 @@ def test_set_changes_an_integer_constant_and_refuses_anything_else(monkeypatch):
     for bad in ("rows.STAGE_X=1", "rows.NO_SUCH=3"):  # a switch, a missing name
         with pytest.raises(ValueError, match="no integer constant"):
             bench.apply_sets([bad])
+
+
+def test_a_switch_is_timed_off_and_on_in_turn_and_put_back(monkeypatch):
+    """ab: each round measures the layer with the switch off, then on (a decoder built after
+    each turn), takes the median of each side, and leaves the switch as it found it, also when
+    a measurement fails."""
+    from ds4.model import gpu_decode
+
+    bench, seen = load_tool("bench_switches"), []
+
+    class CuPy:
+        @staticmethod
+        def get_default_memory_pool():
+            return type("Pool", (), {"free_all_blocks": lambda self: None})()
+
+    times = iter([1.0, 5.0, 3.0, 7.0, 2.0, 6.0])  # off, on, off, on, off, on
+    monkeypatch.setattr(bench, "layer_seconds", lambda *a: (seen.append(gpu_decode.SHARED_AHEAD),
+                                                              next(times))[1])
+    kept = gpu_decode.SHARED_AHEAD
+    assert bench.ab(CuPy, None, "SHARED_AHEAD", 4096, 1, 3) == (2.0, 6.0)
+    assert seen == [False, True] * 3 and gpu_decode.SHARED_AHEAD == kept
+    with pytest.raises(StopIteration):  # the times ran out mid-measurement
+        bench.ab(CuPy, None, "SHARED_AHEAD", 4096, 1, 1)
+    assert gpu_decode.SHARED_AHEAD == kept

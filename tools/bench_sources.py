@@ -12,12 +12,10 @@ against the text it replaced.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
-from bench_engine import KINDS
-from bench_switches import layer_seconds
+from bench_switches import alternate, layer_rows
 
 import ds4.kernels as K
 from ds4.kernels import rows_moe
@@ -43,16 +41,11 @@ def use(cp, source: Path | None, families=None, plain=K._module) -> None:
 
 def ab(cp, model, base: Path, ctx: int, batch: int, rounds: int) -> tuple[float, float]:
     """Median seconds (base, new) of layer 0's decode, measured base, new, base, new, ..."""
-    times: dict = {False: [], True: []}
     try:
-        for _ in range(rounds):
-            for new in (False, True):
-                use(cp, None if new else base)
-                times[new].append(layer_seconds(cp, model, ctx, batch))
-                cp.get_default_memory_pool().free_all_blocks()  # (that decoder's buffers)
+        return alternate(cp, model, ctx, batch, rounds,
+                         lambda new: use(cp, None if new else base))
     finally:
         use(cp, None)
-    return statistics.median(times[False]), statistics.median(times[True])
 
 
 def main(argv=None) -> int:
@@ -68,17 +61,14 @@ def main(argv=None) -> int:
     if not (args.base / "common.cuh").is_file():
         ap.error(f"--base {args.base} holds no kernel sources (common.cuh)")
     import cupy as cp
-    from bench_official import layer_model
+
+    def row(model, kind: str, batch: int) -> None:
+        base, new = ab(cp, model, args.base.resolve(), args.ctx, batch, args.rounds)
+        print(f"| {kind} | {batch} | {base * 1e3:.4f} | {new * 1e3:.4f} | {new / base:.3f} |",
+              flush=True)
 
     print("| layer | batch | base (ms) | new (ms) | new / base |\n|---|--:|--:|--:|--:|")
-    for kind in args.layers.split(","):
-        model = layer_model(cp, KINDS[kind], args.small, quantize=False)
-        for batch in (int(b) for b in args.batch.split(",")):
-            base, new = ab(cp, model, args.base.resolve(), args.ctx, batch, args.rounds)
-            print(f"| {kind} | {batch} | {base * 1e3:.4f} | {new * 1e3:.4f} | {new / base:.3f} |",
-                  flush=True)
-        del model
-        cp.get_default_memory_pool().free_all_blocks()
+    layer_rows(cp, args.layers, args.batch, args.small, row)
     return 0
 
 

@@ -57,19 +57,39 @@ def layer_seconds(cp, model, ctx: int, batch: int) -> float:
     return graph_time(cp, dec.stream, lambda: dec.run_layer(0, B))
 
 
+def alternate(cp, model, ctx: int, batch: int, rounds: int, turn) -> tuple[float, float]:
+    """Median seconds (off, on) of layer 0's decode, measured off, on, off, on, ... with
+    turn(False) / turn(True) applied before each (a decoder is built after it)."""
+    times: dict = {False: [], True: []}
+    for _ in range(rounds):
+        for on in (False, True):
+            turn(on)
+            times[on].append(layer_seconds(cp, model, ctx, batch))
+            cp.get_default_memory_pool().free_all_blocks()  # (that decoder's buffers)
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
 def ab(cp, model, name: str, ctx: int, batch: int, rounds: int) -> tuple[float, float]:
     """Median seconds (off, on) of switch `name`, measured off, on, off, on, ..."""
     module, attr = _owner(name)
-    kept, times = getattr(module, attr), {False: [], True: []}
+    kept = getattr(module, attr)
     try:
-        for _ in range(rounds):
-            for on in (False, True):
-                setattr(module, attr, on)
-                times[on].append(layer_seconds(cp, model, ctx, batch))
-                cp.get_default_memory_pool().free_all_blocks()  # (that decoder's buffers)
+        return alternate(cp, model, ctx, batch, rounds, lambda on: setattr(module, attr, on))
     finally:
         setattr(module, attr, kept)
-    return statistics.median(times[False]), statistics.median(times[True])
+
+
+def layer_rows(cp, layers: str, batches: str, small: bool, row) -> None:
+    """row(model, kind, batch) for each layer kind (comma-separated) and batch size, on the
+    kind's one-layer official-format model at V4-Flash dimensions (tiny ones: small)."""
+    from bench_official import layer_model
+
+    for kind in layers.split(","):
+        model = layer_model(cp, KINDS[kind], small, quantize=False)
+        for batch in (int(b) for b in batches.split(",")):
+            row(model, kind, batch)
+        del model
+        cp.get_default_memory_pool().free_all_blocks()
 
 
 def apply_sets(items: list[str]) -> list[tuple]:
@@ -113,18 +133,15 @@ def main(argv=None) -> int:
     if unknown or not args.switch:
         ap.error(f"--switch takes one of {', '.join(known)} (got {unknown or 'none'})")
     import cupy as cp
-    from bench_official import layer_model
+
+    def row(model, kind: str, batch: int) -> None:
+        for name in args.switch:
+            off, on = ab(cp, model, name, args.ctx, batch, args.rounds)
+            print(f"| {kind} | {name} | {batch} | {off * 1e3:.4f} | {on * 1e3:.4f} | "
+                  f"{on / off:.3f} |", flush=True)
 
     print("| layer | switch | batch | off (ms) | on (ms) | on / off |\n|---|---|--:|--:|--:|--:|")
-    for kind in args.layers.split(","):
-        model = layer_model(cp, KINDS[kind], args.small, quantize=False)
-        for batch in (int(b) for b in args.batch.split(",")):
-            for name in args.switch:
-                off, on = ab(cp, model, name, args.ctx, batch, args.rounds)
-                print(f"| {kind} | {name} | {batch} | {off * 1e3:.4f} | {on * 1e3:.4f} | "
-                      f"{on / off:.3f} |", flush=True)
-        del model
-        cp.get_default_memory_pool().free_all_blocks()
+    layer_rows(cp, args.layers, args.batch, args.small, row)
     return 0
 
 
