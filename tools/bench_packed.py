@@ -13,8 +13,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from timing import copy_rate
-from timing import timed as engine_timed
+from timing import copy_rate, timed
 
 from ds4.kernels import gemv as G
 from ds4.kernels import packed as P
@@ -36,11 +35,6 @@ FP4_SHAPES = {"expert w1/w3 2048x4096": (2048, 4096, None),
 EXPERTS, TOP_K, INTER = 256, 6, 2048
 
 
-def timed(cp, fn, repeat: int = 15, warmup: int = 2) -> float:
-    """Median seconds of fn() between device events (bench_engine's timer)."""
-    return engine_timed(cp, fn, repeat, warmup)
-
-
 def per_launch(cp, launches: list) -> float:
     """Median seconds of one launch: all of them captured in one graph, replayed."""
     stream = cp.cuda.Stream(non_blocking=True)
@@ -51,7 +45,7 @@ def per_launch(cp, launches: list) -> float:
         for fn in launches:
             fn()
         graph = stream.end_capture()
-        seconds = timed(cp, lambda: graph.launch(stream))
+        seconds = timed(cp, lambda: graph.launch(stream), repeat=15, warmup=2)
     return seconds / len(launches)
 
 
