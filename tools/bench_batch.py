@@ -133,6 +133,20 @@ def distinct_experts(picks: list, cfg, batch: int) -> float:
     return E * (1.0 - (1.0 - k / E) ** batch)
 
 
+def graph_seconds(engine: Engine, batch: int) -> float | None:
+    """Median replay seconds of the step graph that ran this batch size (the device's share of
+    a step: the rest of step_s is the host's tables, launch and argmax), None without one."""
+    dec = engine.model.kernel_decoder
+    if dec is None or engine.backend.xp is np:
+        return None
+    from timing import replay_time
+
+    from ds4.model.gpu_decode import SIZES
+
+    graph = dec.graphs.get(next(s for s in SIZES if s >= batch))
+    return None if graph is None else replay_time(engine.backend.xp, dec.stream, graph)
+
+
 def batch_bench(engine: Engine, batches: list[int], prompt: int, steps: int) -> dict:
     """Per batch size: median step seconds, tok/s, bytes bound and its share."""
     xp, cfg = engine.backend.xp, engine.config
@@ -149,7 +163,7 @@ def batch_bench(engine: Engine, batches: list[int], prompt: int, steps: int) -> 
         step = statistics.median(times)
         rows[b] = {"step_s": step, "tok_per_s": b / step, "distinct_experts": distinct,
                    "bound_bytes": moved, "bound_s": moved / bandwidth,
-                   "of_bound": moved / bandwidth / step}
+                   "of_bound": moved / bandwidth / step, "graph_s": graph_seconds(engine, b)}
     return {"bandwidth_bytes_per_s": bandwidth, "rows": rows}
 
 
@@ -158,15 +172,16 @@ def report(res: dict, label: str) -> None:
     print(f"batched decode, {label}; bound read at the copy rate "
           f"{res['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
     print(f"| {'B':>2} | {'ms/step':>8} | {'tok/s':>9} | {'x B=1':>6} | {'experts/layer':>13} "
-          f"| {'bound MB':>9} | {'bound ms':>8} | {'of bound':>8} |")
-    print("|" + "|".join("-" * w for w in (4, 10, 11, 8, 15, 11, 10, 10)) + "|")
+          f"| {'bound MB':>9} | {'bound ms':>8} | {'of bound':>8} | {'graph ms':>8} |")
+    print("|" + "|".join("-" * w for w in (4, 10, 11, 8, 15, 11, 10, 10, 10)) + "|")
     rows = res["rows"]
     base = rows[min(rows)]["tok_per_s"]
     for b, r in rows.items():
+        graph = "" if r["graph_s"] is None else f"{r['graph_s'] * 1e3:.2f}"
         print(f"| {b:>2} | {r['step_s'] * 1e3:8.2f} | {r['tok_per_s']:9.1f} | "
               f"{r['tok_per_s'] / base:5.2f}x | {r['distinct_experts']:13.1f} | "
               f"{r['bound_bytes'] / 1e6:9.2f} | {r['bound_s'] * 1e3:8.3f} | "
-              f"{100 * r['of_bound']:7.1f}% |")
+              f"{100 * r['of_bound']:7.1f}% | {graph:>8} |")
 
 
 def first_layers(model: str, layers: int) -> str:

@@ -9,8 +9,12 @@ rows in every cache, the kernel decoder's `run_layer` captured once; the child p
 it for the graph time (bench_engine's median replay), then once between cudaProfilerStart/Stop
 for ncu.
 
-    python3 tools/profile_decode.py [--layers csa,sliding,hca] [--ctx 4096] [--batch 1]
+    python3 tools/profile_decode.py [--layers csa,sliding,hca,head] [--ctx 4096] [--batch 1]
         [--detail KERNEL_REGEX]
+
+`head` is the step's end instead of a layer (the last hc_post, the final norm and the bf16
+vocabulary product, `run_head`): one step reads its ~1 GB once for the whole batch, more than
+four packed layers do.
 
 --detail prints ncu's own report (speed of light, occupancy, warp stall reasons, memory
 workload) for the graph's kernels whose names match the regex, instead of the table.
@@ -38,13 +42,14 @@ def child(kind: str, ctx: int, batch: int) -> None:
 
     from ds4.model.gpu_decode import KernelDecoder
 
-    model = layer_model(cp, KINDS[kind], False, False)
+    model = layer_model(cp, KINDS["sliding" if kind == "head" else kind], False, False)
     states = [filled_state(cp, model.cfg, ctx) for _ in range(batch)]
     dec = KernelDecoder.from_model(model)
     B = dec.prepare(states, list(range(7, 7 + batch)))  # own tokens: the batch's own routing
     dec.run(B)  # every kernel compiled and loaded outside the capture
     stream = dec.stream
-    graph = capture(cp, stream, lambda: dec.run_layer(0, B))
+    graph = capture(cp, stream, (lambda: dec.run_head(B)) if kind == "head"
+                    else lambda: dec.run_layer(0, B))
     print(f"graph {replay_time(cp, stream, graph, repeat=200) * 1e6:.1f}", flush=True)
     cp.cuda.profiler.start()
     graph.launch(stream)
@@ -92,7 +97,7 @@ def profile(kind: str, ctx: int, batch: int, ncu: str) -> None:
                           "--clock-control", "none", "--metrics", "gpu__time_duration.sum",
                           "--csv", *me], capture_output=True, text=True, check=True).stdout
     times = kernel_times(out)
-    print(f"\n{kind} layer, position {ctx - 2}, batch {batch}: graph replay {graph_us:.1f} us, "
+    print(f"\n{kind}, position {ctx - 2}, batch {batch}: graph replay {graph_us:.1f} us, "
           f"{len(times)} kernels summing to {sum(t for _, t in times):.1f} us serialized")
     for name, us in times:
         print(f"  {us:7.2f} us  {name}")
