@@ -373,7 +373,8 @@ def main(argv=None) -> int:
                     help="with --format official: dummy draws the packed layers' weights with "
                          "ds4's --load-format dummy loader (its formats and scales)")
     ap.add_argument("--decode-only", action="store_true",
-                    help="only the decode tables (per layer, stages, batch sizes 1-8)")
+                    help="only the decode tables (per layer, stages, batch sizes 1-8; the "
+                         "official layers' too)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     import cupy as cp
@@ -389,7 +390,8 @@ def main(argv=None) -> int:
     if args.format == "official":
         from bench_official import official_bench, report_official
 
-        res["official"] = official_bench(cp, kinds, chunks, args.ctx, args.small, res["ceilings"],
+        res["official"] = official_bench(cp, kinds, [] if args.decode_only else chunks,
+                                         args.ctx, args.small, res["ceilings"],
                                          quantize=args.quantize,
                                          load_format=args.load_format)
         report_official(res["official"], args.quantize)
