@@ -331,14 +331,15 @@ __device__ __forceinline__ void part_dots(const float* q, const float* ks, int s
 
 // The partial softmax of one split once its `count` keys are staged (ks, row stride
 // key_stride(width)) beside the block's HPB query heads (qs): for the scores warp w takes part
-// w of 8 parts of the channels (fewer where the width does not split into them), lane = key,
-// and runs all HPB heads side by side (a float4 of its key serves every head; reading the key
-// again per head bounded the kernel by shared-memory traffic), and each head adds its parts in
-// part order; then one channel for all heads per thread, four keys' weights a float4, so each
-// staged key value is read once for HPB accumulators (adding keys in order). part[(head *
-// splits + split)] = (max, sum of exp, weighted sum [width]). 256 threads. HPB is a template
-// argument so the head loops unroll without a branch a head: with a runtime count every
-// shared-memory read waited for the one before it (one load in flight a warp).
+// w of 8 parts of the channels (fewer where the width does not split into them) and each lane
+// two keys for half the heads (part_dots: a float4 of a key serves several heads and one of a
+// query two keys; reading each once per product bounded the kernel by shared-memory traffic),
+// and each head adds its parts in part order; then two channels for all heads per thread, four
+// keys' weights a float4, so each weight read serves both channels and each staged key value
+// HPB accumulators (adding keys in order). part[(head * splits + split)] = (max, sum of exp,
+// weighted sum [width]). 256 threads. HPB is a template argument so the head loops unroll
+// without a branch a head: with a runtime count every shared-memory read waited for the one
+// before it (one load in flight a warp).
 template <int HPB>
 __device__ __forceinline__ void staged_partial_h(const float* qs, const float* ks, float* ps,
                                                  int stride, int width, int count, float scale,
@@ -349,22 +350,11 @@ __device__ __forceinline__ void staged_partial_h(const float* qs, const float* k
     while (parts > 1 && width % (4 * parts) != 0) parts >>= 1;
     if (warp < parts) {
         int span4 = width / parts / 4, c0 = warp * span4 * 4;
-        if constexpr (HPB == 1) {
-            float a[4] = {};  // four chains: loads overlap
-            const float4* k = (const float4*)(ks + lane * stride + c0);
-            for (int c = 0; c < span4; c++) {
-                float4 kv = k[c], qv = ((const float4*)(qs + c0))[c];
-                a[0] += qv.x * kv.x;
-                a[1] += qv.y * kv.y;
-                a[2] += qv.z * kv.z;
-                a[3] += qv.w * kv.w;
-            }
-            dots[warp * 8 * SPLIT_KEYS + lane] = (a[0] + a[1]) + (a[2] + a[3]);
-        } else {
-            part_dots<HPB / 2>(qs + (lane >> 4) * (HPB / 2) * width + c0, ks + c0, stride,
-                               width, span4, lane & 15,
-                               dots + (warp * 8 + (lane >> 4) * (HPB / 2)) * SPLIT_KEYS);
-        }
+        constexpr int HH = HPB > 1 ? HPB / 2 : 1;  // heads a lane (one head: lanes 16.. idle)
+        int half = lane >> 4;
+        if (half * HH < HPB)
+            part_dots<HH>(qs + half * HH * width + c0, ks + c0, stride, width, span4,
+                          lane & 15, dots + (warp * 8 + half * HH) * SPLIT_KEYS);
     }
     __syncthreads();
     if (warp < HPB) {
