@@ -4,6 +4,8 @@ batch size / stream count with positive rates."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -225,3 +227,19 @@ def test_bench_stream_plans_whole_scale_words_near_the_warps_asked():
     with pytest.raises(SystemExit) as exit_:
         stream.main(["--row-bytes", "1000"])
     assert exit_.value.code == 2
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_bench_stream_patterns_compile_for_sm90(tmp_path):
+    """Every bench_stream pattern's kernel builds (nvcc, sm_90, no spills): a pattern that does
+    not compile would only show on the device."""
+    stream = load_tool("bench_stream")
+    src = tmp_path / "stream.cu"
+    src.write_text(stream.SOURCE)
+    for tiles, depth, scales, contig in stream.PATTERNS:
+        proc = subprocess.run(
+            ["nvcc", "-arch=sm_90", "--cubin", "-std=c++17", "-Xptxas", "-warn-spills",
+             f"-DMT={tiles}", f"-DDEPTH={depth}", f"-DSCALES={scales}", f"-DCONTIG={int(contig)}",
+             "-o", str(tmp_path / "stream.cubin"), str(src)],
+            capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode == 0 and "spill" not in proc.stderr.lower(), proc.stderr

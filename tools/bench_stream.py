@@ -23,52 +23,68 @@ import sys
 
 SOURCE = r"""
 // Warp w reads the MT 16-row tiles of row group w / ks over k-span w % ks of ks, a k-tile (64
-// bytes a row) a step, DEPTH steps in flight; SCALES 1: each code load with its row's scale
+// bytes a row) a step, DEPTH steps a stage; SCALES 1: each code load with its row's scale
 // byte (scales: a byte for each 16 code bytes), 4: a 16-byte scale word a row every 4 steps;
-// CONTIG: the warp's bytes as one contiguous run instead (512 bytes a warp load). The XOR of
-// everything read goes to sink[w] so no load is dropped.
+// CONTIG: the warp's bytes as one contiguous run instead (512 bytes a warp load). Stages are
+// double-buffered as rows.cuh's warp_rows does (the next stage's loads issue before the current
+// one is used), so a stage's loads are in flight together whatever order the compiler gives
+// the uses. The XOR of everything read goes to sink[w] so no load is dropped.
+struct Stage {
+    uint4 v[DEPTH][MT][2];
+    unsigned sc[DEPTH][MT][2];
+};
+
+__device__ __forceinline__ void load(Stage& st, const unsigned char* codes,
+                                     const unsigned char* scales, long long row_bytes,
+                                     long long grp, long long s0, long long span, long long sld,
+                                     int w, int t0, int steps) {
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int d = 0; d < DEPTH; d++) {
+        long long off = s0 + (long long)(t0 + d) * 64 + 16 * t;
+        bool ok = t0 + d < steps;
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                long long row = grp * 16 * MT + 16 * mt + g + 8 * h;
+                const unsigned char* p = CONTIG
+                    ? codes + w * 16 * MT * span + (long long)(t0 + d) * 1024 * MT
+                          + (2 * mt + h) * 512 + 16 * lane
+                    : codes + row * row_bytes + off;
+                st.v[d][mt][h] = ok ? __ldcs((const uint4*)p) : make_uint4(0, 0, 0, 0);
+                st.sc[d][mt][h] = 0;
+                if (SCALES == 1 && ok) st.sc[d][mt][h] = __ldg(scales + row * sld + off / 16);
+                if (SCALES == 4 && ok && (t0 + d) % 4 == 0) {
+                    uint4 s4 = __ldg((const uint4*)(scales + row * sld + (off - 16 * t) / 16));
+                    st.sc[d][mt][h] = s4.x ^ s4.y ^ s4.z ^ s4.w;
+                }
+            }
+    }
+}
+
 extern "C" __global__ void stream(const unsigned char* __restrict__ codes,
                                   const unsigned char* __restrict__ scales, long long row_bytes,
                                   int ks, int warps, unsigned* sink) {
     int w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (w >= warps) return;
-    int g = lane >> 2, t = lane & 3;
     long long grp = w / ks, span = row_bytes / ks, s0 = (w % ks) * span, sld = row_bytes / 16;
     int steps = (int)(span / 64);
     unsigned acc = 0;
+    Stage cur, nxt;
+    load(cur, codes, scales, row_bytes, grp, s0, span, sld, w, 0, steps);
     for (int t0 = 0; t0 < steps; t0 += DEPTH) {
-        uint4 v[DEPTH][MT][2];
-        unsigned sc[DEPTH][MT][2];
-#pragma unroll
-        for (int d = 0; d < DEPTH; d++) {
-            long long off = s0 + (long long)(t0 + d) * 64 + 16 * t;
-            bool ok = t0 + d < steps;
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    long long row = grp * 16 * MT + 16 * mt + g + 8 * h;
-                    const unsigned char* p = CONTIG
-                        ? codes + w * 16 * MT * span + (long long)(t0 + d) * 1024 * MT
-                              + (2 * mt + h) * 512 + 16 * lane
-                        : codes + row * row_bytes + off;
-                    v[d][mt][h] = ok ? __ldcs((const uint4*)p) : make_uint4(0, 0, 0, 0);
-                    sc[d][mt][h] = 0;
-                    if (SCALES == 1 && ok) sc[d][mt][h] = __ldg(scales + row * sld + off / 16);
-                    if (SCALES == 4 && ok && (t0 + d) % 4 == 0) {
-                        uint4 s4 = __ldg((const uint4*)(scales + row * sld + (off - 16 * t) / 16));
-                        sc[d][mt][h] = s4.x ^ s4.y ^ s4.z ^ s4.w;
-                    }
-                }
-        }
+        if (t0 + DEPTH < steps)
+            load(nxt, codes, scales, row_bytes, grp, s0, span, sld, w, t0 + DEPTH, steps);
 #pragma unroll
         for (int d = 0; d < DEPTH; d++)
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int h = 0; h < 2; h++)
-                    acc ^= v[d][mt][h].x ^ v[d][mt][h].y ^ v[d][mt][h].z ^ v[d][mt][h].w
-                           ^ sc[d][mt][h];
+                    acc ^= cur.v[d][mt][h].x ^ cur.v[d][mt][h].y ^ cur.v[d][mt][h].z
+                           ^ cur.v[d][mt][h].w ^ cur.sc[d][mt][h];
+        cur = nxt;
     }
     if (lane == 0) sink[w] = acc;
 }
