@@ -51,10 +51,25 @@ def child(kind: str, ctx: int, batch: int) -> None:
     graph = capture(cp, stream, (lambda: dec.run_head(B)) if kind == "head"
                     else lambda: dec.run_layer(0, B))
     print(f"graph {replay_time(cp, stream, graph, repeat=200) * 1e6:.1f}", flush=True)
+    if kind == "head":  # its floor: the vocabulary matrix read once at the copy rate
+        from timing import copy_rate
+
+        print(f"floor {dec.top['head'].nbytes / copy_rate(cp) * 1e6:.1f} "
+              f"{dec.top['head'].nbytes / 1e6:.0f}", flush=True)
     cp.cuda.profiler.start()
     graph.launch(stream)
     stream.synchronize()
     cp.cuda.profiler.stop()
+
+
+def head_floor(out: str) -> tuple[float, float] | None:
+    """(floor us, megabytes) of the vocabulary matrix from the child's `floor` line; None for a
+    layer's child, which prints none."""
+    for line in out.splitlines():
+        if line.startswith("floor "):
+            us, mb = line.split()[1:3]
+            return float(us), float(mb)
+    return None
 
 
 def kernel_times(text: str) -> list[tuple[str, float]]:
@@ -93,12 +108,16 @@ def profile(kind: str, ctx: int, batch: int, ncu: str) -> None:
     me = child_command(kind, ctx, batch)
     plain = subprocess.run(me, capture_output=True, text=True, check=True)
     graph_us = float(plain.stdout.split("graph ")[-1].split()[0])
+    floor = head_floor(plain.stdout)
     out = subprocess.run([ncu, "--graph-profiling", "node", "--profile-from-start", "off",
                           "--clock-control", "none", "--metrics", "gpu__time_duration.sum",
                           "--csv", *me], capture_output=True, text=True, check=True).stdout
     times = kernel_times(out)
     print(f"\n{kind}, position {ctx - 2}, batch {batch}: graph replay {graph_us:.1f} us, "
           f"{len(times)} kernels summing to {sum(t for _, t in times):.1f} us serialized")
+    if floor:
+        print(f"  the vocabulary matrix: {floor[1]:.0f} MB, floor {floor[0]:.1f} us at the copy "
+              f"rate; the replay {graph_us / floor[0]:.2f}x it")
     for name, us in times:
         print(f"  {us:7.2f} us  {name}")
 
