@@ -6,10 +6,12 @@ from __future__ import annotations
 from test_batch_tools import load_tool
 
 
-def test_head_floor_reads_the_childs_line_and_none_for_a_layer():
+def test_child_values_read_the_graph_and_head_floor_lines_and_none_for_a_layer():
     tool = load_tool("profile_decode")
-    assert tool.head_floor("graph 512.3\nfloor 353.0 1059\n") == (353.0, 1059.0)
-    assert tool.head_floor("graph 145.7\n") is None
+    out = "graph 512.3\nfloor 353.0 1059\n"
+    assert tool.child_values(out, "graph") == [512.3]
+    assert tool.child_values(out, "floor") == [353.0, 1059.0]
+    assert tool.child_values("graph 145.7\n", "floor") is None
 
 
 def test_kernel_times_reads_ncu_csv_in_microseconds():

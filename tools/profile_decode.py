@@ -54,21 +54,21 @@ def child(kind: str, ctx: int, batch: int) -> None:
     if kind == "head":  # its floor: the vocabulary matrix read once at the copy rate
         from timing import copy_rate
 
-        print(f"floor {dec.top['head'].nbytes / copy_rate(cp) * 1e6:.1f} "
-              f"{dec.top['head'].nbytes / 1e6:.0f}", flush=True)
+        nbytes = dec.top["head"].nbytes
+        print(f"floor {nbytes / copy_rate(cp) * 1e6:.1f} {nbytes / 1e6:.0f}", flush=True)
     cp.cuda.profiler.start()
     graph.launch(stream)
     stream.synchronize()
     cp.cuda.profiler.stop()
 
 
-def head_floor(out: str) -> tuple[float, float] | None:
-    """(floor us, megabytes) of the vocabulary matrix from the child's `floor` line; None for a
-    layer's child, which prints none."""
+def child_values(out: str, key: str) -> list[float] | None:
+    """The numbers of the child's line that starts with `key` (`graph`: the replay's us;
+    `floor`: the vocabulary matrix's floor us and megabytes, printed for the head only), None
+    where it printed no such line."""
     for line in out.splitlines():
-        if line.startswith("floor "):
-            us, mb = line.split()[1:3]
-            return float(us), float(mb)
+        if line.startswith(key + " "):
+            return [float(v) for v in line.split()[1:]]
     return None
 
 
@@ -107,8 +107,8 @@ def profile(kind: str, ctx: int, batch: int, ncu: str) -> None:
     """Run the child under ncu and print its kernels' table."""
     me = child_command(kind, ctx, batch)
     plain = subprocess.run(me, capture_output=True, text=True, check=True)
-    graph_us = float(plain.stdout.split("graph ")[-1].split()[0])
-    floor = head_floor(plain.stdout)
+    graph_us = child_values(plain.stdout, "graph")[0]
+    floor = child_values(plain.stdout, "floor")
     out = subprocess.run([ncu, "--graph-profiling", "node", "--profile-from-start", "off",
                           "--clock-control", "none", "--metrics", "gpu__time_duration.sum",
                           "--csv", *me], capture_output=True, text=True, check=True).stdout
