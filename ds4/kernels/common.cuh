@@ -295,16 +295,51 @@ __device__ __forceinline__ void stage_key_rows(float* ks, const float* const* ro
     stage_rows(ks, count, width, stride, [&](int r) { return (const float4*)rows[r]; });
 }
 
+// One channel part's dots of HH query heads (q, rows of width floats, from the part's first
+// channel) with keys j and j + 16 (staged rows of `stride` floats from ks): four chains a head
+// and key over span4 float4s, as one key a lane would add them, into dots[hh * SPLIT_KEYS +
+// key]. Each float4 of q read serves two keys and each of a key HH heads. Rows at or past the
+// split's count hold stale floats: their dots are never read.
+template <int HH>
+__device__ __forceinline__ void part_dots(const float* q, const float* ks, int stride,
+                                          int width, int span4, int j, float* dots) {
+    float a[2][HH][4] = {};
+    const float4* k0 = (const float4*)(ks + j * stride);
+    const float4* k1 = (const float4*)(ks + (j + 16) * stride);
+    for (int c = 0; c < span4; c++) {
+        float4 u = k0[c], v = k1[c];
+#pragma unroll
+        for (int hh = 0; hh < HH; hh++) {
+            float4 qv = ((const float4*)(q + hh * width))[c];
+            a[0][hh][0] += qv.x * u.x;
+            a[0][hh][1] += qv.y * u.y;
+            a[0][hh][2] += qv.z * u.z;
+            a[0][hh][3] += qv.w * u.w;
+            a[1][hh][0] += qv.x * v.x;
+            a[1][hh][1] += qv.y * v.y;
+            a[1][hh][2] += qv.z * v.z;
+            a[1][hh][3] += qv.w * v.w;
+        }
+    }
+#pragma unroll
+    for (int hh = 0; hh < HH; hh++)
+#pragma unroll
+        for (int k = 0; k < 2; k++)
+            dots[hh * SPLIT_KEYS + j + 16 * k] = (a[k][hh][0] + a[k][hh][1])
+                                                 + (a[k][hh][2] + a[k][hh][3]);
+}
+
 // The partial softmax of one split once its `count` keys are staged (ks, row stride
 // key_stride(width)) beside the block's HPB query heads (qs): for the scores warp w takes part
-// w of 8 parts of the channels (fewer where the width does not split into them), lane = key,
-// and runs all HPB heads side by side (a float4 of its key serves every head; reading the key
-// again per head bounded the kernel by shared-memory traffic), and each head adds its parts in
-// part order; then one channel for all heads per thread, four keys' weights a float4, so each
-// staged key value is read once for HPB accumulators (adding keys in order). part[(head *
-// splits + split)] = (max, sum of exp, weighted sum [width]). 256 threads. HPB is a template
-// argument so the head loops unroll without a branch a head: with a runtime count every
-// shared-memory read waited for the one before it (one load in flight a warp).
+// w of 8 parts of the channels (fewer where the width does not split into them) and each lane
+// two keys for half the heads (part_dots: a float4 of a key serves several heads and one of a
+// query two keys; reading each once per product bounded the kernel by shared-memory traffic),
+// and each head adds its parts in part order; then two channels for all heads per thread, four
+// keys' weights a float4, so each weight read serves both channels and each staged key value
+// HPB accumulators (adding keys in order). part[(head * splits + split)] = (max, sum of exp,
+// weighted sum [width]). 256 threads. HPB is a template argument so the head loops unroll
+// without a branch a head: with a runtime count every shared-memory read waited for the one
+// before it (one load in flight a warp).
 template <int HPB>
 __device__ __forceinline__ void staged_partial_h(const float* qs, const float* ks, float* ps,
                                                  int stride, int width, int count, float scale,
@@ -315,25 +350,11 @@ __device__ __forceinline__ void staged_partial_h(const float* qs, const float* k
     while (parts > 1 && width % (4 * parts) != 0) parts >>= 1;
     if (warp < parts) {
         int span4 = width / parts / 4, c0 = warp * span4 * 4;
-        float a[HPB][4] = {};  // four chains per head: loads overlap
-        if (lane < count) {
-            const float4* k = (const float4*)(ks + lane * stride + c0);
-            for (int c = 0; c < span4; c++) {
-                float4 kv = k[c];
-#pragma unroll
-                for (int hh = 0; hh < HPB; hh++) {
-                    float4 qv = ((const float4*)(qs + hh * width + c0))[c];
-                    a[hh][0] += qv.x * kv.x;
-                    a[hh][1] += qv.y * kv.y;
-                    a[hh][2] += qv.z * kv.z;
-                    a[hh][3] += qv.w * kv.w;
-                }
-            }
-        }
-#pragma unroll
-        for (int hh = 0; hh < HPB; hh++)
-            dots[(warp * 8 + hh) * SPLIT_KEYS + lane] = (a[hh][0] + a[hh][1])
-                                                        + (a[hh][2] + a[hh][3]);
+        constexpr int HH = HPB > 1 ? HPB / 2 : 1;  // heads a lane (one head: lanes 16.. idle)
+        int half = lane >> 4;
+        if (half * HH < HPB)
+            part_dots<HH>(qs + half * HH * width + c0, ks + c0, stride, width, span4,
+                          lane & 15, dots + (warp * 8 + half * HH) * SPLIT_KEYS);
     }
     __syncthreads();
     if (warp < HPB) {
@@ -354,12 +375,16 @@ __device__ __forceinline__ void staged_partial_h(const float* qs, const float* k
         }
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < width; c += blockDim.x) {
-        float acc[HPB] = {};
+    for (int c = threadIdx.x; c < width; c += 2 * blockDim.x) {
+        // two channels a thread where the width has them: each weight read serves both
+        int c2 = c + blockDim.x < width ? c + blockDim.x : c;
+        float acc[HPB] = {}, acc2[HPB] = {};
         int e = 0;
         for (; e + 4 <= count; e += 4) {
-            float k0 = ks[e * stride + c], k1 = ks[(e + 1) * stride + c];
-            float k2 = ks[(e + 2) * stride + c], k3 = ks[(e + 3) * stride + c];
+            const float* k = ks + e * stride;
+            float k0 = k[c], k1 = k[stride + c], k2 = k[2 * stride + c], k3 = k[3 * stride + c];
+            float j0 = k[c2], j1 = k[stride + c2], j2 = k[2 * stride + c2];
+            float j3 = k[3 * stride + c2];
 #pragma unroll
             for (int hh = 0; hh < HPB; hh++) {
                 float4 w = *(const float4*)(ps + hh * SPLIT_KEYS + e);
@@ -367,16 +392,26 @@ __device__ __forceinline__ void staged_partial_h(const float* qs, const float* k
                 acc[hh] += w.y * k1;
                 acc[hh] += w.z * k2;
                 acc[hh] += w.w * k3;
+                acc2[hh] += w.x * j0;
+                acc2[hh] += w.y * j1;
+                acc2[hh] += w.z * j2;
+                acc2[hh] += w.w * j3;
             }
         }
         for (; e < count; e++) {
-            float k = ks[e * stride + c];
+            float k = ks[e * stride + c], j = ks[e * stride + c2];
 #pragma unroll
-            for (int hh = 0; hh < HPB; hh++) acc[hh] += ps[hh * SPLIT_KEYS + e] * k;
+            for (int hh = 0; hh < HPB; hh++) {
+                acc[hh] += ps[hh * SPLIT_KEYS + e] * k;
+                acc2[hh] += ps[hh * SPLIT_KEYS + e] * j;
+            }
         }
 #pragma unroll
-        for (int hh = 0; hh < HPB; hh++)
-            part[((size_t)(h0 + hh) * splits + split) * (width + 2) + 2 + c] = acc[hh];
+        for (int hh = 0; hh < HPB; hh++) {
+            float* o = part + ((size_t)(h0 + hh) * splits + split) * (width + 2) + 2;
+            o[c] = acc[hh];
+            if (c2 != c) o[c2] = acc2[hh];
+        }
     }
 }
 
