@@ -20,7 +20,6 @@ from ds4.backend import KERNEL_DIR, load_module
 from ds4.kernels import pdl, timeline
 
 NULL = np.uint64(0)  # a null device pointer as a kernel argument
-HEADERS = sorted(KERNEL_DIR.glob("*.cuh"))  # common.cuh (every family) and shared cores
 
 
 def compile_options(kernel_dir: Path = KERNEL_DIR) -> tuple[str, ...]:
@@ -28,7 +27,7 @@ def compile_options(kernel_dir: Path = KERNEL_DIR) -> tuple[str, ...]:
     headers' checksum as a define, since CuPy's compile cache keys on source and options only
     and would otherwise keep a module built against an older header. (kernel_dir: another
     copy of the sources, as tools/bench_sources.py builds its base from.)"""
-    headers = HEADERS if kernel_dir == KERNEL_DIR else sorted(kernel_dir.glob("*.cuh"))
+    headers = sorted(kernel_dir.glob("*.cuh"))  # common.cuh (every family) and shared cores
     digest = zlib.crc32(b"".join(p.read_bytes() for p in headers))
     stamps = ("-DDS4_TIMELINE",) if timeline.enabled() else ()  # (timeline.py)
     return ("--std=c++17", f"-I{kernel_dir}", f"-DDS4_HEADERS={digest}", *stamps)
