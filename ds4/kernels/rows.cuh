@@ -32,7 +32,6 @@ template <int MT>
 struct Tiles {
     const u8* w[MT][2];
     const u8* s[MT][2];
-    bool pairs;  // F::PAIRS: every scale row 8-byte aligned (load_stage's paired multipliers)
 };
 
 template <class F, int MT>
@@ -46,8 +45,6 @@ __device__ __forceinline__ void set_tile(Tiles<MT>& tl, int mt, const u8* W, con
         tl.w[mt][h] = W + (size_t)r * F::bytes(cols);
         tl.s[mt][h] = F::SCALED ? F::scale_row(S, r, sc_ld, shift) : nullptr;
     }
-    bool aligned = F::PAIRS && sc_ld % 8 == 0 && ((size_t)S & 7) == 0;
-    tl.pairs = (mt == 0 || tl.pairs) && aligned;
 }
 
 // DEPTH k-tiles of codes for all MT tiles, loaded together (the bytes in flight per lane).
@@ -57,15 +54,10 @@ struct Stage {
     u32 mul[DEPTH][MT][2];
 };
 
-// A format with PAIRS takes a stage of two k-tiles' multipliers from one load a row where it
-// can (an even kt, both k-tiles in the span, aligned rows): half the scale loads, the same
-// bytes, so the same sums.
 template <class F, int MT, int DEPTH>
 __device__ __forceinline__ void load_stage(Stage<F, MT, DEPTH>& st, const Tiles<MT>& tl,
                                            int kt, int kt1, int cols, int shift) {
     int t = threadIdx.x & 3;
-    bool paired = false;
-    if constexpr (F::PAIRS && DEPTH == 2) paired = tl.pairs && !(kt & 1) && kt + 1 < kt1;
 #pragma unroll
     for (int d = 0; d < DEPTH; d++) {
         int col = (kt + d) * 4 * F::CH + t * F::CH;
@@ -82,17 +74,10 @@ __device__ __forceinline__ void load_stage(Stage<F, MT, DEPTH>& st, const Tiles<
 #pragma unroll
                 for (int l = 0; l < F::LOADS; l++)
                     st.q[d][mt][h][l] = ok ? __ldcs(p + l) : make_uint4(0, 0, 0, 0);
-                st.mul[d][mt][h] = !paired && s_ok && (h == 0 || !F::POST)
+                st.mul[d][mt][h] = s_ok && (h == 0 || !F::POST)
                                        ? F::mul(tl.s[mt][h], s_col, shift) : 0u;
             }
     }
-    if constexpr (F::PAIRS && DEPTH == 2)
-        if (paired)
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int h = 0; h < 2; h++)
-                    F::mul_pair(tl.s[mt][h], kt, st.mul[0][mt][h], st.mul[1][mt][h]);
 }
 
 // The lane's CH floats of its x column at chunk column col, times 2^32 for scaled formats

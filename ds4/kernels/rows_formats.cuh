@@ -75,7 +75,7 @@ __device__ __forceinline__ u32 multiplier(u32 s, int bias) {
 // xcol(m, r, h): the chunk column in half h of B register r of mma m.
 struct Fp8 {
     static constexpr int CH = 16, LOADS = 1, MMAS = 4;
-    static constexpr bool SCALED = true, NONE = false, POST = false, PAIRS = false;
+    static constexpr bool SCALED = true, NONE = false, POST = false;
     __device__ static size_t bytes(long long cols) { return cols; }
     __device__ static const u8* scale_row(const u8* s, int row, int ld, int shift) {
         return s + (size_t)(row >> shift) * ld;
@@ -102,16 +102,6 @@ struct Fp4 {
     __device__ static u32 mul(const u8* srow, int col, int) {
         return multiplier(__ldg(srow + (col >> 5)), 126 - 32);
     }
-    // The multipliers of k-tiles kt and kt + 1 (kt even) from one 8-byte load of the row's
-    // scales 4 kt.. (a k-tile's four lanes' bytes, then the next one's): lane t's are bytes t
-    // and 4 + t, what mul loads one at a time. The row's four lanes load the same word.
-    static constexpr bool PAIRS = true;
-    __device__ static void mul_pair(const u8* srow, int kt, u32& m0, u32& m1) {
-        uint2 w = __ldg((const uint2*)(srow + 4 * kt));
-        int shift = 8 * (threadIdx.x & 3);
-        m0 = multiplier((w.x >> shift) & 0xffu, 126 - 32);
-        m1 = multiplier((w.y >> shift) & 0xffu, 126 - 32);
-    }
     // mma m = 2w + u: pairs i = 2u (slots 2t..) and i = 2u + 1 (slots 2t+8..) of word w.
     __device__ static void decode(const uint4* q, int m, u32 mul, u32& lo, u32& hi) {
         e2m1_pairs(word(q[0], m >> 1), m & 1, lo, hi);  // (common.cuh)
@@ -124,7 +114,7 @@ struct Fp4 {
 
 struct Bf16 {
     static constexpr int CH = 16, LOADS = 2, MMAS = 4;
-    static constexpr bool SCALED = false, NONE = false, POST = false, PAIRS = false;
+    static constexpr bool SCALED = false, NONE = false, POST = false;
     __device__ static size_t bytes(long long cols) { return cols * 2; }
     __device__ static const u8* scale_row(const u8*, int, int, int) { return nullptr; }
     __device__ static u32 mul(const u8*, int, int) { return 0; }
