@@ -44,6 +44,33 @@ def test_bench_batch_prints_a_row_per_batch_size(capsys, tmp_path):
     assert out.read_text().startswith("{")
 
 
+def test_bench_batch_times_the_graph_of_the_batch_sizes_bound(monkeypatch):
+    """graph_seconds replays the step graph of the smallest captured size >= the batch (3 -> 4),
+    from the GraphDecode's KernelDecoder (the device machine's first run failed here)."""
+    from types import SimpleNamespace as NS
+
+    bench = load_tool("bench_batch")
+    monkeypatch.syspath_prepend(str(TOOLS))
+    launched, clock = [], iter(range(1000))
+
+    class Event:
+        def record(self):
+            self.t = next(clock)
+
+        def synchronize(self):
+            pass
+
+    cp = NS(cuda=NS(Event=Event, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3))
+    graph4 = NS(launch=lambda stream: launched.append(4))
+    stream = type("Stream", (), {"__enter__": lambda s: s, "__exit__": lambda s, *a: None})()
+    decoder = NS(graphs={1: None, 4: graph4}, stream=stream)
+    engine = NS(model=NS(kernel_decoder=NS(decoder=decoder)), backend=NS(xp=cp))
+    assert bench.graph_seconds(engine, 3) == pytest.approx(0.1)  # 1 s per ten replays
+    assert launched and set(launched) == {4}
+    assert bench.graph_seconds(engine, 1) is None  # no graph captured for that size yet
+    assert bench.graph_seconds(NS(model=NS(kernel_decoder=None)), 1) is None  # NumPy engine
+
+
 def test_bench_parallel_streams_mode(capsys):
     bench = load_tool("bench_parallel")
     assert bench.main(["--streams", "1,2", "--stream-tokens", "10", "--repeat", "1"]) == 0

@@ -136,8 +136,8 @@ def distinct_experts(picks: list, cfg, batch: int) -> float:
 def graph_seconds(engine: Engine, batch: int) -> float | None:
     """Median replay seconds of the step graph that ran this batch size (the device's share of
     a step: the rest of step_s is the host's tables, launch and argmax), None without one."""
-    dec = engine.model.kernel_decoder
-    if dec is None or engine.backend.xp is np:
+    dec = getattr(engine.model.kernel_decoder, "decoder", None)  # GraphDecode's, once built
+    if dec is None:
         return None
     from timing import replay_time
 
