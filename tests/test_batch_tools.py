@@ -4,6 +4,7 @@ batch size / stream count with positive rates."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -270,3 +271,34 @@ def test_bench_stream_patterns_compile_for_sm90(tmp_path):
              "-o", str(tmp_path / "stream.cubin"), str(src)],
             capture_output=True, text=True, timeout=120, check=False)
         assert proc.returncode == 0 and "spill" not in proc.stderr.lower(), proc.stderr
+
+
+def test_ablate_launches_drops_only_the_named_kernels_and_only_while_capturing(monkeypatch):
+    """ablate_launches' patch: every ds4 module's launch drops the matching kernels inside a
+    capture (the eager step before it runs them all), records what the capture launched, and
+    the real launch comes back; `small` leaves the weight streams in."""
+    import types
+
+    tool, calls, capturing = load_tool("ablate_launches"), [], [False]
+    real = lambda family, name, *a: calls.append(name)  # noqa: E731
+    fake = types.ModuleType("ds4._fake_family")
+    fake.launch = real
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.setattr(tool, "REAL_LAUNCH", real)
+    seen = []
+    tool.skip_launches("rows_split|moe_route", lambda: capturing[0], seen)
+    for state in (False, True):
+        capturing[0] = state
+        for name in ("rows_split", "moe_route_8", "hc_unit"):
+            fake.launch("rows", name, (1,), (32,), ())
+    assert calls == ["rows_split", "moe_route_8", "hc_unit", "hc_unit"]
+    assert seen == ["rows_split", "moe_route_8", "hc_unit"]
+    tool.skip_launches(None, lambda: True)
+    assert fake.launch is real
+    small = re.compile(tool.GROUPS["small"])
+    assert all(small.search(n) for n in ("rows_split", "moe_route_8", "attention_combine"))
+    assert not any(small.search(n) for n in ("rows_gate_up_xs_fp4_none_n1", "rows_many_n2",
+                                             "attention_partial_m", "rows_matvec_Fp8h_m2_d4_n2"))
+    with pytest.raises(SystemExit) as exit_:  # neither --skip nor --each: usage, no GPU
+        tool.main(["--layers", "csa"])
+    assert exit_.value.code == 2
