@@ -23,7 +23,7 @@ import re
 import sys
 from collections.abc import Callable
 
-from bench_switches import alternate, layer_rows
+from bench_switches import alternate, layer_arguments, layer_rows, layer_seconds
 
 import ds4.kernels as K
 
@@ -59,8 +59,6 @@ def skip_launches(pattern: str | None, capturing: Callable[[], bool],
 
 def layer_kernels(cp, model, ctx: int, batch: int) -> list[str]:
     """The kernel names layer 0's decode graph launches, in order, each once."""
-    from bench_switches import layer_seconds
-
     seen: list[str] = []
     skip_launches(None, lambda: cp.cuda.get_current_stream().is_capturing(), seen)
     try:
@@ -76,11 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", action="append", default=[],
                     help=f"kernel-name regex or one of {', '.join(GROUPS)} (repeat)")
     ap.add_argument("--each", action="store_true", help="one row per kernel of the layer")
-    ap.add_argument("--layers", default="sliding,csa,hca")
-    ap.add_argument("--batch", default="1,8", help="batch sizes (1, 2, 4, 8)")
-    ap.add_argument("--ctx", type=int, default=4096, help="decode position")
-    ap.add_argument("--rounds", type=int, default=2, help="whole/without pairs, alternating")
-    ap.add_argument("--small", action="store_true", help="tiny dims: a smoke test of this tool")
+    layer_arguments(ap, "whole/without")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if not args.skip and not args.each:
         ap.error("give --skip REGEX (or a group) or --each")

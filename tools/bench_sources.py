@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench_switches import alternate, layer_rows
+from bench_switches import alternate, layer_arguments, layer_rows
 
 import ds4.kernels as K
 from ds4.kernels import rows_moe
@@ -52,11 +52,7 @@ def main(argv=None) -> int:
     """Print one row per layer kind and batch size."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", type=Path, required=True, help="the base copy of ds4/kernels")
-    ap.add_argument("--layers", default="sliding,csa,hca")
-    ap.add_argument("--batch", default="1,8", help="batch sizes (1, 2, 4, 8)")
-    ap.add_argument("--ctx", type=int, default=4096, help="decode position")
-    ap.add_argument("--rounds", type=int, default=2, help="base/new pairs, alternating")
-    ap.add_argument("--small", action="store_true", help="tiny dims: a smoke test of this tool")
+    layer_arguments(ap, "base/new")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if not (args.base / "common.cuh").is_file():
         ap.error(f"--base {args.base} holds no kernel sources (common.cuh)")

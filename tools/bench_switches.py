@@ -92,6 +92,16 @@ def layer_rows(cp, layers: str, batches: str, small: bool, row) -> None:
         cp.get_default_memory_pool().free_all_blocks()
 
 
+def layer_arguments(ap, pairs: str) -> None:
+    """The options of a tool that times layers through layer_rows: which layers, batch sizes,
+    decode position, how many `pairs` alternate, and tiny dimensions."""
+    ap.add_argument("--layers", default="sliding,csa,hca")
+    ap.add_argument("--batch", default="1,8", help="batch sizes (1, 2, 4, 8)")
+    ap.add_argument("--ctx", type=int, default=4096, help="decode position")
+    ap.add_argument("--rounds", type=int, default=2, help=f"{pairs} pairs, alternating")
+    ap.add_argument("--small", action="store_true", help="tiny dims: a smoke test of this tool")
+
+
 def apply_sets(items: list[str]) -> list[tuple]:
     """Set module-level integers NAME=VALUE (rows.NAME for the row kernels) for the whole run,
     e.g. a switch's threshold; returns (module, attribute, value) of each. Raises ValueError
@@ -111,11 +121,7 @@ def main(argv=None) -> int:
     """Print one row per layer kind, switch and batch size."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--switch", action="append", default=[], help="a gpu_decode switch (repeat)")
-    ap.add_argument("--layers", default="sliding,csa,hca")
-    ap.add_argument("--batch", default="1,8", help="batch sizes (1, 2, 4, 8)")
-    ap.add_argument("--ctx", type=int, default=4096, help="decode position")
-    ap.add_argument("--rounds", type=int, default=2, help="off/on pairs, alternating")
-    ap.add_argument("--small", action="store_true", help="tiny dims: a smoke test of this tool")
+    layer_arguments(ap, "off/on")
     ap.add_argument("--list", action="store_true", help="print the switches and their defaults")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="an integer constant for the whole run, e.g. rows.STAGE_BATCH=8")
