@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds4.jobs.events import SamplingOptions
-from ds4.sampling import TOP_K_CAP, make_rng, sample
+from ds4.sampling import TOP_K_CAP, make_rng, sample, sample_masked
 
 
 def logits_of(probs) -> np.ndarray:
@@ -18,11 +18,21 @@ def logits_of(probs) -> np.ndarray:
     return np.log(np.asarray(probs, dtype=np.float64)).astype(np.float32)
 
 
-def draws(logits, n: int = 4000, seed: int = 7, **opts) -> Counter:
-    """Token counts of n draws with one seeded generator."""
+def device_twin(logits, options: SamplingOptions, rng) -> int:
+    """The device path on NumPy: sample_masked's own code (its masks, its listing kernels'
+    twins), which CuPy logits take."""
+    return sample_masked(np, logits, options, rng)
+
+
+# the filters' properties hold on both paths: a bound off by one in either is a test failure
+PATHS = {"host": sample, "device": device_twin}
+
+
+def draws(logits, n: int = 4000, seed: int = 7, path: str = "host", **opts) -> Counter:
+    """Token counts of n draws with one seeded generator, on the host path or the device's."""
     options = SamplingOptions(**{"min_p": 0.0, **opts})
-    rng = make_rng(seed)
-    return Counter(sample(logits, options, rng) for _ in range(n))
+    rng, draw = make_rng(seed), PATHS[path]
+    return Counter(draw(logits, options, rng) for _ in range(n))
 
 
 def test_greedy_picks_the_largest_logit_and_the_lowest_id_on_ties() -> None:
@@ -32,58 +42,67 @@ def test_greedy_picks_the_largest_logit_and_the_lowest_id_on_ties() -> None:
     assert sample(logits, SamplingOptions(temperature=-1.0), rng) == 1
 
 
-def test_top_k_one_is_greedy_even_when_hot() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_top_k_one_is_greedy_even_when_hot(path) -> None:
     logits = np.random.default_rng(3).normal(size=1000).astype(np.float32)
-    assert set(draws(logits, n=200, temperature=5.0, top_k=1)) == {int(np.argmax(logits))}
+    best = int(np.argmax(logits))
+    assert set(draws(logits, path=path, n=200, temperature=5.0, top_k=1)) == {best}
 
 
-def test_frequencies_follow_the_softmax() -> None:
-    counts = draws(logits_of([0.6, 0.3, 0.1]), n=20000, temperature=1.0)
+@pytest.mark.parametrize("path", PATHS)
+def test_frequencies_follow_the_softmax(path) -> None:
+    counts = draws(logits_of([0.6, 0.3, 0.1]), path=path, n=20000, temperature=1.0)
     for token, p in enumerate([0.6, 0.3, 0.1]):
         assert abs(counts[token] / 20000 - p) < 0.02
 
 
-def test_temperature_flattens_the_distribution() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_temperature_flattens_the_distribution(path) -> None:
     # T = 2 turns p into p**0.5 / sum
     want = np.sqrt([0.6, 0.3, 0.1])
     want /= want.sum()
-    counts = draws(logits_of([0.6, 0.3, 0.1]), n=20000, temperature=2.0)
+    counts = draws(logits_of([0.6, 0.3, 0.1]), path=path, n=20000, temperature=2.0)
     for token, p in enumerate(want):
         assert abs(counts[token] / 20000 - p) < 0.02
 
 
-def test_top_k_keeps_only_the_k_best() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_top_k_keeps_only_the_k_best(path) -> None:
     logits = logits_of([0.1, 0.4, 0.05, 0.3, 0.15])
-    assert set(draws(logits, top_k=2)) == {1, 3}
+    assert set(draws(logits, path=path, top_k=2)) == {1, 3}
 
 
-def test_top_k_is_capped() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_top_k_is_capped(path) -> None:
     # a flat distribution over 3000 tokens: an uncapped top_k=3000 would reach every token
     logits = np.zeros(3000, dtype=np.float32)
     logits[:TOP_K_CAP] = 1e-3  # the capped set is the first TOP_K_CAP tokens
-    seen = draws(logits, n=3000, top_k=3000)
+    seen = draws(logits, path=path, n=3000, top_k=3000)
     assert max(seen) < TOP_K_CAP
     assert len(seen) > TOP_K_CAP // 2
 
 
-def test_top_p_keeps_the_smallest_prefix_with_that_mass() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_top_p_keeps_the_smallest_prefix_with_that_mass(path) -> None:
     logits = logits_of([0.05, 0.5, 0.15, 0.3])
-    assert set(draws(logits, top_p=0.7)) == {1, 3}
-    assert set(draws(logits, top_p=0.85)) == {1, 3, 2}
-    assert set(draws(logits, top_p=0.4)) == {1}
+    assert set(draws(logits, path=path, top_p=0.7)) == {1, 3}
+    assert set(draws(logits, path=path, top_p=0.85)) == {1, 3, 2}
+    assert set(draws(logits, path=path, top_p=0.4)) == {1}
 
 
-def test_top_p_reaches_beyond_the_first_thousand_candidates() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_top_p_reaches_beyond_the_first_thousand_candidates(path) -> None:
     logits = np.zeros(5000, dtype=np.float32)  # flat: 90% of the mass is 4500 tokens
-    seen = draws(logits, n=3000, top_p=0.9)
+    seen = draws(logits, path=path, n=3000, top_p=0.9)
     assert max(seen) >= 4000
     assert max(seen) < 4500
 
 
-def test_min_p_excludes_unlikely_tokens() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_min_p_excludes_unlikely_tokens(path) -> None:
     logits = logits_of([0.5, 0.3, 0.12, 0.08])
-    assert set(draws(logits, min_p=0.2)) == {0, 1, 2}  # 0.08 < 0.2 * 0.5
-    assert set(draws(logits, min_p=0.5)) == {0, 1}
+    assert set(draws(logits, path=path, min_p=0.2)) == {0, 1, 2}  # 0.08 < 0.2 * 0.5
+    assert set(draws(logits, path=path, min_p=0.5)) == {0, 1}
 
 
 def test_a_seed_reproduces_the_same_tokens() -> None:
@@ -177,11 +196,12 @@ def test_top_p_outside_zero_to_one_keeps_every_token(top_p) -> None:
     assert [sample_masked(np, logits, options, device) for _ in range(50)] == want
 
 
-def test_top_p_of_one_and_just_below_differ() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_top_p_of_one_and_just_below_differ(path) -> None:
     # 1.0 is inside the range and keeps everything; a hair below drops the 0.1% tail token
     logits = logits_of([0.6, 0.399, 0.001])
-    assert 2 in draws(logits, n=8000, top_p=1.0)
-    assert set(draws(logits, n=8000, top_p=0.995)) == {0, 1}
+    assert 2 in draws(logits, path=path, n=8000, top_p=1.0)
+    assert set(draws(logits, path=path, n=8000, top_p=0.995)) == {0, 1}
 
 
 class FixedDraw:
