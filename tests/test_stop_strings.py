@@ -78,6 +78,15 @@ def test_the_longest_possible_stop_prefix_is_held_and_no_more():
     assert stop.filter([TextDelta("zc")]) == [TextDelta("z")] and stop.held == "c"
 
 
+def test_a_stop_string_that_repeats_its_first_letter_is_held_whole_across_pieces():
+    # "xaa" ends with both "aa" and "a", prefixes of "aab": the longer one must be held, or the
+    # "b" that follows completes the stop string with nobody looking
+    stop = StopText(["aab"])
+    assert stop.filter([TextDelta("xaa")]) == [TextDelta("x")] and stop.held == "aa"
+    assert stop.filter([TextDelta("b and on")]) == [] and stop.hit == "aab"
+    assert fed(StopText(["abab"]), ["zzab", "a", "b!"]) == "zz"
+
+
 def test_a_non_text_event_releases_held_text_before_it():
     stop = StopText(["END!"])
     start = ToolCallStart(index=0, id="call_1", name="f")
