@@ -99,6 +99,17 @@ def test_top_p_reaches_beyond_the_first_thousand_candidates(path) -> None:
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_min_p_holds_when_more_tokens_pass_it_than_the_listing_kernel_keeps(path) -> None:
+    # 3000 equal best tokens pass min_p 0.05 (past the device list's 2048: its masks decide);
+    # the 3000 at e^-3.5 = 0.03 of them do not, though together they hold ~3% of the mass
+    logits = np.zeros(6000, dtype=np.float32)
+    logits[3000:] = -3.5
+    seen = draws(logits, path=path, n=600, min_p=0.05)
+    assert max(seen) < 3000 and len(seen) > 400
+    assert max(draws(logits, path=path, n=600, min_p=0.0)) >= 3000  # what the filter removes
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_min_p_excludes_unlikely_tokens(path) -> None:
     logits = logits_of([0.5, 0.3, 0.12, 0.08])
     assert set(draws(logits, path=path, min_p=0.2)) == {0, 1, 2}  # 0.08 < 0.2 * 0.5
