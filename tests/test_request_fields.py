@@ -58,6 +58,14 @@ def test_a_body_past_the_limit_is_refused_without_a_length_header(client):
         "status": 413, "message": f"request body is larger than {LIMIT} bytes"}
 
 
+def test_a_body_of_exactly_the_limit_is_read(client):
+    raw = '{"a": "' + "x" * (LIMIT - 9) + '"}'
+    assert len(raw) == LIMIT
+    assert client.post("/", content=raw.encode()).json()["text"] == raw  # a length header
+    assert client.post("/", content=iter([raw[:10].encode(), raw[10:].encode()])).json() == {
+        "body": {"a": "x" * (LIMIT - 9)}, "text": raw}  # chunked: counted as it arrives
+
+
 @pytest.mark.parametrize("read, body, message", [
     (lambda b: rf.stop_sequences(b), {"stop": 5}, "'stop' must be string or array"),
     (lambda b: rf.stop_sequences(b), {"stop": ["a", 1]}, "'stop' must hold strings"),
