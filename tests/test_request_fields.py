@@ -66,6 +66,18 @@ def test_a_body_of_exactly_the_limit_is_read(client):
         "body": {"a": "x" * (LIMIT - 9)}, "text": raw}  # chunked: counted as it arrives
 
 
+@pytest.mark.parametrize("body, place, char", [
+    ({"messages": [{"content": "a\ud800"}]}, "'messages[0].content'", "d800"),
+    ({"tools": {"\udc00x": 1}}, "'tools.\\udc00x (key)'", "dc00"),  # the key, escaped
+    ({"": "\udbff"}, "a string of the request", "dbff"),  # no name to give
+])
+def test_a_lone_surrogate_error_says_where_it_sits(body, place, char):
+    with pytest.raises(ApiError) as err:
+        rf.refuse_lone_surrogates(body)
+    assert err.value.message == (f"invalid JSON request: {place} holds a lone surrogate escape "
+                                 f"\\u{char}; strings must be valid Unicode")
+
+
 @pytest.mark.parametrize("read, body, message", [
     (lambda b: rf.stop_sequences(b), {"stop": 5}, "'stop' must be string or array"),
     (lambda b: rf.stop_sequences(b), {"stop": ["a", 1]}, "'stop' must hold strings"),
