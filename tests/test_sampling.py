@@ -154,8 +154,6 @@ def twin_logits() -> list[np.ndarray]:
 @pytest.mark.parametrize("options", TWIN_OPTIONS, ids=str)
 def test_device_path_twin_draws_the_host_tokens(options) -> None:
     # sample_masked is what runs on CuPy logits; with NumPy it must pick what the host picks
-    from ds4.sampling import sample_masked
-
     for logits in twin_logits():
         for seed in range(6):
             host, device = make_rng(seed), make_rng(seed)
@@ -169,8 +167,6 @@ def test_device_path_twin_draws_the_host_tokens(options) -> None:
                           SamplingOptions(min_p=1.0, top_p=0.5)], ids=str)
 def test_min_p_above_one_keeps_the_best_token(options) -> None:
     # no token can reach min_p > 1 times the best probability; the best one must still be drawn
-    from ds4.sampling import sample_masked
-
     logits = np.array([1.0, 3.0, 2.0, -5.0], dtype=np.float32)
     assert sample(logits, options, make_rng(0)) == 1
     assert sample_masked(np, logits, options, make_rng(0)) == 1
@@ -184,8 +180,6 @@ def test_min_p_above_one_keeps_the_best_token(options) -> None:
 def test_a_tiny_temperature_draws_the_best_token(options) -> None:
     # logits / T overflows float32 here (and 1e-38 is a subnormal float32 that a GPU may flush to
     # zero); the limit of T -> 0 is greedy, not an arbitrary token
-    from ds4.sampling import sample_masked
-
     logits = np.array([10.0, 30.0, 20.0, -5.0], dtype=np.float32)
     for seed in range(4):
         assert sample(logits, options, make_rng(seed)) == 1
@@ -196,8 +190,6 @@ def test_a_tiny_temperature_draws_the_best_token(options) -> None:
 def test_top_p_outside_zero_to_one_keeps_every_token(top_p) -> None:
     # top_p outside (0, 1] reads as 1 (docs/PROTOCOLS.md, Sampling): the same draws as
     # top_p=1, on both paths
-    from ds4.sampling import sample_masked
-
     logits = logits_of([0.4, 0.3, 0.2, 0.1])
     assert draws(logits, n=400, top_p=top_p) == draws(logits, n=400, top_p=1.0)
     assert set(draws(logits, n=400, top_p=top_p)) == {0, 1, 2, 3}
@@ -228,8 +220,6 @@ class FixedDraw:
 def test_the_top_k_cap_is_exactly_1024_tokens() -> None:
     # the best 1100 tokens are flat; a draw at the top of [0, 1) picks the last survivor in
     # id order, which is the cap's last token
-    from ds4.sampling import sample_masked
-
     logits = np.zeros(3000, dtype=np.float32)
     logits[:1100] = 1.0
     options = SamplingOptions(top_k=3000, min_p=0.0)
@@ -300,8 +290,6 @@ def test_any_options_draw_the_host_token_on_the_device_path(temperature, top_k, 
                                                             shape, seed):
     # every mix of the filters (top_k's candidates, min_p's survivors, top_p's cut), through
     # the device path's listing kernel twin or its masks: the host's token for the same draw
-    from ds4.sampling import sample_masked
-
     rng = np.random.default_rng(seed)
     logits = {"wide": rng.normal(size=3000) * 3, "ties": np.round(rng.normal(size=3000) * 2),
               "flat": np.zeros(2500), "peaked": rng.normal(size=3000) * 12}[shape]
