@@ -301,3 +301,27 @@ def test_stream_equals_final_parse_on_arbitrary_text(text, thinking, tools, cuts
     chunks = [data[a:b] for a, b in zip([0] + points, points + [len(data)])]
     final, parser = assert_stream_matches(text, chunks, thinking=thinking, tools_active=tools)
     assert (parser.error is not None) == bool(final.malformed or final.unterminated)
+
+
+def test_a_whole_call_block_in_one_piece_is_parsed_in_that_feed():
+    # nothing waits for a later byte once the block is complete: both calls end, and the turn
+    # is done, before finish() (a round that stopped at a string value's close would hold the
+    # rest of the block until the next token)
+    calls = [Call("", "get", '{"city": "Paris", "n": 2}'), Call("", "put", '{"k": "v"}')]
+    block = dsml_calls(calls)
+    parser = OutputParser(thinking=False)
+    kinds = [type(e).__name__ for e in parser.feed(("Sure." + block).encode())]
+    assert kinds.count("ToolCallEnd") == 2 and kinds[-1] == "Done"
+    assert [c.name for c in parser.result().tool_calls] == ["get", "put"]
+
+
+def test_reasoning_done_and_dsml_structure_follow_the_parsers_state():
+    # reasoning_done: where forced tool-call text may go in; in_dsml_structure: when the
+    # decoder samples greedily (a held start marker in the answer, not plain text)
+    parser = OutputParser(thinking=True)
+    parser.feed(b"<think>hmm")
+    assert not parser.reasoning_done and not parser.in_dsml_structure
+    parser.feed(b"</think>Hello ")
+    assert parser.reasoning_done and not parser.in_dsml_structure
+    parser.feed("<｜DSML｜to".encode())
+    assert parser.state == "content" and parser.in_dsml_structure

@@ -36,6 +36,7 @@ TARGETS = {
                                      "tests/test_server_shapes.py",
                                      "tests/test_server_http.py",  # missing fields
                                      "tests/test_server_hostile.py"],  # lone surrogates
+    "ds4/chat/parser.py": ["tests/test_chat_parse.py", "tests/test_chat_fuzz.py"],
     "ds4/sampling.py": ["tests/test_sampling.py"],
     "ds4/model/rope.py": ["tests/test_rope.py", "tests/test_engine_blocks.py",
                           "tests/test_parity_tiny.py"],
