@@ -325,3 +325,13 @@ def test_reasoning_done_and_dsml_structure_follow_the_parsers_state():
     assert parser.reasoning_done and not parser.in_dsml_structure
     parser.feed("<｜DSML｜to".encode())
     assert parser.state == "content" and parser.in_dsml_structure
+
+
+def test_an_empty_non_string_parameter_keeps_its_call():
+    # the end tag right at the value's first byte: the call still ends (its value read as an
+    # empty string), in the stream as in the whole-text parse
+    text = dsml_calls([Call("", "get", '{"n": 2}')]).replace(">2<", "><")
+    events, parser = stream([text.encode()], thinking=False)
+    assert [(c.name, c.arguments) for c in parser.result().tool_calls] == [("get", '{"n": ""}')]
+    assert parse_output(text, thinking=False).tool_calls == parser.result().tool_calls
+    assert parser.result().malformed is None
