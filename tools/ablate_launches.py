@@ -57,14 +57,14 @@ def skip_launches(pattern: str | None, capturing: Callable[[], bool],
             module.launch = chosen
 
 
-def layer_kernels(cp, model, ctx: int, batch: int) -> list[str]:
+def layer_kernels(cp, model, ctx: int, batch: int, capturing: Callable[[], bool]) -> list[str]:
     """The kernel names layer 0's decode graph launches, in order, each once."""
     seen: list[str] = []
-    skip_launches(None, lambda: cp.cuda.get_current_stream().is_capturing(), seen)
+    skip_launches(None, capturing, seen)
     try:
         layer_seconds(cp, model, ctx, batch)
     finally:
-        skip_launches(None, lambda: False)
+        skip_launches(None, capturing)
     return list(dict.fromkeys(seen))
 
 
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     capturing = lambda: cp.cuda.get_current_stream().is_capturing()  # noqa: E731
 
     def row(model, kind: str, batch: int) -> None:
-        names = layer_kernels(cp, model, args.ctx, batch) if args.each else []
+        names = layer_kernels(cp, model, args.ctx, batch, capturing) if args.each else []
         for p in patterns + [f"^{re.escape(n)}$" for n in names]:
             try:
                 whole, without = alternate(cp, model, args.ctx, batch, args.rounds,
